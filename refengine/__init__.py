@@ -1,0 +1,22 @@
+"""refengine: a readable, correctness-first LLM inference engine.
+
+Start at :class:`refengine.engine.LLM` (offline generation) or
+:class:`refengine.engine.LLMEngine` (add_request / step / abort).
+"""
+
+from refengine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name):  # lazy, so `import refengine` stays light for the CLI and converters
+    if name in ("LLM", "LLMEngine"):
+        from refengine import engine
+
+        return getattr(engine, name)
+    if name in ("RequestOutput", "CompletionOutput"):
+        from refengine import sequence
+
+        return getattr(sequence, name)
+    raise AttributeError(name)

@@ -1,0 +1,92 @@
+"""Attention over the paged KV cache: the contract shared by every backend.
+
+The contract (see ``DESIGN.md``, "The attention contract"):
+
+* Cache per layer: ``k_cache`` and ``v_cache`` of shape
+  ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+* New keys/values are written first, token ``t`` to slot ``slot_mapping[t]``
+  (``block = slot // block_size``, ``offset = slot % block_size``).
+* ``attention(q [T, num_heads, head_dim], k_cache, v_cache, meta) -> [T, num_heads, head_dim]``:
+  sequence ``i`` owns query rows ``query_start_loc[i] : query_start_loc[i+1]``; its context
+  holds ``seq_lens[i]`` tokens (cached + new); query row ``j`` of a sequence with ``q_len``
+  rows sits at position ``seq_lens[i] - q_len + j`` and sees keys ``0 ..= that position``.
+  Key position ``p`` lives in block ``block_tables[i, p // block_size]``.
+* Grouped-query attention: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+* Softmax in float32.
+
+Every backend implements :class:`AttentionBackend`: ``write_kv`` then ``forward``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence's queries and keys live in one flat batch.
+
+    Attributes (all int32 host arrays; a GPU backend copies them to the device):
+        query_start_loc: ``[B + 1]`` prefix sum of query lengths; sequence ``i`` owns
+            query rows ``query_start_loc[i] : query_start_loc[i + 1]``.
+        seq_lens: ``[B]`` context length of each sequence after this step (cached + new).
+        block_tables: ``[B, max_blocks]`` physical block ids; entries past a sequence's
+            last block are ``-1`` (padding, never read).
+        slot_mapping: ``[T]`` cache slot (``block * block_size + offset``) of each new token.
+        max_query_len: largest ``q_len`` in the batch (``1`` means a pure decode batch).
+        max_seq_len: largest ``seq_lens`` entry.
+    """
+
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+    slot_mapping: np.ndarray
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+class AttentionBackend(Protocol):
+    """What the model needs from an attention implementation."""
+
+    name: str
+
+    def write_kv(self, k_cache: Any, v_cache: Any, k: Any, v: Any, meta: AttentionMetadata) -> None:
+        """Store ``k, v [T, num_kv_heads, head_dim]`` at ``meta.slot_mapping`` (in place)."""
+
+    def forward(self, q: Any, k_cache: Any, v_cache: Any, meta: AttentionMetadata, scale: float) -> Any:
+        """Return ``[T, num_heads, head_dim]`` attention output per the contract above."""
+
+
+ATTENTION_BACKENDS = ("numpy", "cuda", "cuda-emulated")
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    """Build the attention backend called ``name`` (one of :data:`ATTENTION_BACKENDS`).
+
+    Raises:
+        ValueError: ``name`` is not a known backend.
+    """
+    if name == "numpy":
+        from refengine.attention.numpy_ref import NumpyAttention
+
+        return NumpyAttention()
+    if name == "cuda":
+        from refengine.attention.cuda import CudaAttention
+
+        return CudaAttention()
+    if name == "cuda-emulated":
+        from refengine.attention.cuda import EmulatedCudaAttention
+
+        return EmulatedCudaAttention()
+    raise ValueError(f"attention_backend={name!r} is not one of {ATTENTION_BACKENDS}")

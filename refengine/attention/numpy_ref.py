@@ -1,0 +1,160 @@
+"""Attention over the paged KV cache in NumPy: the CPU backend and the kernels' twin.
+
+Two paths, one contract (see :mod:`refengine.attention`):
+
+* **Prefill** (a sequence with ``q_len > 1``): the flash algorithm. Query tiles meet key
+  tiles one at a time; each query row keeps a running max ``m``, a running softmax sum
+  ``l`` and an unnormalised output ``acc`` that are rescaled when the max grows, so the
+  ``q_len x seq_len`` score matrix never exists at once. Key tiles wholly after a query
+  tile's last position are skipped (causality). Source: Dao 2023, "FlashAttention-2",
+  Algorithm 1; Milakov & Gimelshein 2018 for the online softmax.
+* **Decode** (``q_len == 1``): every decoding sequence at once. Keys and values are
+  gathered through the block table into ``[B, max_blocks * block_size]``, positions past
+  each ``seq_len`` masked, one softmax per (sequence, head). Source: Kwon et al. 2023,
+  "Efficient Memory Management for LLM Serving with PagedAttention", §4.
+
+Grouped-query attention is handled by viewing the query heads as
+``[num_kv_heads, group, ...]`` so each KV head is read once for its whole group.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from refengine.attention import AttentionMetadata
+
+Q_TILE = 128
+K_TILE = 256
+
+
+class NumpyAttention:
+    """The NumPy backend (``attention_backend="numpy"``). float32 in, float32 out."""
+
+    name = "numpy"
+
+    def write_kv(self, k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray,
+                 meta: AttentionMetadata) -> None:
+        """Store ``k, v [T, num_kv_heads, head_dim]`` at ``meta.slot_mapping [T]`` in place."""
+        block_size = k_cache.shape[1]
+        blocks = meta.slot_mapping // block_size
+        offsets = meta.slot_mapping % block_size
+        k_cache[blocks, offsets] = k
+        v_cache[blocks, offsets] = v
+
+    def forward(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, meta: AttentionMetadata,
+                scale: float) -> np.ndarray:
+        """Attention per the contract.
+
+        Args:
+            q: ``[T, num_heads, head_dim]`` float32.
+            k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+            meta: where each sequence's queries and keys live.
+            scale: softmax scale, usually ``1 / sqrt(head_dim)``.
+        Returns:
+            ``[T, num_heads, head_dim]`` float32.
+        """
+        out = np.empty(q.shape, dtype=np.float32)
+        q_lens = np.diff(meta.query_start_loc)
+        decode = np.flatnonzero(q_lens == 1)
+        if decode.size:
+            rows = meta.query_start_loc[decode]
+            out[rows] = paged_decode(q[rows], k_cache, v_cache, meta.block_tables[decode],
+                                     meta.seq_lens[decode], scale)
+        for i in np.flatnonzero(q_lens > 1):
+            start, end = int(meta.query_start_loc[i]), int(meta.query_start_loc[i + 1])
+            k, v = gather_context(k_cache, v_cache, meta.block_tables[i], int(meta.seq_lens[i]))
+            out[start:end] = flash_prefill(q[start:end], k, v, scale)
+        return out
+
+
+def gather_context(k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.ndarray, seq_len: int):
+    """Read one sequence's keys and values through its block table.
+
+    Args:
+        block_table: ``[max_blocks]`` int32, ``-1`` past the sequence's last block.
+        seq_len: context length in tokens.
+    Returns:
+        ``k, v [seq_len, num_kv_heads, head_dim]`` (copies, in the cache dtype).
+    """
+    block_size = k_cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_table[:num_blocks]
+    k = k_cache[blocks].reshape(num_blocks * block_size, *k_cache.shape[2:])[:seq_len]
+    v = v_cache[blocks].reshape(num_blocks * block_size, *v_cache.shape[2:])[:seq_len]
+    return k, v
+
+
+def flash_prefill(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
+                  q_tile: int = Q_TILE, k_tile: int = K_TILE) -> np.ndarray:
+    """Causal attention of one sequence's last ``q_len`` positions over its whole context.
+
+    Query row ``j`` sits at position ``seq_len - q_len + j`` and sees keys ``0 ..= that``.
+
+    Args:
+        q: ``[q_len, num_heads, head_dim]`` float32.
+        k, v: ``[seq_len, num_kv_heads, head_dim]``, ``seq_len >= q_len``.
+        scale: softmax scale.
+    Returns:
+        ``[q_len, num_heads, head_dim]`` float32.
+    """
+    q_len, num_heads, head_dim = q.shape
+    seq_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    first_pos = seq_len - q_len
+    # [num_kv_heads, group, q_len, head_dim]: one matmul per KV head serves its whole group
+    qg = (q.astype(np.float32) * np.float32(scale)).reshape(q_len, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)
+    kt = k.astype(np.float32).transpose(1, 2, 0)  # [num_kv_heads, head_dim, seq_len]
+    vt = v.astype(np.float32).transpose(1, 0, 2)  # [num_kv_heads, seq_len, head_dim]
+    out = np.empty((num_kv_heads, group, q_len, head_dim), dtype=np.float32)
+    for q0 in range(0, q_len, q_tile):
+        q1 = min(q0 + q_tile, q_len)
+        qpos = np.arange(first_pos + q0, first_pos + q1)
+        qt = qg[:, :, q0:q1]
+        m = np.full((num_kv_heads, group, q1 - q0, 1), -np.inf, dtype=np.float32)
+        l = np.zeros_like(m)
+        acc = np.zeros((num_kv_heads, group, q1 - q0, head_dim), dtype=np.float32)
+        last_key = first_pos + q1  # keys at or after this position are masked for the whole tile
+        for k0 in range(0, last_key, k_tile):
+            k1 = min(k0 + k_tile, last_key)
+            s = np.matmul(qt, kt[:, None, :, k0:k1])  # [kv, group, q_tile, k_tile]
+            if k1 - 1 > qpos[0]:  # the tile crosses the diagonal: mask the future
+                s = np.where(np.arange(k0, k1)[None, :] > qpos[:, None], -np.inf, s)
+            m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
+            p = np.exp(s - m_new)
+            alpha = np.exp(m - m_new)
+            l = l * alpha + p.sum(axis=-1, keepdims=True)
+            acc = acc * alpha + np.matmul(p, vt[:, None, k0:k1])
+            m = m_new
+        out[:, :, q0:q1] = acc / l
+    return out.transpose(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
+
+
+def paged_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
+                 seq_lens: np.ndarray, scale: float) -> np.ndarray:
+    """One query token per sequence, keys read through the block table.
+
+    Args:
+        q: ``[B, num_heads, head_dim]`` float32, the token at position ``seq_lens[b] - 1``.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        block_tables: ``[B, max_blocks]`` int32 (``-1`` padding).
+        seq_lens: ``[B]`` int32 context lengths (including the query token).
+        scale: softmax scale.
+    Returns:
+        ``[B, num_heads, head_dim]`` float32.
+    """
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    max_len = int(seq_lens.max())
+    num_blocks = -(-max_len // block_size)
+    tables = np.maximum(block_tables[:, :num_blocks], 0)  # padding reads block 0, masked below
+    ctx = num_blocks * block_size
+    k = k_cache[tables].reshape(batch, ctx, num_kv_heads, head_dim).astype(np.float32, copy=False)
+    v = v_cache[tables].reshape(batch, ctx, num_kv_heads, head_dim).astype(np.float32, copy=False)
+    qg = (q.astype(np.float32) * np.float32(scale)).reshape(batch, num_kv_heads, group, head_dim)
+    s = np.matmul(qg, k.transpose(0, 2, 3, 1))  # [B, kv, group, ctx]
+    s = np.where(np.arange(ctx)[None, None, None, :] < seq_lens[:, None, None, None], s, -np.inf)
+    s = np.exp(s - s.max(axis=-1, keepdims=True))
+    p = s / s.sum(axis=-1, keepdims=True)
+    out = np.matmul(p, v.transpose(0, 2, 1, 3))  # [B, kv, group, head_dim]
+    return out.reshape(batch, num_heads, head_dim)

@@ -1,0 +1,128 @@
+"""The Llama-family forward pass over a flat batch of tokens from many sequences.
+
+One code path for NumPy (CPU) and CuPy (GPU): every array op goes through ``self.xp``.
+Covers Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm).
+
+Per layer, as in transformers ``models/llama/modeling_llama.py`` (``LlamaDecoderLayer``)::
+
+    x = rms_norm(h)                         # input_layernorm
+    q, k, v = x @ W_qkv  (+ bias)           # one fused projection
+    q, k = rms_norm(q), rms_norm(k)         # Qwen3 only, per head
+    q, k = rope(q, k, positions)
+    cache[slot_mapping] = k, v              # write first ...
+    o = attention(q, cache, meta)           # ... then read through the block tables
+    h = h + o @ W_o
+    h = h + down(silu(gate(x')) * up(x'))   # x' = rms_norm(h), post_attention_layernorm
+
+Linear weights are stored transposed (``[in, out]``) and q/k/v and gate/up are fused,
+so each layer does four matrix products.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from refengine.attention import AttentionBackend, AttentionMetadata
+from refengine.config import ModelConfig
+from refengine.kv_cache import KVCache
+from refengine.layers import RotaryEmbedding, rms_norm, silu_and_mul
+from refengine.loader import load_weights
+
+
+class Layer:
+    """One decoder layer's weights (``[in, out]`` layout, fused where noted)."""
+
+    def __init__(self, w: dict, i: int, cfg: ModelConfig, xp, dtype):
+        p = f"model.layers.{i}."
+
+        def t(name):  # HF stores [out, in]
+            return w.pop(p + name).T
+
+        self.input_norm = xp.asarray(w.pop(p + "input_layernorm.weight"), dtype=dtype)
+        self.post_norm = xp.asarray(w.pop(p + "post_attention_layernorm.weight"), dtype=dtype)
+        qkv = np.concatenate([t("self_attn.q_proj.weight"), t("self_attn.k_proj.weight"),
+                              t("self_attn.v_proj.weight")], axis=1)
+        self.qkv = xp.asarray(np.ascontiguousarray(qkv), dtype=dtype)
+        self.qkv_bias = None
+        if cfg.attention_bias:
+            bias = np.concatenate([w.pop(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            self.qkv_bias = xp.asarray(bias, dtype=dtype)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = xp.asarray(w.pop(p + "self_attn.q_norm.weight"), dtype=dtype)
+            self.k_norm = xp.asarray(w.pop(p + "self_attn.k_norm.weight"), dtype=dtype)
+        self.o = xp.asarray(np.ascontiguousarray(t("self_attn.o_proj.weight")), dtype=dtype)
+        gate_up = np.concatenate([t("mlp.gate_proj.weight"), t("mlp.up_proj.weight")], axis=1)
+        self.gate_up = xp.asarray(np.ascontiguousarray(gate_up), dtype=dtype)
+        self.down = xp.asarray(np.ascontiguousarray(t("mlp.down_proj.weight")), dtype=dtype)
+
+
+class LlamaModel:
+    """Weights plus the forward pass.
+
+    Args:
+        model_dir: a Hugging Face model directory (config.json + safetensors).
+        attention: the attention backend (see :mod:`refengine.attention`).
+        xp: ``numpy`` or ``cupy``.
+        dtype: weight and activation dtype (float32 on the CPU).
+    Raises:
+        FileNotFoundError, ValueError: from :class:`ModelConfig` and :func:`load_weights`.
+    """
+
+    def __init__(self, model_dir: str | Path, attention: AttentionBackend, xp=np, dtype=np.float32):
+        self.config = cfg = ModelConfig.from_model_dir(model_dir)
+        self.xp, self.dtype, self.attention = xp, dtype, attention
+        w = load_weights(model_dir, cfg, dtype=np.float32)  # cast to `dtype` on upload
+        self.embed = xp.asarray(w.pop("model.embed_tokens.weight"), dtype=dtype)  # [V, H]
+        self.layers = [Layer(w, i, cfg, xp, dtype) for i in range(cfg.num_hidden_layers)]
+        self.norm = xp.asarray(w.pop("model.norm.weight"), dtype=dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.embed.T  # a view: tied weights are one array
+        else:
+            self.lm_head = xp.asarray(np.ascontiguousarray(w.pop("lm_head.weight").T), dtype=dtype)
+        assert not w, f"unconsumed weights: {list(w)[:3]}"
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                    cfg.rope_scaling, xp=xp)
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    def forward(self, input_ids, positions, kv_cache: KVCache, meta: AttentionMetadata, logits_indices):
+        """Run the model over a flat batch; write its K/V into the cache; return logits.
+
+        Args:
+            input_ids: ``[T]`` int token ids of every sequence's new tokens, concatenated.
+            positions: ``[T]`` int position of each token in its sequence.
+            kv_cache: the paged cache (written at ``meta.slot_mapping``).
+            meta: the attention metadata of this batch.
+            logits_indices: ``[S]`` int rows of the flat batch whose logits are wanted
+                (the last token of each sequence that samples, or every row).
+        Returns:
+            ``[S, vocab_size]`` float32 logits.
+        """
+        xp, cfg = self.xp, self.config
+        n_q, n_kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_size, kv_size = n_q * hd, n_kv * hd
+        T = input_ids.shape[0]
+        h = self.embed[input_ids]
+        for li, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps, xp)
+            qkv = x @ layer.qkv
+            if layer.qkv_bias is not None:
+                qkv += layer.qkv_bias
+            q = qkv[:, :q_size].reshape(T, n_q, hd)
+            k = qkv[:, q_size:q_size + kv_size].reshape(T, n_kv, hd)
+            v = qkv[:, q_size + kv_size:].reshape(T, n_kv, hd)
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps, xp)
+                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps, xp)
+            q = self.rope(q, positions)
+            k = self.rope(k, positions)
+            self.attention.write_kv(kv_cache.k[li], kv_cache.v[li], k, v, meta)
+            o = self.attention.forward(q, kv_cache.k[li], kv_cache.v[li], meta, self.scale)
+            h = h + o.reshape(T, q_size) @ layer.o
+            x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps, xp)
+            h = h + silu_and_mul(x @ layer.gate_up, xp) @ layer.down
+        h = rms_norm(h[logits_indices], self.norm, cfg.rms_norm_eps, xp)
+        return (h @ self.lm_head).astype(xp.float32, copy=False)

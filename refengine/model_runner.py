@@ -1,0 +1,85 @@
+"""Turns a scheduler decision into one flat batch, runs the model, returns logits.
+
+The flat batch (see DESIGN.md, "One engine step, as data"): the new tokens of every
+scheduled sequence concatenated, with their positions and the attention metadata that
+says which rows belong to which sequence and where their K/V go in the paged cache.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from refengine.attention import AttentionMetadata
+from refengine.kv_cache import KVCache
+from refengine.model import LlamaModel
+from refengine.sequence import Sequence
+
+
+def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int):
+    """Lay the scheduled chunks out as one flat batch.
+
+    Args:
+        scheduled: ``(sequence, num_new_tokens)``; the tokens are positions
+            ``num_computed_tokens .. num_computed_tokens + num_new_tokens - 1`` of the sequence,
+            and its block table already covers them.
+        block_size: tokens per KV block.
+    Returns:
+        ``(input_ids [T] int64, positions [T] int64, meta, sample_rows [S] int64, sample_seqs)``
+        where ``sample_seqs`` are the sequences whose chunk reaches their last token (they
+        sample a token this step) and ``sample_rows`` their last rows in the batch.
+    """
+    num_seqs = len(scheduled)
+    q_lens = np.array([n for _, n in scheduled], dtype=np.int32)
+    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
+    np.cumsum(q_lens, out=query_start_loc[1:])
+    max_blocks = max(len(seq.block_table) for seq, _ in scheduled)
+    block_tables = np.full((num_seqs, max_blocks), -1, dtype=np.int32)
+    seq_lens = np.empty(num_seqs, dtype=np.int32)
+    input_ids, positions = [], []
+    sample_rows, sample_seqs = [], []
+    for i, (seq, n) in enumerate(scheduled):
+        start = seq.num_computed_tokens
+        block_tables[i, :len(seq.block_table)] = seq.block_table
+        seq_lens[i] = start + n
+        input_ids.append(seq.all_token_ids[start:start + n])
+        positions.append(np.arange(start, start + n))
+        if start + n == len(seq):
+            sample_rows.append(int(query_start_loc[i + 1]) - 1)
+            sample_seqs.append(seq)
+    positions = np.concatenate(positions)
+    seq_index = np.repeat(np.arange(num_seqs), q_lens)
+    slot_mapping = (block_tables[seq_index, positions // block_size] * block_size + positions % block_size)
+    meta = AttentionMetadata(
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        slot_mapping=slot_mapping.astype(np.int32),
+        max_query_len=int(q_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+    )
+    ids = np.fromiter((t for chunk in input_ids for t in chunk), dtype=np.int64, count=int(q_lens.sum()))
+    return ids, positions.astype(np.int64), meta, np.array(sample_rows, dtype=np.int64), sample_seqs
+
+
+class ModelRunner:
+    """Holds the model and its KV cache; runs one flat batch per call."""
+
+    def __init__(self, model: LlamaModel, kv_cache: KVCache):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.xp = model.xp
+
+    def execute(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False):
+        """Run the model over the scheduled chunks.
+
+        Returns:
+            ``(logits, sample_seqs)``: ``logits [S, vocab]`` float32 NumPy for the sequences
+            that sample this step (or ``[T, vocab]`` for every row when ``all_logits``).
+        """
+        xp = self.xp
+        ids, positions, meta, sample_rows, sample_seqs = build_batch(scheduled, self.kv_cache.block_size)
+        rows = np.arange(ids.shape[0]) if all_logits else sample_rows
+        logits = self.model.forward(xp.asarray(ids), xp.asarray(positions), self.kv_cache, meta, xp.asarray(rows))
+        if xp is not np:
+            logits = xp.asnumpy(logits)
+        return logits, sample_seqs

@@ -1,0 +1,119 @@
+"""The scheduler: which sequences run in the next step, and how many tokens each.
+
+One step, as vLLM's scheduler does it (continuous batching with chunked prefill):
+
+1. **Running sequences first**, oldest first. A decoding sequence gets one token; one in
+   the middle of a chunked prefill gets its next chunk, as much as the token budget
+   allows. If its next tokens need a KV block and none is free, the most recently
+   admitted running sequence is **preempted by recompute**: its blocks are freed and it
+   goes back to the front of the waiting queue (it may be the sequence itself).
+2. **Then waiting sequences**, first come first served, while the token budget
+   (``max_num_batched_tokens``), ``max_num_seqs`` and free blocks allow. The last one
+   admitted may get only a chunk of its prompt. No admissions in a step that preempted:
+   the pool is short, so new work would only be preempted again.
+
+A preempted sequence comes back as a prefill of its prompt plus what it already
+generated, and continues exactly where it stopped.
+
+Source: Yu et al. 2022 ("Orca", iteration-level scheduling), Kwon et al. 2023 §4.5
+(preemption by recompute), Agrawal et al. 2024 ("Sarathi-Serve", chunked prefill).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from refengine.config import EngineConfig
+from refengine.kv_cache import BlockManager
+from refengine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """What to run this step: ``(sequence, num_new_tokens)`` pairs, and what was preempted."""
+
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the block manager."""
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last is preempted first
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next step; allocates the blocks the scheduled tokens need."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        bm = self.block_manager
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not bm.can_allocate(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                break  # seq preempted itself; everything after it is gone too
+            bm.allocate(seq, n)
+            out.scheduled.append((seq, n))
+            budget -= n
+            i += 1
+
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = seq.num_uncomputed_tokens
+            if n > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                n = budget
+            if not bm.can_allocate(seq, n):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            bm.allocate(seq, n)
+            out.scheduled.append((seq, n))
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence from either queue and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,123 @@
+"""One request's state as it moves through the engine, and what the engine returns for it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from refengine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """A prompt and the tokens generated after it.
+
+    ``num_computed_tokens`` counts the tokens whose K/V are in the cache; the scheduler
+    advances it by the chunk it schedules. A sequence whose prompt is fully computed and
+    which is not finished is decoding. ``block_table`` lists the physical KV blocks that
+    hold positions ``0 .. len(block_table) * block_size - 1``.
+    """
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams, arrival_time: float, index: int = 0):
+        self.request_id = request_id
+        self.index = index  # which of the n completions of the request
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] = []  # per output token, when asked
+        self.sampling_params = sampling_params
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.arrival_time = arrival_time
+        # One generator per sequence so a seed gives the same tokens whatever the batch.
+        seed = sampling_params.seed
+        if seed is not None:
+            seed = seed + index
+        self.generator = np.random.default_rng(seed)
+
+    # --- sizes -------------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def __len__(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to run through the model before this sequence can sample."""
+        return len(self) - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while more than the last token is uncomputed (prompt, or recompute after preemption)."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: drop the cache; prompt and outputs are kept."""
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_table = []
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request (vLLM's ``CompletionOutput``).
+
+    Attributes:
+        index: which of the ``n`` completions.
+        text: decoded text so far (stop string cut unless included).
+        token_ids: generated token ids (EOS / stop id included, as vLLM does).
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or None while running.
+        stop_reason: the stop string or token id that matched (None for EOS or length).
+        logprobs: per generated token, ``{token_id: logprob}`` for the sampled token and
+            the top ``SamplingParams.logprobs`` tokens; None unless asked.
+        delta_text: text added since the previous output of this request (streaming).
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """What the engine reports for one request (vLLM's ``RequestOutput``)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: object | None = None
