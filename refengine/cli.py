@@ -1,0 +1,233 @@
+"""The ``refengine`` command line: generate, chat, convert-gguf, bench.
+
+Engine flags carry vLLM's names (``--max-model-len``, ``--block-size``,
+``--max-num-seqs``, ``--max-num-batched-tokens`` ...), sampling flags
+``SamplingParams``' names.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+import click
+
+from refengine.sampling_params import SamplingParams
+
+
+def engine_options(f):
+    """Decorate a command with the engine flags (passed on as ``LLMEngine`` kwargs)."""
+    options = [
+        click.option("--model", "model", default=None, metavar="DIR",
+                     help="model directory (default: $REFENGINE_MODEL or weights/SmolLM2-135M-Instruct)"),
+        click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True),
+        click.option("--attention-backend", type=click.Choice(["numpy", "cuda", "cuda-emulated"]), default=None,
+                     help="how attention is computed (default: follows the device)"),
+        click.option("--max-model-len", type=int, default=None, help="most tokens per sequence (prompt + output)"),
+        click.option("--block-size", type=int, default=16, show_default=True, help="tokens per KV cache block"),
+        click.option("--max-num-seqs", type=int, default=256, show_default=True, help="most sequences per step"),
+        click.option("--max-num-batched-tokens", type=int, default=None, help="per-step token budget"),
+        click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=True, show_default=True),
+        click.option("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory)"),
+        click.option("--kv-cache-memory", type=int, default=2 * 1024**3, show_default=True,
+                     help="bytes for the KV pool on the CPU"),
+        click.option("--disable-log-stats", is_flag=True, help="no per-request and periodic stats logging"),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def sampling_options(f):
+    options = [
+        click.option("--max-tokens", type=int, default=256, show_default=True),
+        click.option("--min-tokens", type=int, default=0, show_default=True),
+        click.option("--temperature", type=float, default=0.0, show_default=True,
+                     help="0 is greedy (the CLI's default, so runs are reproducible)"),
+        click.option("--top-p", type=float, default=1.0, show_default=True),
+        click.option("--top-k", type=int, default=0, show_default=True, help="0 or -1: off"),
+        click.option("--min-p", type=float, default=0.0, show_default=True),
+        click.option("--seed", type=int, default=None),
+        click.option("--presence-penalty", type=float, default=0.0, show_default=True),
+        click.option("--frequency-penalty", type=float, default=0.0, show_default=True),
+        click.option("--repetition-penalty", type=float, default=1.0, show_default=True),
+        click.option("--stop", multiple=True, help="stop string (repeatable)"),
+        click.option("--stop-token-ids", default="", help="comma-separated token ids"),
+        click.option("--ignore-eos", is_flag=True),
+        click.option("--include-stop-str-in-output", is_flag=True),
+        click.option("--logprobs", type=int, default=None),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+ENGINE_KEYS = ("model", "device", "attention_backend", "max_model_len", "block_size", "max_num_seqs",
+               "max_num_batched_tokens", "enable_chunked_prefill", "num_kv_blocks", "kv_cache_memory")
+SAMPLING_KEYS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "ignore_eos", "include_stop_str_in_output", "logprobs")
+
+
+def build_engine(kw: dict):
+    from refengine.engine import LLMEngine
+
+    engine_kw = {k: kw[k] for k in ENGINE_KEYS if k != "model"}
+    return LLMEngine(kw["model"], log_stats=not kw["disable_log_stats"], **engine_kw)
+
+
+def build_params(kw: dict) -> SamplingParams:
+    ids = [int(t) for t in kw["stop_token_ids"].split(",") if t.strip()]
+    return SamplingParams(stop=list(kw["stop"]) or None, stop_token_ids=ids, **{k: kw[k] for k in SAMPLING_KEYS})
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+
+
+def fail(message: str):
+    raise click.ClickException(message)
+
+
+@click.group()
+@click.option("--log-level", default="warning", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]), help="Python logging level (stderr)")
+def main(log_level: str):
+    """refengine: a readable LLM inference engine (NumPy on the CPU, CuPy + CUDA on NVIDIA GPUs)."""
+    setup_logging(log_level)
+
+
+@main.command()
+@click.argument("prompts", nargs=-1, required=True)
+@click.option("--chat", is_flag=True, help="wrap each prompt in the model's chat template as a user message")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object per prompt instead of streaming")
+@engine_options
+@sampling_options
+def generate(prompts, chat, as_json, **kw):
+    """Generate text for PROMPTS (one prompt streams; several run as one batch)."""
+    try:
+        engine = build_engine(kw)
+        params = build_params(kw)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        fail(str(e))
+    tok = engine.tokenizer
+    if tok is None:
+        fail(f"{engine.model_dir} has no tokenizer.json")
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in prompts]
+    try:
+        for i, text in enumerate(texts):
+            engine.add_request(str(i), text, params)
+    except ValueError as e:
+        fail(str(e))
+    stream = len(texts) == 1 and not as_json
+    start = time.monotonic()
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if stream:
+                click.echo(out.outputs[0].delta_text, nl=False)
+            if out.finished:
+                finished[out.request_id] = out
+    if stream:
+        click.echo()
+    elapsed = time.monotonic() - start
+    for i in range(len(texts)):
+        out = finished[str(i)]
+        c = out.outputs[0]
+        m = out.metrics
+        if as_json:
+            click.echo(json.dumps({
+                "prompt": prompts[i], "text": c.text, "prompt_token_ids": out.prompt_token_ids,
+                "token_ids": c.token_ids, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                "metrics": m.summary(), "logprobs": c.logprobs,
+            }))
+        elif not stream:
+            click.echo(f"--- [{i}] {prompts[i]!r}\n{c.text}")
+    m = finished["0"].metrics
+    total_out = sum(len(o.outputs[0].token_ids) for o in finished.values())
+    decode_tps = (m.num_output_tokens - 1) / m.decode_time if m.decode_time else float("nan")
+    click.echo(f"prompt tokens: {sum(len(o.prompt_token_ids) for o in finished.values())}, "
+               f"output tokens: {total_out}, TTFT: {m.ttft * 1e3:.1f} ms, "
+               f"decode: {decode_tps:.1f} tokens/s, total: {elapsed:.2f} s", err=True)
+
+
+@main.command()
+@click.option("--system", default=None, help="system prompt (default: the template's own)")
+@engine_options
+@sampling_options
+def chat(system, **kw):
+    """Chat with the model: streaming answers, history kept; /reset clears it, /exit leaves.
+
+    Ctrl-C stops the current answer without leaving.
+    """
+    try:
+        engine = build_engine(kw)
+        params = build_params(kw)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        fail(str(e))
+    tok = engine.tokenizer
+    history: list[dict] = [{"role": "system", "content": system}] if system else []
+    click.echo("refengine chat: /reset clears the history, /exit leaves, Ctrl-C stops an answer.", err=True)
+    turn = 0
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            click.echo()
+            return
+        if line.strip() == "/exit":
+            return
+        if line.strip() == "/reset":
+            history = history[:1] if system else []
+            click.echo("(history cleared)", err=True)
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        rid = f"chat-{turn}"
+        turn += 1
+        try:
+            engine.add_request(rid, tok.apply_chat_template(history), params)
+        except ValueError as e:
+            history.pop()
+            click.echo(f"error: {e}", err=True)
+            continue
+        answer = []
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    answer.append(out.outputs[0].delta_text)
+                    click.echo(out.outputs[0].delta_text, nl=False)
+        except KeyboardInterrupt:
+            engine.abort(rid)
+            click.echo(" [stopped]", nl=False)
+        click.echo()
+        history.append({"role": "assistant", "content": "".join(answer)})
+
+
+@main.command("convert-gguf")
+@click.argument("gguf_file", type=click.Path(dir_okay=False))
+@click.argument("out_dir", type=click.Path(file_okay=False))
+def convert_gguf_cmd(gguf_file, out_dir):
+    """Convert a llama GGUF file into a Hugging Face model directory (float32 safetensors)."""
+    from refengine.convert_gguf import convert_gguf
+
+    try:
+        path = convert_gguf(gguf_file, out_dir)
+    except (ValueError, FileNotFoundError) as e:
+        fail(str(e))
+    click.echo(f"wrote {path}")
+
+
+def _register_bench() -> None:
+    from refengine.bench import bench
+
+    main.add_command(bench)
+
+
+_register_bench()
+
+if __name__ == "__main__":
+    main()

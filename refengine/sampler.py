@@ -1,0 +1,371 @@
+"""The sampler: one next token per sequence from the last-position logits.
+
+Pipeline (the order of vLLM's v0 sampler and of Hugging Face's ``generate`` warpers):
+
+    raw logits ──▶ logprobs (log-softmax of the raw logits: vLLM's default "raw_logprobs")
+        │
+        ├─ min_tokens: EOS / stop_token_ids banned while the output is shorter than min_tokens
+        ├─ penalties: repetition (HF rule, prompt + output), then frequency and presence
+        │             (OpenAI rule, output only)
+        ├─ greedy rows (temperature 0): argmax, ties to the lowest id; no random draw
+        └─ sampled rows: temperature → top-k → top-p → min-p → one uniform draw from the
+                         request's own generator, inverted through the CDF
+
+Sources: the formulas mirror ``transformers/generation/logits_process.py``
+(``RepetitionPenaltyLogitsProcessor``, ``TemperatureLogitsWarper``, ``TopKLogitsWarper``,
+``TopPLogitsWarper``, ``MinPLogitsWarper``) and vLLM's penalties
+(``vllm/model_executor/layers/utils.py: apply_penalties``). vLLM's v1 sampler applies
+min-p before top-k/top-p and treats temperature < 1e-5 as greedy; we follow the HF /
+vLLM-v0 order above (so ``transformers``' warpers chained in that order are a golden
+reference) and sample at any temperature > 0, however small.
+
+Every step after the sanitising is vectorised over the batch ([B, V] arrays); Python only
+loops over rows to gather per-request parameters and to make the one draw per row from that
+row's ``numpy.random.Generator``. One draw per sampled token means a seeded request gives
+the same tokens whatever its batch companions, its row, or a preemption and recompute.
+
+Robustness: NaN logits count as -inf, +inf as the largest float32; the most likely token
+always survives every filter, so a row is never left without candidates. A row that is
+-inf everywhere (nothing to choose) yields token 0 rather than raising.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Protocol, Sequence as SequenceT
+
+import numpy as np
+
+from refengine.sampling_params import SamplingParams
+
+_F32_MAX = np.finfo(np.float32).max
+
+
+class SequenceLike(Protocol):
+    """What the sampler reads from a sequence (``refengine.sequence.Sequence`` fits)."""
+
+    sampling_params: SamplingParams
+    generator: np.random.Generator
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass
+class SamplerOutput:
+    """What the sampler returns for a batch of ``B`` rows.
+
+    Attributes:
+        token_ids: ``[B]`` int64, the chosen token of each row.
+        logprobs: None when no row asked for logprobs; otherwise a list of length ``B``
+            whose entry ``i`` is None (row ``i`` did not ask) or a ``{token_id: logprob}``
+            dict holding the sampled token first and then the ``params.logprobs`` most
+            likely tokens (so ``logprobs`` or ``logprobs + 1`` entries), computed from the
+            raw logits.
+    """
+
+    token_ids: np.ndarray
+    logprobs: list[dict[int, float] | None] | None
+
+
+# --- the processing steps, each a pure function on a [b, V] float32 array ------------------
+# Each runs under np.errstate(all="ignore"): exp underflow, and -inf - -inf in a row that is
+# -inf everywhere, are expected and handled, not errors to report.
+
+def sanitize_logits(logits: np.ndarray) -> np.ndarray:
+    """NaN -> -inf, +inf -> the largest float32; -inf kept. Returns a new float32 array."""
+    x = np.array(logits, dtype=np.float32)  # a copy: the caller's logits stay untouched
+    if not np.isfinite(x).all():  # the rare case pays for the slower fix-up
+        x = np.nan_to_num(x, nan=-np.inf, posinf=_F32_MAX, neginf=-np.inf)
+    return x
+
+
+@np.errstate(all="ignore")
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise log-softmax of ``[b, V]`` float32 logits (max subtracted first, so no overflow)."""
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+@np.errstate(all="ignore")
+def apply_repetition_penalty(logits: np.ndarray, seen: np.ndarray, penalty: np.ndarray) -> np.ndarray:
+    """The CTRL repetition penalty, as HF's ``RepetitionPenaltyLogitsProcessor``.
+
+    Args:
+        logits: ``[b, V]`` float32.
+        seen: ``[b, V]`` bool, True for every token in the prompt or the output.
+        penalty: ``[b]`` penalties (> 0). A seen token's logit is divided by the penalty
+            when it is >= 0 and multiplied by it when negative, so a penalty > 1 always
+            makes a seen token less likely. Applied once per token, however often it occurs.
+
+    Returns: a new ``[b, V]`` float32 array.
+    """
+    p = penalty.astype(np.float32)[:, None]
+    penalised = np.where(logits < 0, logits * p, logits / p)
+    # a tiny penalty can overflow: keep +-inf out of the later x - max
+    penalised = np.clip(penalised, -_F32_MAX, _F32_MAX, where=np.isfinite(logits), out=penalised)
+    return np.where(seen, penalised, logits)
+
+
+@np.errstate(all="ignore")
+def apply_presence_frequency_penalties(logits: np.ndarray, counts: np.ndarray,
+                                       presence: np.ndarray, frequency: np.ndarray) -> np.ndarray:
+    """OpenAI's rule: ``logit -= frequency * count + presence * (count > 0)``.
+
+    Args:
+        logits: ``[b, V]`` float32.
+        counts: ``[b, V]`` int, how often each token occurs in the *output* (not the prompt).
+        presence, frequency: ``[b]`` penalties in [-2, 2].
+
+    Returns: a new ``[b, V]`` float32 array.
+    """
+    out = logits - frequency.astype(np.float32)[:, None] * counts.astype(np.float32)
+    return out - presence.astype(np.float32)[:, None] * (counts > 0)
+
+
+@np.errstate(all="ignore")
+def apply_temperature(logits: np.ndarray, temperature: np.ndarray) -> np.ndarray:
+    """Divide each row by its temperature (> 0), as HF's ``TemperatureLogitsWarper``.
+
+    A tiny temperature (1e-6) can push large logits past float32's range; those become the
+    largest float32 again instead of +inf, so the later ``x - max`` stays finite.
+    """
+    scaled = logits / temperature.astype(np.float32)[:, None]
+    return np.minimum(scaled, _F32_MAX, out=scaled)  # +inf -> max; no NaN can arise here
+
+
+@np.errstate(all="ignore")
+def apply_top_k_top_p(logits: np.ndarray, top_k: np.ndarray, top_p: np.ndarray) -> np.ndarray:
+    """Top-k then top-p (nucleus) filtering, removed tokens set to -inf.
+
+    Args:
+        logits: ``[b, V]`` float32.
+        top_k: ``[b]`` int; keep the tokens whose logit is >= the k-th largest (so ties
+            with the k-th are all kept, exactly as HF's ``TopKLogitsWarper``). ``k <= 0``
+            or ``k >= V`` keeps everything.
+        top_p: ``[b]`` float in (0, 1]; after top-k, keep the smallest set of most likely
+            tokens whose probability sums to >= p: a token survives when the probability
+            of the tokens strictly more likely than it is < p (HF's ``TopPLogitsWarper``
+            removes a token when the ascending cumulative sum up to it is <= 1 - p, the
+            same set). Ties with the last kept token are all kept. ``p >= 1`` keeps all.
+
+    The most likely token always survives: its k-rank is 1 and nothing is more likely.
+    Returns a new ``[b, V]`` float32 array.
+    """
+    _, V = logits.shape
+    k = np.where((top_k <= 0) | (top_k > V), V, top_k).astype(np.int64)
+    # Only the K = max(k) largest logits of each row can survive: sort just those (a
+    # partition is O(V); a full sort and cumsum over V dominate the sampler's time).
+    K = int(k.max()) if k.size else V
+    top = logits if K == V else np.partition(logits, V - K, axis=-1)[:, V - K:]
+    asc = np.sort(top, axis=-1)  # [b, K] ascending (contiguous: fast cumsum)
+    kth = np.take_along_axis(asc, (K - k)[:, None], axis=-1)  # [b, 1] the k-th largest
+    asc = np.where(asc < kth, -np.inf, asc)
+    # Unnormalised probabilities (top = 1), summed in float64. A row -inf everywhere gives
+    # NaN here; it keeps one "token" and filters nothing, since all are -inf already.
+    weights = np.exp(asc - asc[:, -1:])
+    cum = np.cumsum(weights.astype(np.float64), axis=-1)  # (cumsum(dtype=) is slower)
+    total = cum[:, -1:]
+    mass_above = (total - cum) / total  # probability of the strictly more likely tokens
+    p = np.where(top_p >= 1.0, np.inf, top_p)[:, None]
+    num_kept = np.maximum((mass_above < p).sum(axis=-1), 1)  # a suffix of the ascending row
+    threshold = np.take_along_axis(asc, (K - num_kept)[:, None], axis=-1)  # -inf when top-p keeps all
+    return np.where(logits < np.maximum(kth, threshold), np.float32(-np.inf), logits)
+
+
+@np.errstate(all="ignore")
+def apply_min_p(logits: np.ndarray, min_p: np.ndarray) -> np.ndarray:
+    """Min-p filtering, as HF's ``MinPLogitsWarper``: drop tokens with probability below
+    ``min_p`` times the top token's probability, i.e. with ``exp(logit - max) < min_p``.
+
+    Args:
+        logits: ``[b, V]`` float32.
+        min_p: ``[b]`` in [0, 1]; 0 keeps all, 1 keeps only the tokens tied with the top.
+
+    The top token has ``exp(0) = 1 >= min_p``, so it always survives.
+    Returns a new ``[b, V]`` float32 array.
+    """
+    ratio = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return np.where(ratio < min_p.astype(np.float32)[:, None], np.float32(-np.inf), logits)
+
+
+@np.errstate(all="ignore")
+def sample_rows(logits: np.ndarray, generators: SequenceT[np.random.Generator]) -> np.ndarray:
+    """Draw one token per row from ``softmax(logits)`` by inverse-CDF sampling.
+
+    Args:
+        logits: ``[b, V]`` float32, filtered (-inf for excluded tokens).
+        generators: ``b`` generators; row ``i`` takes exactly one ``generators[i].random()``.
+
+    Returns: ``[b]`` int64. The chosen token always has a non-zero probability; a row that
+    is -inf everywhere gives its argmax (token 0).
+    """
+    out = np.empty(logits.shape[0], dtype=np.int64)
+    if logits.shape[0] == 0:
+        return out
+    row_max = logits.max(axis=-1, keepdims=True)
+    ok = np.isfinite(row_max[:, 0])
+    weights = np.exp(logits - row_max)  # [b, V] unnormalised probabilities, the top is 1
+    for i, gen in enumerate(generators):
+        u = gen.random()  # always exactly one draw per sampled row
+        if not ok[i]:
+            out[i] = int(np.argmax(logits[i]))
+            continue
+        # The CDF over the candidates only (weight > 0), in float64: after top-k/top-p
+        # that is a handful of tokens instead of the whole vocabulary.
+        cand = np.flatnonzero(weights[i])
+        cdf = np.cumsum(weights[i, cand].astype(np.float64))
+        # searchsorted(right) returns the first candidate whose CDF exceeds u * total;
+        # min() covers u * total rounding up to total.
+        j = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), cand.size - 1)
+        out[i] = cand[j]
+    return out
+
+
+def top_logprobs(logprobs_row: np.ndarray, sampled: int, n: int) -> dict[int, float]:
+    """``{sampled: lp, then the n most likely tokens: lp}`` from one ``[V]`` log-softmax row.
+
+    The top n are ordered most likely first, ties to the lower id (ties across the
+    partition boundary of ``np.argpartition`` may pick either token).
+    """
+    result = {int(sampled): float(logprobs_row[sampled])}
+    n = min(n, logprobs_row.shape[0])
+    if n > 0:
+        cand = np.argpartition(-logprobs_row, n - 1)[:n]
+        cand = cand[np.lexsort((cand, -logprobs_row[cand]))]
+        for t in cand:
+            result.setdefault(int(t), float(logprobs_row[t]))
+    return result
+
+
+# --- the sampler -------------------------------------------------------------------------
+
+class Sampler:
+    """Turns the last-position logits of a batch into one token per sequence.
+
+    Args:
+        eos_token_id: the model's EOS id(s); banned (with each request's
+            ``stop_token_ids``) while a request has fewer than ``min_tokens`` outputs,
+            unless it sets ``ignore_eos`` (then only the stop ids are banned). None: only
+            ``stop_token_ids`` are banned.
+
+    Call: ``sampler(logits, seqs) -> SamplerOutput``
+        logits: ``[B, V]`` float (cast to float32), row ``i`` belongs to ``seqs[i]``; not
+            modified.
+        seqs: ``B`` sequence-like objects (``sampling_params``, ``generator``,
+            ``prompt_token_ids``, ``output_token_ids``). Token ids outside ``[0, V)`` in
+            the history are ignored by the penalties.
+
+    Never raises on odd values (NaN/inf logits, top_k > V, top_p near 0 or 1, min_p 1,
+    tiny temperature); SamplingParams has already rejected out-of-range settings.
+    """
+
+    def __init__(self, eos_token_id: int | Iterable[int] | None = None):
+        if eos_token_id is None:
+            self.eos_token_ids: list[int] = []
+        elif isinstance(eos_token_id, (int, np.integer)):
+            self.eos_token_ids = [int(eos_token_id)]
+        else:
+            self.eos_token_ids = [int(t) for t in eos_token_id]
+
+    @np.errstate(all="ignore")
+    def __call__(self, logits: np.ndarray, seqs: SequenceT[SequenceLike]) -> SamplerOutput:
+        params = [s.sampling_params for s in seqs]
+        x = self._check(logits, seqs)
+        # Raw logprobs: from the model's distribution, before any processing.
+        want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_lp = log_softmax(x[want_lp]) if want_lp else None
+
+        x = self._process(x, seqs)
+        token_ids = np.empty(len(seqs), dtype=np.int64)
+        greedy = np.array([p.temperature == 0.0 for p in params], dtype=bool)
+        if greedy.any():
+            token_ids[greedy] = np.argmax(x[greedy], axis=-1)  # ties: lowest id
+        rows = np.flatnonzero(~greedy)
+        if rows.size:
+            token_ids[rows] = sample_rows(x[rows], [seqs[i].generator for i in rows])
+
+        logprobs = None
+        if want_lp:
+            logprobs = [None] * len(seqs)
+            for j, i in enumerate(want_lp):
+                logprobs[i] = top_logprobs(raw_lp[j], int(token_ids[i]), params[i].logprobs)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    @np.errstate(all="ignore")
+    def process_logits(self, logits: np.ndarray, seqs: SequenceT[SequenceLike]) -> np.ndarray:
+        """The ``[B, V]`` float32 logits each row's token is taken from: min_tokens ban and
+        penalties for every row; then, for rows with temperature > 0, temperature, top-k,
+        top-p and min-p (removed tokens are -inf). Greedy rows take the argmax of theirs.
+        Consumes no random draws; for tests and debugging."""
+        return self._process(self._check(logits, seqs), seqs)
+
+    @staticmethod
+    def _check(logits: np.ndarray, seqs) -> np.ndarray:
+        logits = np.asarray(logits)
+        if logits.ndim != 2 or logits.shape[0] != len(seqs):
+            raise ValueError(f"logits must be [B, V] with B == len(seqs) == {len(seqs)}, got shape {logits.shape}")
+        return sanitize_logits(logits)
+
+    def _process(self, x: np.ndarray, seqs) -> np.ndarray:
+        x = self._ban_stop_tokens_before_min_tokens(x, seqs)
+        x = self._apply_penalties(x, seqs)
+        rows = np.array([i for i, s in enumerate(seqs) if s.sampling_params.temperature != 0.0], dtype=np.int64)
+        if rows.size:
+            x[rows] = self._warp(x[rows], [seqs[i].sampling_params for i in rows])
+        return x
+
+    # --- steps ---------------------------------------------------------------------------
+    def _ban_stop_tokens_before_min_tokens(self, x: np.ndarray, seqs) -> np.ndarray:
+        V = x.shape[1]
+        for i, s in enumerate(seqs):
+            p = s.sampling_params
+            if len(s.output_token_ids) < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+                banned = [t for t in banned if 0 <= t < V]
+                x[i, banned] = -np.inf
+        return x
+
+    @staticmethod
+    def _apply_penalties(x: np.ndarray, seqs) -> np.ndarray:
+        V = x.shape[1]
+        params = [s.sampling_params for s in seqs]
+
+        rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+        if rep_rows:
+            seen = _token_counts([seqs[i].prompt_token_ids + seqs[i].output_token_ids for i in rep_rows], V) > 0
+            penalty = np.array([params[i].repetition_penalty for i in rep_rows])
+            x[rep_rows] = apply_repetition_penalty(x[rep_rows], seen, penalty)
+
+        pf_rows = [i for i, p in enumerate(params) if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0]
+        if pf_rows:
+            counts = _token_counts([seqs[i].output_token_ids for i in pf_rows], V)
+            presence = np.array([params[i].presence_penalty for i in pf_rows])
+            frequency = np.array([params[i].frequency_penalty for i in pf_rows])
+            x[pf_rows] = apply_presence_frequency_penalties(x[pf_rows], counts, presence, frequency)
+        return x
+
+    @staticmethod
+    def _warp(x: np.ndarray, params: list[SamplingParams]) -> np.ndarray:
+        """Temperature, top-k, top-p, min-p on the rows that sample (temperature > 0)."""
+        x = apply_temperature(x, np.array([p.temperature for p in params]))
+        top_k = np.array([p.top_k for p in params], dtype=np.int64)
+        top_p = np.array([p.top_p for p in params], dtype=np.float64)
+        has_k = (top_k > 0) & (top_k < x.shape[1])
+        # Rows with a top-k sort only their k largest logits, so they go in their own call.
+        for rows in (np.flatnonzero(has_k), np.flatnonzero(~has_k & (top_p < 1.0))):
+            if rows.size:
+                x[rows] = apply_top_k_top_p(x[rows], top_k[rows], top_p[rows])
+        min_p = np.array([p.min_p for p in params], dtype=np.float64)
+        mp_rows = np.flatnonzero(min_p > 0.0)
+        if mp_rows.size:
+            x[mp_rows] = apply_min_p(x[mp_rows], min_p[mp_rows])
+        return x
+
+
+def _token_counts(histories: list[list[int]], vocab_size: int) -> np.ndarray:
+    """``[len(histories), vocab_size]`` int64 occurrence counts, one bincount for the batch."""
+    rows = np.concatenate([np.full(len(h), r, dtype=np.int64) for r, h in enumerate(histories)])
+    toks = np.concatenate([np.asarray(h, dtype=np.int64) for h in histories])
+    keep = (toks >= 0) & (toks < vocab_size)
+    flat = rows[keep] * vocab_size + toks[keep]
+    return np.bincount(flat, minlength=len(histories) * vocab_size).reshape(len(histories), vocab_size)
