@@ -258,9 +258,12 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        for seq, _ in sched.scheduled:
+        num_decode = 0
+        for seq, n in sched.scheduled:
             if seq.index == 0:
                 self.requests[seq.request_id].metrics.on_scheduled(t0)
+            if n == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens == len(seq) - 1:
+                num_decode += 1
         logits, sample_seqs = self.runner.execute(sched.scheduled)
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
@@ -283,9 +286,9 @@ class LLMEngine:
                 self.metrics.record_finished(req.metrics, reason, req.request_id)
                 if self.config.log_stats:
                     self._log_finished(req)
-        num_prefill = sum(n for s, n in sched.scheduled if n > 1 or s.num_output_tokens == 0)
-        self.metrics.record_step(step_start=t0, step_duration=now - t0, num_prefill_tokens=num_prefill,
-                                 num_decode_tokens=sched.num_tokens - num_prefill, num_seqs=len(sched.scheduled),
+        self.metrics.record_step(step_start=t0, step_duration=now - t0,
+                                 num_prefill_tokens=sched.num_tokens - num_decode, num_decode_tokens=num_decode,
+                                 num_generated_tokens=len(sample_seqs), num_seqs=len(sched.scheduled),
                                  num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                                  kv_cache_usage=self.block_manager.usage, num_preemptions=len(sched.preempted))
         if self.config.log_stats and now - self._last_stats_log >= STATS_INTERVAL_S:

@@ -1,0 +1,50 @@
+# refengine: two commands do everything on a fresh machine (see README.md).
+#   make run    set up, fetch + convert the default model, generate text
+#   make test   set up with the test extras, fetch the model, check the kernels, run every test
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+PROMPT ?= What is the capital of France? Answer in one sentence.
+
+.PHONY: run install test test-deps weights kernels bench gpu-check clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+weights: $(VENV)/.installed
+	$(BIN)/python weights/fetch_smollm2.py
+
+run: weights
+	$(BIN)/refengine generate --chat "$(PROMPT)" --max-tokens 64
+
+test-deps: $(VENV)/.installed-test
+
+# Compile every CUDA kernel for sm_90 and fail on an error or a register spill.
+kernels:
+	@if command -v nvcc >/dev/null 2>&1; then bash cuda/check_nvcc.sh; \
+	else echo "nvcc not found: skipping the sm_90 compile check"; fi
+
+test: test-deps weights kernels
+	$(BIN)/python -m pytest -q
+
+bench: weights
+	$(BIN)/python benchmarks/bench_single.py
+	$(BIN)/refengine bench throughput --compare-transformers
+
+# On a machine with an NVIDIA GPU and CuPy already installed; installs nothing.
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py
+
+clean:
+	rm -rf cuda/build .pytest_cache

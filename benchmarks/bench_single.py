@@ -1,0 +1,149 @@
+"""Batch-1 speed, refengine vs transformers, in one run: a prefill and N decode steps.
+
+Both engines get the same prompt (the first ``--prompt-len`` tokens of the benchmark text
+in ``benchmarks/data``), run float32 on the CPU (or ``--device``), greedy:
+
+- prefill time: the prompt through the model up to the first token, seconds.
+  refengine: TTFT of one request (``max_num_batched_tokens >= prompt_len``, so the prompt
+  is one step). transformers: one ``model(input_ids, use_cache=True)`` forward plus argmax.
+- decode: ``--decode-steps`` more tokens, one forward each; tokens/s =
+  steps / (time of last token - time of first token).
+
+transformers runs a plain loop over ``model(...)`` with its KV cache,
+which is what ``generate`` does at batch 1 minus its bookkeeping. Each measurement is
+repeated ``--repeats`` times after one warm-up; the median is reported.
+
+    python benchmarks/bench_single.py [--model DIR] [--prompt-len 512] [--decode-steps 128] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import statistics
+import sys
+import time
+
+import click
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from refengine.bench import busy_warning, default_model_dir, environment, load_corpus  # noqa: E402
+
+
+def bench_refengine(model_dir: str, prompt_ids: list[int], decode_steps: int, repeats: int, device: str) -> dict:
+    """Prefill seconds and decode tokens/s of refengine at batch 1 (medians over repeats)."""
+    from refengine import LLM, SamplingParams
+
+    n = len(prompt_ids)
+    max_len = -(-(n + decode_steps + 1) // 16) * 16
+    llm = LLM(model=model_dir, device=device, block_size=16, max_num_seqs=1, max_num_batched_tokens=max(n, 16),
+              enable_chunked_prefill=True, max_model_len=max_len, log_stats=False)
+    params = SamplingParams(max_tokens=decode_steps + 1, temperature=0.0, ignore_eos=True)
+    llm.generate([prompt_ids[:16]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                 use_tqdm=False)  # warm-up
+    prefill, decode, tokens = [], [], None
+    for _ in range(repeats):
+        out = llm.generate([prompt_ids], params, use_tqdm=False)[0]
+        m = out.metrics
+        prefill.append(m.ttft)
+        decode.append(decode_steps / (m.token_times[-1] - m.token_times[0]))
+        tokens = list(out.outputs[0].token_ids)
+    return {"prefill_s": statistics.median(prefill), "decode_tok_per_s": statistics.median(decode),
+            "prefill_s_all": prefill, "decode_tok_per_s_all": decode, "token_ids": tokens}
+
+
+def bench_transformers(model_dir: str, prompt_ids: list[int], decode_steps: int, repeats: int, device: str) -> dict:
+    """The same figures for transformers (float32, eager loop over the model with its KV cache)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    model.eval()
+    # transformers 5 names the KV-cache argument and output `cache`; 4.x `past_key_values`.
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def run(ids: list[int], steps: int):
+        x = torch.tensor([ids], dtype=torch.long, device=device)
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = model(input_ids=x, use_cache=True)
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens = [int(tok)]  # int() syncs a GPU, so the time is real
+            t_first = time.perf_counter()
+            cache = getattr(out, cache_arg)
+            for _ in range(steps):
+                out = model(input_ids=tok, use_cache=True, **{cache_arg: cache})
+                cache = getattr(out, cache_arg)
+                tok = out.logits[:, -1].argmax(-1, keepdim=True)
+                tokens.append(int(tok))
+            t_last = time.perf_counter()
+        return t_first - t0, (steps / (t_last - t_first)) if steps else None, tokens
+
+    run(prompt_ids[:16], 1)  # warm-up
+    prefill, decode, tokens = [], [], None
+    for _ in range(repeats):
+        p, d, tokens = run(prompt_ids, decode_steps)
+        prefill.append(p)
+        decode.append(d)
+    return {"prefill_s": statistics.median(prefill), "decode_tok_per_s": statistics.median(decode),
+            "prefill_s_all": prefill, "decode_tok_per_s_all": decode, "token_ids": tokens,
+            "torch_num_threads": torch.get_num_threads()}
+
+
+def matching_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two greedy continuations share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@click.command()
+@click.option("--model", default=default_model_dir, show_default="$REFENGINE_MODEL or weights/SmolLM2-135M-Instruct")
+@click.option("--prompt-len", type=int, default=512, show_default=True, help="Prefill length in tokens.")
+@click.option("--decode-steps", type=int, default=128, show_default=True, help="Decode steps after the first token.")
+@click.option("--repeats", type=int, default=1, show_default=True, help="Timed repeats (median reported).")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--skip-transformers", is_flag=True, help="Only time refengine.")
+@click.option("--json", "json_path", default=None, help="Write the figures here.")
+def main(model, prompt_len, decode_steps, repeats, device, skip_transformers, json_path):
+    """Batch-1 prefill time and decode tokens/s, refengine vs transformers."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(model, "tokenizer.json"))
+    ids = tok.encode(load_corpus(), add_special_tokens=False).ids
+    if len(ids) < prompt_len:
+        ids = (ids * (prompt_len // len(ids) + 1))
+    prompt_ids = ids[:prompt_len]
+
+    if busy_warning():
+        click.echo(busy_warning())
+    click.echo(f"model {model}, prompt {prompt_len} tokens, {decode_steps} decode steps, batch 1, {device}")
+    ours = bench_refengine(model, prompt_ids, decode_steps, repeats, device)
+    click.echo(f"refengine:    prefill {ours['prefill_s'] * 1000:9.1f} ms   decode {ours['decode_tok_per_s']:8.2f} tok/s")
+    report = {"model": model, "prompt_len": prompt_len, "decode_steps": decode_steps, "device": device,
+              "repeats": repeats, "refengine": ours}
+    if not skip_transformers:
+        theirs = bench_transformers(model, prompt_ids, decode_steps, repeats, device)
+        click.echo(f"transformers: prefill {theirs['prefill_s'] * 1000:9.1f} ms   "
+                   f"decode {theirs['decode_tok_per_s']:8.2f} tok/s   (torch threads {theirs['torch_num_threads']})")
+        ratio_prefill = theirs["prefill_s"] / ours["prefill_s"]
+        ratio_decode = ours["decode_tok_per_s"] / theirs["decode_tok_per_s"]
+        same = matching_prefix(ours["token_ids"], theirs["token_ids"])
+        click.echo(f"refengine vs transformers: prefill x{ratio_prefill:.2f} as fast, decode x{ratio_decode:.2f} "
+                   f"as fast (>1: refengine faster); greedy tokens agree for the first {same}/{decode_steps + 1}")
+        report.update(transformers=theirs, prefill_speed_ratio=ratio_prefill, decode_speed_ratio=ratio_decode,
+                      greedy_matching_prefix=same)
+    report["environment"] = environment()
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+        click.echo(f"wrote {json_path}")
+
+
+if __name__ == "__main__":
+    main()
