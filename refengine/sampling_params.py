@@ -24,8 +24,8 @@ class SamplingParams:
         frequency_penalty: subtracted per occurrence in the generated text; [-2, 2].
         repetition_penalty: HF rule over prompt and output (positive logits divided,
             negative multiplied); > 0, 1 means off.
-        max_tokens: most tokens to generate (None: until ``max_model_len``). ``0`` is allowed
-            and returns no tokens with ``finish_reason="length"``.
+        max_tokens: most tokens to generate, >= 1 (None: until ``max_model_len``). ``0`` is
+            rejected, as vLLM rejects it: every request samples at least one token.
         min_tokens: EOS and ``stop_token_ids`` are ignored until this many tokens exist.
         stop: strings that end generation when they appear in the output text.
         stop_token_ids: token ids that end generation (kept in ``token_ids``, not in text).
@@ -89,8 +89,8 @@ class SamplingParams:
             raise bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
         if not 0.0 < self.repetition_penalty < math.inf:
             raise bad("repetition_penalty", self.repetition_penalty, "finite and > 0 (1 means off)")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 0):
-            raise bad("max_tokens", self.max_tokens, "None or an integer >= 0")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", self.max_tokens, "None or an integer >= 1 (vLLM rejects 0 too)")
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", self.min_tokens, "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

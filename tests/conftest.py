@@ -39,3 +39,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if {"smollm2_dir", "gguf_path"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A tiny random-weight LlamaForCausalLM saved by transformers (vocab 211, 3 layers, 4/2 heads, head_dim 32).
+
+    head_dim 32 is the smallest the CUDA kernels are compiled for (tests/test_emulated_model.py).
+    """
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=211, hidden_size=128, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tf.LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    return path

@@ -28,7 +28,7 @@ def test_boundary_values_accepted():
     SamplingParams(temperature=0.0, top_p=1.0, min_p=1.0, top_k=-1)
     SamplingParams(temperature=1e-6, top_p=1e-9, min_p=0.0, top_k=1)
     SamplingParams(presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=1e-3)
-    SamplingParams(max_tokens=0, min_tokens=0, logprobs=0, seed=0)
+    SamplingParams(max_tokens=1, min_tokens=0, logprobs=0, seed=0)
     SamplingParams(max_tokens=None, min_tokens=5)
     # numpy scalars are numbers too
     SamplingParams(top_k=np.int64(5), temperature=np.float32(0.5), seed=np.int64(3))
@@ -51,7 +51,8 @@ def test_boundary_values_accepted():
     ("frequency_penalty", -2.01, "in [-2, 2]"),
     ("repetition_penalty", 0.0, "finite and > 0"),
     ("repetition_penalty", math.inf, "finite and > 0"),
-    ("max_tokens", -1, "None or an integer >= 0"),
+    ("max_tokens", -1, "None or an integer >= 1"),
+    ("max_tokens", 0, "None or an integer >= 1"),
     ("min_tokens", -1, "an integer >= 0"),
     ("logprobs", -1, "None or an integer >= 0"),
     ("seed", 1.5, "None or an integer"),

@@ -1,0 +1,412 @@
+#!/usr/bin/env python
+"""GPU check of refengine's CUDA kernels: correctness on the device, then speed.
+
+For a machine with an NVIDIA GPU (written for an H200) and CuPy. Installs nothing; runs
+in a few minutes:
+
+  (a) correctness: the CUDA kernels (``CudaAttention``) against the NumPy twin on random
+      paged batches (decode, chunked prefill, mixed; GQA; head_dim 64/128; float16,
+      bfloat16, float32 storage) and ``reshape_and_cache`` bit for bit;
+  (b) speed:
+      * flash prefill TFLOP/s (causal; FLOPs = 2 * 2 * b * h * s^2 * d / 2) at head_dim 64
+        and 128, seq 1k-8k, batch filling the chip, beside
+        ``torch.nn.functional.scaled_dot_product_attention`` on the same (contiguous)
+        inputs when torch with CUDA is importable;
+      * paged decode achieved bandwidth (K+V bytes read / time) at batch 1-128 and
+        context 1k-32k, 32 query heads, 8 KV heads, head_dim 128, beside the device's
+        measured device-to-device copy bandwidth ((read + write bytes) / time);
+  (c) a short table of the results.
+
+Usage:  python benchmarks/gpu_check.py [--quick] [--skip-bench]
+Exit status: 0 all checks passed, 1 a correctness check failed, 2 no CuPy/CUDA device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from refengine.attention import AttentionMetadata  # noqa: E402
+
+TIME_BUDGET_S = 270.0  # stop starting new benchmark points after this
+
+# (seq_len, q_len) per sequence: block edges (block size 16), chunked prefill, and
+# decode rows long enough to span several Flash-Decoding partitions.
+CORRECTNESS_BATCHES = {
+    "decode": [(1, 1), (15, 1), (16, 1), (17, 1), (700, 1), (2000, 1)],
+    "prefill": [(300, 300), (64, 64), (33, 33)],
+    "mixed": [(1, 1), (300, 40), (17, 17), (1000, 1), (48, 16)],
+}
+
+
+def require_cupy():
+    """Return the cupy module, or None when CuPy or a CUDA device is missing."""
+    try:
+        import cupy as cp
+
+        if cp.cuda.runtime.getDeviceCount() < 1:
+            return None
+        return cp
+    except Exception:  # ImportError, or CUDA driver errors
+        return None
+
+
+# --------------------------------------------------------------------------------------
+# Random paged batches
+# --------------------------------------------------------------------------------------
+
+def random_paged_batch(rng, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, shuffle=True):
+    """Host arrays for a batch: ``seqs`` = [(seq_len, q_len)]. The cache is filled with
+    random values everywhere (the slots a sequence owns are all written)."""
+    seq_lens = np.array([s for s, _ in seqs], np.int32)
+    q_lens = np.array([q for _, q in seqs], np.int32)
+    blocks_per_seq = [-(-int(s) // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 1
+    physical = rng.permutation(num_blocks) if shuffle else np.arange(num_blocks)
+    block_tables = np.full((len(seqs), max(blocks_per_seq)), -1, np.int32)
+    start = 0
+    for i, n in enumerate(blocks_per_seq):
+        block_tables[i, :n] = physical[start:start + n]
+        start += n
+    slots = []
+    for i, (seq_len, q_len) in enumerate(seqs):
+        for pos in range(seq_len - q_len, seq_len):
+            slots.append(block_tables[i, pos // block_size] * block_size + pos % block_size)
+    q_start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    meta = AttentionMetadata(q_start, seq_lens, block_tables, np.array(slots, np.int32), int(q_lens.max()),
+                             int(seq_lens.max()))
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+    v_cache = rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+    q = rng.standard_normal((int(q_lens.sum()), num_heads, head_dim), dtype=np.float32).astype(dtype)
+    return q, k_cache, v_cache, meta
+
+
+# --------------------------------------------------------------------------------------
+# (a) correctness
+# --------------------------------------------------------------------------------------
+
+def check_correctness(cp, quick: bool) -> list[tuple[str, bool, str]]:
+    import ml_dtypes
+
+    from refengine.attention.cuda import CudaAttention
+    from refengine.attention.numpy_ref import NumpyAttention
+
+    rng = np.random.default_rng(0)
+    results = []
+    dtypes = [("f16", np.float16, 2e-3), ("bf16", ml_dtypes.bfloat16, 1e-2), ("f32", np.float32, 5e-5)]
+    batches = CORRECTNESS_BATCHES
+    groups = [(8, 8), (32, 8)] if quick else [(8, 8), (24, 8), (28, 4), (32, 4)]
+    # (decode partition size, prefill kernel): 64-token partitions force the merge kernel;
+    # "simt" checks the non-tensor-core prefill kernel on 16-bit storage too.
+    for partition, prefill_kernel in ((512, "auto"), (64, "auto"), (512, "simt")):
+        backend = CudaAttention(decode_partition_size=partition, prefill_kernel=prefill_kernel)
+        ref = NumpyAttention()
+        for tag, dtype, tol in dtypes:
+            for head_dim in (64, 128):
+                for num_heads, num_kv_heads in groups:
+                    for kind, seqs in batches.items():
+                        if partition == 64 and kind != "decode":
+                            continue
+                        if prefill_kernel == "simt" and (kind == "decode" or tag == "f32"):
+                            continue
+                        name = (f"{kind:7s} {tag:4s} hd{head_dim} h{num_heads}/kv{num_kv_heads} "
+                                f"part{partition} {prefill_kernel}")
+                        q, kc, vc, meta = random_paged_batch(rng, seqs, num_heads, num_kv_heads, head_dim, 16, dtype)
+                        try:
+                            dq, dk, dv = cp.asarray(q), cp.asarray(kc), cp.asarray(vc)
+                        except Exception as exc:  # e.g. a CuPy without bfloat16 support
+                            results.append((name, True, f"skipped: {type(exc).__name__}: {exc}"))
+                            continue
+                        scale = 1.0 / math.sqrt(head_dim)
+                        out = cp.asnumpy(backend.forward(dq, dk, dv, meta, scale)).astype(np.float32)
+                        expected = ref.forward(q.astype(np.float32), kc.astype(np.float32),
+                                               vc.astype(np.float32), meta, scale)
+                        err = float(np.abs(out - expected).max())
+                        ok = bool(np.isfinite(out).all()) and np.allclose(out, expected, rtol=tol, atol=tol)
+                        results.append((name, ok, f"max |err| {err:.2e} (tol {tol:.0e})"))
+    results += check_mma_layout(cp, rng)
+    results += check_layers(cp, rng)
+    # reshape_and_cache: a copy, so bit-exact.
+    backend = CudaAttention()
+    for tag, dtype, _ in dtypes:
+        q, kc, vc, meta = random_paged_batch(rng, [(40, 40), (70, 9)], 8, 4, 128, 16, dtype)
+        k = rng.standard_normal((meta.num_tokens, 4, 128), dtype=np.float32).astype(dtype)
+        v = rng.standard_normal((meta.num_tokens, 4, 128), dtype=np.float32).astype(dtype)
+        try:
+            dk, dv, dkc, dvc = (cp.asarray(x) for x in (k, v, kc, vc))
+        except Exception as exc:
+            results.append((f"reshape_and_cache {tag}", True, f"skipped: {exc}"))
+            continue
+        backend.write_kv(dkc, dvc, dk, dv, meta)
+        NumpyAttention().write_kv(kc, vc, k, v, meta)
+        ok = cp.asnumpy(dkc).tobytes() == kc.tobytes() and cp.asnumpy(dvc).tobytes() == vc.tobytes()
+        results.append((f"reshape_and_cache {tag}", ok, "bit-exact" if ok else "MISMATCH"))
+    return results
+
+
+def check_mma_layout(cp, rng) -> list[tuple[str, bool, str]]:
+    """One real tensor-core MMA with fragments built from the PTX layout (cuda/mma_check.cu):
+    confirms on hardware the register layout that flash_prefill_mma and the emulator assume."""
+    import ml_dtypes
+
+    from refengine.attention.cuda import CudaAttention, Launch
+
+    backend = CudaAttention()
+    results = []
+    for tag, dtype in (("f16", np.float16), ("bf16", ml_dtypes.bfloat16)):
+        a = rng.standard_normal((16, 16), dtype=np.float32).astype(dtype)
+        b = rng.standard_normal((16, 8), dtype=np.float32).astype(dtype)
+        try:
+            da, db = cp.asarray(a), cp.asarray(b)
+        except Exception as exc:
+            results.append((f"mma fragment layout {tag}", True, f"skipped: {exc}"))
+            continue
+        dd = cp.full((16, 8), np.nan, dtype=np.float32) if hasattr(cp, "full") else cp.empty((16, 8), np.float32)
+        backend._launch(Launch(f"mma_check_{tag}", (1, 1, 1), (32, 1, 1), 0, (da, db, dd)))
+        got = cp.asnumpy(dd).astype(np.float64)
+        expected = a.astype(np.float64) @ b.astype(np.float64)
+        ok = bool(np.allclose(got, expected, rtol=1e-5, atol=1e-5))
+        results.append((f"mma fragment layout {tag}", ok, f"max |err| {np.abs(got - expected).max():.2e}"))
+    return results
+
+
+def check_layers(cp, rng) -> list[tuple[str, bool, str]]:
+    """rms_norm, silu_and_mul, rotary_embedding on the GPU against float64 NumPy."""
+    from refengine.attention.cuda import CudaAttention
+
+    backend = CudaAttention()
+    results = []
+    for tag, dtype, tol in (("f16", np.float16, 2e-3), ("f32", np.float32, 2e-5)):
+        x = rng.standard_normal((33, 576), dtype=np.float32).astype(dtype)
+        w = rng.standard_normal(576, dtype=np.float32).astype(dtype)
+        xd = x.astype(np.float64)
+        expected = xd / np.sqrt((xd ** 2).mean(1, keepdims=True) + 1e-5) * w
+        got = cp.asnumpy(backend.rms_norm(cp.asarray(x), cp.asarray(w), 1e-5)).astype(np.float64)
+        results.append((f"rms_norm {tag}", bool(np.allclose(got, expected, rtol=tol, atol=tol)),
+                        f"max |err| {np.abs(got - expected).max():.2e}"))
+        g = rng.standard_normal((33, 2 * 1536), dtype=np.float32).astype(dtype)
+        gd = g.astype(np.float64)
+        expected = gd[:, :1536] / (1 + np.exp(-gd[:, :1536])) * gd[:, 1536:]
+        got = cp.asnumpy(backend.silu_and_mul(cp.asarray(g))).astype(np.float64)
+        results.append((f"silu_and_mul {tag}", bool(np.allclose(got, expected, rtol=tol, atol=tol)),
+                        f"max |err| {np.abs(got - expected).max():.2e}"))
+        head_dim, positions = 64, rng.integers(0, 8192, 33).astype(np.int32)
+        inv_freq = 1.0 / (10000.0 ** (np.arange(0, head_dim, 2) / head_dim))
+        angles = np.arange(8192)[:, None] * inv_freq[None]
+        cos_sin = np.concatenate([np.cos(angles), np.sin(angles)], 1).astype(np.float32)
+        q = rng.standard_normal((33, 9, head_dim), dtype=np.float32).astype(dtype)
+        k = rng.standard_normal((33, 3, head_dim), dtype=np.float32).astype(dtype)
+        dq, dk = cp.asarray(q), cp.asarray(k)
+        backend.rotary_embedding(positions, dq, dk, cp.asarray(cos_sin))
+        c = cos_sin[positions, :32][:, None].astype(np.float64)
+        s = cos_sin[positions, 32:][:, None].astype(np.float64)
+        qd = q.astype(np.float64)
+        expected = np.concatenate([qd[..., :32] * c - qd[..., 32:] * s, qd[..., 32:] * c + qd[..., :32] * s], -1)
+        got = cp.asnumpy(dq).astype(np.float64)
+        results.append((f"rotary_embedding {tag}", bool(np.allclose(got, expected, rtol=tol, atol=tol)),
+                        f"max |err| {np.abs(got - expected).max():.2e}"))
+    return results
+
+
+# --------------------------------------------------------------------------------------
+# (b) microbenchmarks
+# --------------------------------------------------------------------------------------
+
+def time_gpu(cp, fn, warmup=2, iters=5) -> float:
+    """Median seconds per call of ``fn`` measured with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
+    return float(np.median(times))
+
+
+def copy_bandwidth(cp, nbytes=2 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read + bytes written."""
+    src = cp.empty(nbytes, dtype=cp.uint8)
+    dst = cp.empty_like(src)
+    seconds = time_gpu(cp, lambda: cp.cuda.runtime.memcpy(dst.data.ptr, src.data.ptr, nbytes,
+                                                          cp.cuda.runtime.memcpyDeviceToDevice))
+    del src, dst
+    return 2 * nbytes / seconds / 1e9
+
+
+def bench_prefill(cp, quick: bool, deadline: float) -> list[dict]:
+    from refengine.attention.cuda import CudaAttention
+
+    try:
+        import torch
+
+        torch_ok = torch.cuda.is_available()
+    except Exception:
+        torch_ok = False
+    backends = {"mma": CudaAttention(prefill_kernel="mma"), "simt": CudaAttention(prefill_kernel="simt")}
+    rows = []
+    tokens_per_batch = 16384
+    seqs = (1024, 4096) if quick else (1024, 2048, 4096, 8192)
+    num_heads, num_kv_heads, block_size = 32, 8, 16
+    for head_dim in (64, 128):
+        for seq in seqs:
+            if time.time() > deadline:
+                break
+            batch = max(1, tokens_per_batch // seq)
+            rng = np.random.default_rng(seq)
+            q, kc, vc, meta = random_paged_batch(rng, [(seq, seq)] * batch, num_heads, num_kv_heads, head_dim,
+                                                 block_size, np.float16, shuffle=True)
+            dq, dk, dv = cp.asarray(q), cp.asarray(kc), cp.asarray(vc)
+            scale = 1.0 / math.sqrt(head_dim)
+            flops = 4.0 * batch * num_heads * seq * seq * head_dim / 2  # causal: half the square
+            row = {"head_dim": head_dim, "seq": seq, "batch": batch, "sdpa_tflops": float("nan")}
+            for kernel, backend in backends.items():
+                seconds = time_gpu(cp, lambda: backend.forward(dq, dk, dv, meta, scale))
+                row[f"{kernel}_tflops"] = flops / seconds / 1e12
+                row[f"{kernel}_ms"] = seconds * 1e3
+            if torch_ok:
+                row["sdpa_tflops"] = flops / time_sdpa(torch, batch, seq, num_heads, num_kv_heads, head_dim) / 1e12
+            rows.append(row)
+            del dq, dk, dv
+    return rows
+
+
+def time_sdpa(torch, batch, seq, num_heads, num_kv_heads, head_dim) -> float:
+    """Seconds per causal SDPA call on contiguous [b, h, s, d] float16 tensors."""
+    import torch.nn.functional as F
+
+    q = torch.randn(batch, num_heads, seq, head_dim, device="cuda", dtype=torch.float16)
+    k = torch.randn(batch, num_kv_heads, seq, head_dim, device="cuda", dtype=torch.float16)
+    v = torch.randn_like(k)
+    try:
+        call = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
+        call()
+    except TypeError:  # torch without enable_gqa: expand the KV heads (not timed)
+        group = num_heads // num_kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        call = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    for _ in range(2):
+        call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return float(np.median(times))
+
+
+def bench_decode(cp, quick: bool, deadline: float) -> list[dict]:
+    from refengine.attention.cuda import CudaAttention
+
+    backend = CudaAttention()
+    num_heads, num_kv_heads, head_dim, block_size = 32, 8, 128, 16
+    itemsize = 2
+    rows = []
+    batches = (1, 32, 128) if quick else (1, 8, 32, 128)
+    contexts = (1024, 8192, 32768) if quick else (1024, 4096, 16384, 32768)
+    for batch in batches:
+        for ctx in contexts:
+            if time.time() > deadline:
+                break
+            kv_bytes = 2 * batch * ctx * num_kv_heads * head_dim * itemsize
+            if kv_bytes > 24 << 30:
+                continue
+            blocks_per_seq = ctx // block_size
+            num_blocks = batch * blocks_per_seq
+            rng = np.random.default_rng(batch + ctx)
+            block_tables = rng.permutation(num_blocks).astype(np.int32).reshape(batch, blocks_per_seq)
+            meta = AttentionMetadata(np.arange(batch + 1, dtype=np.int32), np.full(batch, ctx, np.int32),
+                                     block_tables, np.zeros(batch, np.int32), 1, ctx)
+            shape = (num_blocks, block_size, num_kv_heads, head_dim)
+            k_cache = cp.random.standard_normal(shape, dtype=cp.float32).astype(cp.float16)
+            v_cache = cp.random.standard_normal(shape, dtype=cp.float32).astype(cp.float16)
+            q = cp.random.standard_normal((batch, num_heads, head_dim), dtype=cp.float32).astype(cp.float16)
+            scale = 1.0 / math.sqrt(head_dim)
+            seconds = time_gpu(cp, lambda: backend.forward(q, k_cache, v_cache, meta, scale))
+            rows.append({"batch": batch, "ctx": ctx, "us": seconds * 1e6, "gbps": kv_bytes / seconds / 1e9})
+            del k_cache, v_cache, q
+            cp.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+# --------------------------------------------------------------------------------------
+# End to end (to be filled in by the engine's owner)
+# --------------------------------------------------------------------------------------
+
+def end_to_end_smollm2() -> str:
+    """STUB — end-to-end SmolLM2 throughput through the engine on the GPU.
+
+    TODO(lead): time ``LLM.generate`` on a fixed prompt set and report tokens/s.
+    """
+    try:
+        from refengine import LLM
+
+        root = Path(__file__).resolve().parents[1]
+        llm = LLM(model=str(root / "weights" / "SmolLM2-135M-Instruct"), device="cuda")  # noqa: F841
+        return "LLM(device='cuda') constructed; throughput measurement not written yet"
+    except Exception as exc:  # the engine's GPU path may not exist yet
+        return f"skipped: {type(exc).__name__}: {exc}"
+
+
+# --------------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--skip-bench", action="store_true", help="correctness only")
+    args = parser.parse_args(argv)
+
+    cp = require_cupy()
+    if cp is None:
+        print("gpu_check: CuPy with a CUDA device is required (pip install 'refengine[cuda]' on a GPU machine)")
+        return 2
+    started = time.time()
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    print(f"device: {props['name'].decode()}  SMs: {props['multiProcessorCount']}  CuPy {cp.__version__}")
+
+    print("\n(a) correctness: CUDA kernels vs NumPy twin")
+    results = check_correctness(cp, args.quick)
+    failed = [r for r in results if not r[1]]
+    for name, ok, detail in results:
+        print(f"  {'ok  ' if ok else 'FAIL'} {name}  {detail}")
+    print(f"  {len(results) - len(failed)}/{len(results)} passed  ({time.time() - started:.0f} s)")
+
+    if not args.skip_bench:
+        deadline = started + TIME_BUDGET_S
+        copy_gbps = copy_bandwidth(cp)
+        prefill = bench_prefill(cp, args.quick, deadline)
+        decode = bench_decode(cp, args.quick, deadline)
+        print("\n(b) flash prefill, causal, float16, 32 q heads / 8 KV heads, paged (block 16)")
+        print(f"  {'hd':>4} {'seq':>6} {'batch':>5} {'mma ms':>9} {'mma TF/s':>9} {'simt TF/s':>10} "
+              f"{'SDPA TF/s':>10}")
+        for r in prefill:
+            print(f"  {r['head_dim']:>4} {r['seq']:>6} {r['batch']:>5} {r['mma_ms']:>9.2f} {r['mma_tflops']:>9.1f} "
+                  f"{r['simt_tflops']:>10.1f} {r['sdpa_tflops']:>10.1f}")
+        print(f"\n(b) paged decode, float16, 32 q heads / 8 KV heads, hd 128; "
+              f"device copy bandwidth {copy_gbps:.0f} GB/s (read+write)")
+        print(f"  {'batch':>5} {'ctx':>6} {'us':>9} {'GB/s':>8} {'% of copy':>9}")
+        for r in decode:
+            print(f"  {r['batch']:>5} {r['ctx']:>6} {r['us']:>9.1f} {r['gbps']:>8.0f} "
+                  f"{100 * r['gbps'] / copy_gbps:>8.0f}%")
+        print(f"\nend to end: {end_to_end_smollm2()}")
+    print(f"\ntotal {time.time() - started:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

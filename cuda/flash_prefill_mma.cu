@@ -1,0 +1,251 @@
+// flash_prefill_mma.cu — flash_prefill.cu's algorithm on tensor cores (float16 / bfloat16).
+//
+// Same contract and same FlashAttention-2 loop (Dao 2023, §3.1, Algorithm 1) as
+// flash_prefill.cu — read that file first. The difference is who multiplies: here both
+// inner products, S = Q·Kᵀ and O += P·V, are `mma.sync m16n8k16` tensor-core instructions
+// (see mma.cuh for the register layout), and the online softmax runs directly on the
+// accumulator registers, as in FA2 §3.1.1 ("the warp owns whole rows, so no shared memory
+// is needed for the softmax statistics").
+//
+// Thread layout: 128 threads = 4 warps; a block owns BLOCK_M = 64 query rows of one head,
+// warp w the 16 rows 16w .. 16w+15. grid = (ceil(max_query_len / 64), num_heads, num_seqs).
+// Within a warp (g = lane / 4, t = lane % 4) a lane holds, for every 8-column tile j:
+//   S[g][8j + 2t, +1] and S[g + 8][8j + 2t, +1]      (mma.cuh's C layout)
+// so a row's values are spread over the 4 lanes of a group: row max / sum need two
+// xor-shuffles (1, 2). The scores of two adjacent 8-key tiles, rounded to T, are exactly
+// the A fragment of the next MMA (P·V): P never leaves registers.
+//
+// Per key tile (BLOCK_N = 64 keys):
+//   1. all 128 threads stage K and V [64][HEAD_DIM] in shared memory with 16-byte loads
+//      through the block table (rows padded by 8 elements: the fragment loads below then
+//      hit 32 different banks);
+//   2. S = Q·Kᵀ: (HEAD_DIM / 16) x 8 MMAs per warp; Q's A fragments stay in registers
+//      for the whole kernel; B fragments are 32-bit loads of K rows;
+//   3. scale, causal mask, online softmax on the S registers;
+//   4. O += P·V: (64 / 16) x (HEAD_DIM / 8) MMAs; V's B fragments are two 16-bit loads.
+// A warp whose 16 rows all precede the tile (the causal upper triangle) skips 2-4.
+//
+// Shared memory (dynamic): 2 * 64 * (HEAD_DIM + 8) * 2 bytes (K and V tiles).
+// Precision: T inputs, float32 accumulation and softmax; P is rounded to T for the P·V
+// product (as in FlashAttention-2), which the T-precision tolerance of the tests covers.
+//
+// Not done (next steps for speed): cp.async double-buffering of the K/V tiles, ldmatrix
+// for the fragment loads, and Hopper wgmma/TMA.
+#include "common.cuh"
+#include "mma.cuh"
+
+namespace prefill_mma {
+constexpr int kNumThreads = 128;
+constexpr int kBlockM = 64;  // query rows per block (16 per warp)
+constexpr int kBlockN = 64;  // keys per shared-memory tile
+constexpr int kPad = 8;      // elements of padding per shared-memory row
+}  // namespace prefill_mma
+
+template <typename T, int HEAD_DIM>
+__device__ void flash_prefill_mma(const T* __restrict__ q, const T* __restrict__ k_cache,
+                                  const T* __restrict__ v_cache, T* __restrict__ out,
+                                  const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
+                                  const int* __restrict__ block_tables, int max_blocks_per_seq, int num_heads,
+                                  int num_kv_heads, int block_size, float scale) {
+    using namespace prefill_mma;
+    static_assert(HEAD_DIM % 16 == 0, "head_dim must be a multiple of 16");
+    constexpr int kStride = HEAD_DIM + kPad;           // shared-memory row length (elements)
+    constexpr int kDimSteps = HEAD_DIM / 16;           // k-steps of Q·Kᵀ
+    constexpr int kKeyTiles8 = kBlockN / 8;            // n-tiles of S
+    constexpr int kDimTiles8 = HEAD_DIM / 8;           // n-tiles of O
+    constexpr int kChunks = HEAD_DIM / 8;              // 16-byte chunks per K/V row
+
+    const int q_tile = blockIdx.x;
+    const int head = blockIdx.y;
+    const int seq = blockIdx.z;
+    const int q_start = query_start_loc[seq];
+    const int q_len = query_start_loc[seq + 1] - q_start;
+    if (q_tile * kBlockM >= q_len) return;  // whole block exits together
+
+    const int seq_len = seq_lens[seq];
+    const int ctx_len = seq_len - q_len;
+    const int kv_head = head / (num_heads / num_kv_heads);
+    const int* block_table = block_tables + (long long)seq * max_blocks_per_seq;
+
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int g = lane / 4;  // groupID: this lane's rows are g and g + 8 of the warp's 16
+    const int t = lane % 4;  // threadID_in_group: its columns are 2t, 2t + 1 (+ 8)
+
+    // Query rows held by this lane (within the sequence's chunk) and their positions.
+    const int row0 = q_tile * kBlockM + warp * 16 + g;
+    const int row1 = row0 + 8;
+    const int last_row = min(q_tile * kBlockM + kBlockM, q_len) - 1;
+    const int pos0 = ctx_len + min(row0, last_row);  // padding rows borrow the last real row
+    const int pos1 = ctx_len + min(row1, last_row);
+    // Largest position among the warp's 16 rows: keys beyond it are masked for the warp.
+    const int warp_last_pos = ctx_len + min(q_tile * kBlockM + warp * 16 + 15, last_row);
+
+    // Q's A fragments for the whole head dimension, loaded once (zero for padding rows).
+    unsigned q_frag[kDimSteps][4];
+    {
+        const T* q0 = q + ((long long)(q_start + min(row0, last_row)) * num_heads + head) * HEAD_DIM;
+        const T* q1 = q + ((long long)(q_start + min(row1, last_row)) * num_heads + head) * HEAD_DIM;
+        const bool valid0 = row0 < q_len, valid1 = row1 < q_len;
+#pragma unroll
+        for (int ks = 0; ks < kDimSteps; ++ks) {
+            const int c = ks * 16 + 2 * t;
+            q_frag[ks][0] = valid0 ? *reinterpret_cast<const unsigned*>(q0 + c) : 0u;
+            q_frag[ks][1] = valid1 ? *reinterpret_cast<const unsigned*>(q1 + c) : 0u;
+            q_frag[ks][2] = valid0 ? *reinterpret_cast<const unsigned*>(q0 + c + 8) : 0u;
+            q_frag[ks][3] = valid1 ? *reinterpret_cast<const unsigned*>(q1 + c + 8) : 0u;
+        }
+    }
+
+    float o[kDimTiles8][4];  // output accumulator in the C layout
+#pragma unroll
+    for (int j = 0; j < kDimTiles8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+    float m0 = REFENGINE_NEG_INF, m1 = REFENGINE_NEG_INF;  // running max of rows g, g + 8
+    float l0 = 0.0f, l1 = 0.0f;  // this lane's share of the running sums (reduced at the end)
+
+    extern __shared__ __align__(16) unsigned char shared_mem[];
+    T* k_tile = reinterpret_cast<T*>(shared_mem);
+    T* v_tile = k_tile + kBlockN * kStride;
+    REFENGINE_CHECK_SHARED_BYTES(2 * kBlockN * kStride * sizeof(T));
+
+    const int kv_end = ctx_len + last_row + 1;  // keys the block's last row sees
+    for (int kv_start = 0; kv_start < kv_end; kv_start += kBlockN) {
+        // 1. Stage K and V: 16-byte chunks, 8 elements each; zero past kv_end.
+        for (int idx = threadIdx.x; idx < kBlockN * kChunks; idx += kNumThreads) {
+            const int key = idx / kChunks;
+            const int d = (idx % kChunks) * 8;
+            const int pos = kv_start + key;
+            uint4 kv = {0u, 0u, 0u, 0u}, vv = {0u, 0u, 0u, 0u};
+            if (pos < kv_end) {
+                const long long slot = (long long)block_table[pos / block_size] * block_size + pos % block_size;
+                const long long offset = (slot * num_kv_heads + kv_head) * HEAD_DIM + d;
+                kv = *reinterpret_cast<const uint4*>(k_cache + offset);
+                vv = *reinterpret_cast<const uint4*>(v_cache + offset);
+            }
+            *reinterpret_cast<uint4*>(k_tile + key * kStride + d) = kv;
+            *reinterpret_cast<uint4*>(v_tile + key * kStride + d) = vv;
+        }
+        __syncthreads();  // the tile is complete before anyone reads it
+
+        if (kv_start <= warp_last_pos) {  // warp-uniform: some row of this warp sees a key here
+            // 2. S = Q·Kᵀ for 16 rows x 64 keys.
+            float s[kKeyTiles8][4];
+#pragma unroll
+            for (int j = 0; j < kKeyTiles8; ++j) {
+                s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+                const T* k_row = k_tile + (j * 8 + g) * kStride + 2 * t;  // B[k][n] = K[n][k]
+#pragma unroll
+                for (int ks = 0; ks < kDimSteps; ++ks) {
+                    unsigned b[2];
+                    b[0] = *reinterpret_cast<const unsigned*>(k_row + ks * 16);
+                    b[1] = *reinterpret_cast<const unsigned*>(k_row + ks * 16 + 8);
+                    mma_m16n8k16<T>(s[j], q_frag[ks], b);
+                }
+            }
+
+            // 3. Scale, mask, online softmax (rows g and g + 8 of the warp).
+            float tile_max0 = REFENGINE_NEG_INF, tile_max1 = REFENGINE_NEG_INF;
+#pragma unroll
+            for (int j = 0; j < kKeyTiles8; ++j) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int key = kv_start + j * 8 + 2 * t + (i % 2);
+                    const int pos = i < 2 ? pos0 : pos1;
+                    s[j][i] = key <= pos ? s[j][i] * scale : REFENGINE_NEG_INF;
+                }
+                tile_max0 = fmaxf(tile_max0, fmaxf(s[j][0], s[j][1]));
+                tile_max1 = fmaxf(tile_max1, fmaxf(s[j][2], s[j][3]));
+            }
+            // The 4 lanes of a group hold the same two rows: combine their maxima.
+            tile_max0 = fmaxf(tile_max0, __shfl_xor_sync(REFENGINE_FULL_MASK, tile_max0, 1));
+            tile_max0 = fmaxf(tile_max0, __shfl_xor_sync(REFENGINE_FULL_MASK, tile_max0, 2));
+            tile_max1 = fmaxf(tile_max1, __shfl_xor_sync(REFENGINE_FULL_MASK, tile_max1, 1));
+            tile_max1 = fmaxf(tile_max1, __shfl_xor_sync(REFENGINE_FULL_MASK, tile_max1, 2));
+            // Finite from the first tile on: key 0 is visible to every row.
+            const float m_new0 = fmaxf(m0, tile_max0), m_new1 = fmaxf(m1, tile_max1);
+            const float alpha0 = __expf(m0 - m_new0), alpha1 = __expf(m1 - m_new1);
+            m0 = m_new0;
+            m1 = m_new1;
+            l0 *= alpha0;
+            l1 *= alpha1;
+#pragma unroll
+            for (int j = 0; j < kDimTiles8; ++j) {
+                o[j][0] *= alpha0;
+                o[j][1] *= alpha0;
+                o[j][2] *= alpha1;
+                o[j][3] *= alpha1;
+            }
+
+            // 4. O += P·V, 16 keys (two S tiles = one A fragment) at a time.
+#pragma unroll
+            for (int kk = 0; kk < kBlockN / 16; ++kk) {
+                float p[2][4];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    p[h][0] = __expf(s[2 * kk + h][0] - m0);
+                    p[h][1] = __expf(s[2 * kk + h][1] - m0);
+                    p[h][2] = __expf(s[2 * kk + h][2] - m1);
+                    p[h][3] = __expf(s[2 * kk + h][3] - m1);
+                    l0 += p[h][0] + p[h][1];
+                    l1 += p[h][2] + p[h][3];
+                }
+                unsigned a[4];
+                a[0] = pack_pair(p[0][0], p[0][1], T{});  // row g,     keys 2t, 2t+1
+                a[1] = pack_pair(p[0][2], p[0][3], T{});  // row g + 8, keys 2t, 2t+1
+                a[2] = pack_pair(p[1][0], p[1][1], T{});  // row g,     keys 2t+8, 2t+9
+                a[3] = pack_pair(p[1][2], p[1][3], T{});  // row g + 8, keys 2t+8, 2t+9
+                const T* v0 = v_tile + (kk * 16 + 2 * t) * kStride + g;  // B[k][n] = V[key][d]
+#pragma unroll
+                for (int j = 0; j < kDimTiles8; ++j) {
+                    const T* v = v0 + j * 8;
+                    unsigned b[2];
+                    b[0] = (unsigned)bits_of(v[0]) | ((unsigned)bits_of(v[kStride]) << 16);
+                    b[1] = (unsigned)bits_of(v[8 * kStride]) | ((unsigned)bits_of(v[9 * kStride]) << 16);
+                    mma_m16n8k16<T>(o[j], a, b);
+                }
+            }
+        }
+        __syncthreads();  // everyone is done with this tile before the next one overwrites it
+    }
+
+    // Full row sums: add the 4 lanes' shares.
+    l0 += __shfl_xor_sync(REFENGINE_FULL_MASK, l0, 1);
+    l0 += __shfl_xor_sync(REFENGINE_FULL_MASK, l0, 2);
+    l1 += __shfl_xor_sync(REFENGINE_FULL_MASK, l1, 1);
+    l1 += __shfl_xor_sync(REFENGINE_FULL_MASK, l1, 2);
+    const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
+    T* out0 = out + ((long long)(q_start + row0) * num_heads + head) * HEAD_DIM + 2 * t;
+    T* out1 = out + ((long long)(q_start + row1) * num_heads + head) * HEAD_DIM + 2 * t;
+#pragma unroll
+    for (int j = 0; j < kDimTiles8; ++j) {
+        if (row0 < q_len) {
+            store_float(&out0[j * 8], o[j][0] * inv0);
+            store_float(&out0[j * 8 + 1], o[j][1] * inv0);
+        }
+        if (row1 < q_len) {
+            store_float(&out1[j * 8], o[j][2] * inv1);
+            store_float(&out1[j * 8 + 1], o[j][3] * inv1);
+        }
+    }
+}
+
+// Exported kernels: flash_prefill_mma_<f16|bf16>_hd<D>. Launch with 128 threads, grid
+// (ceil(max_query_len / 64), num_heads, num_seqs), 2 * 64 * (D + 8) * 2 bytes of dynamic
+// shared memory; same arguments as flash_prefill_*. q, k_cache, v_cache must be 16-byte
+// aligned (any CuPy allocation is).
+#define DEFINE_FLASH_PREFILL_MMA(NAME, T, HEAD_DIM)                                                             \
+    extern "C" __global__ void __launch_bounds__(prefill_mma::kNumThreads)                                      \
+        NAME(const T* q, const T* k_cache, const T* v_cache, T* out, const int* query_start_loc,                \
+             const int* seq_lens, const int* block_tables, int max_blocks_per_seq, int num_heads,               \
+             int num_kv_heads, int block_size, float scale) {                                                   \
+        flash_prefill_mma<T, HEAD_DIM>(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,       \
+                                       max_blocks_per_seq, num_heads, num_kv_heads, block_size, scale);         \
+    }                                                                                                           \
+    REFENGINE_EXPORT_KERNEL(NAME)
+
+DEFINE_FLASH_PREFILL_MMA(flash_prefill_mma_f16_hd64, __half, 64)
+DEFINE_FLASH_PREFILL_MMA(flash_prefill_mma_f16_hd128, __half, 128)
+DEFINE_FLASH_PREFILL_MMA(flash_prefill_mma_bf16_hd64, __nv_bfloat16, 64)
+DEFINE_FLASH_PREFILL_MMA(flash_prefill_mma_bf16_hd128, __nv_bfloat16, 128)
+DEFINE_FLASH_PREFILL_MMA(flash_prefill_mma_f16_hd32, __half, 32)
+DEFINE_FLASH_PREFILL_MMA(flash_prefill_mma_bf16_hd32, __nv_bfloat16, 32)

@@ -1,0 +1,257 @@
+// paged_decode.cu — one new query token per sequence attending over its paged KV cache.
+//
+// Sources: vLLM's PagedAttention (Kwon et al. 2023, "Efficient Memory Management for Large
+// Language Model Serving with PagedAttention", §4.1: keys read block by block through a
+// block table) and Flash-Decoding (Dao, Haziza, Massa, Sizov 2023, "Flash-Decoding for
+// long-context inference": split the context into partitions processed in parallel, then
+// merge the partial softmaxes with their log-sum-exp statistics).
+//
+// Decode is memory-bound: every K/V byte is read once per step and used for only
+// group = num_heads / num_kv_heads query heads. So one block serves *all* the query heads
+// of a KV head (up to kGroupTile of them) and reads each K/V tile once for all of them.
+//
+// Kernel 1, paged_decode_<dtype>_hd<D>:
+//   grid  = (num_kv_heads * ceil(group / kGroupTile), num_seqs, num_partitions)
+//   block = 128 threads (4 warps); one partition of `partition_size` context tokens.
+//   Per key tile (kKeyTile = 32 keys, staged in shared memory as float32):
+//     scores:  thread t computes (head g, key k) pairs t, t+128, ...: k = pair % 32, g = pair / 32
+//     softmax: warp w owns heads w, w+4; lane = key; warp_max / warp_sum give the tile
+//              statistics; the running max m, sum l and rescale factor live in shared memory
+//     p · v:   thread t owns output dimension d = t % D of heads t / D + (128 / D) * i
+//   With one partition the block writes the normalised output directly; otherwise it
+//   writes acc / l plus (m, l) per (sequence, head, partition) for kernel 2.
+//
+// Kernel 2, paged_decode_reduce_<dtype>_hd<D>: grid = (num_heads, num_seqs), block = D
+// threads (thread = output dimension). Merges the partitions:
+//   M = max_p m_p,   w_p = l_p * exp(m_p - M),   out = sum_p w_p * o_p / sum_p w_p.
+//
+// Shared memory (dynamic, float32), kernel 1:
+//   q_s [kGroupTile][D] | k_s [kKeyTile][D + 1] (padded: the 32 lanes of a warp read 32
+//   different keys at the same d, the +1 puts them in 32 different banks) | v_s [kKeyTile][D]
+//   | p_s [kGroupTile][kKeyTile] | m_s, l_s, alpha_s [kGroupTile]
+#include "common.cuh"
+
+namespace decode {
+constexpr int kNumThreads = 128;
+constexpr int kNumWarps = kNumThreads / 32;
+constexpr int kKeyTile = 32;   // = warp size: in the softmax step a lane owns one key
+constexpr int kGroupTile = 8;  // query heads served per block (the rest go to more blocks)
+
+template <int HEAD_DIM>
+__host__ __device__ constexpr int shared_floats() {
+    return kGroupTile * HEAD_DIM + kKeyTile * (HEAD_DIM + 1) + kKeyTile * HEAD_DIM + kGroupTile * kKeyTile +
+           3 * kGroupTile;
+}
+}  // namespace decode
+
+template <typename T, int HEAD_DIM>
+__device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+                             T* __restrict__ out, float* __restrict__ partial_out, float* __restrict__ partial_max,
+                             float* __restrict__ partial_sum, const int* __restrict__ query_start_loc,
+                             const int* __restrict__ seq_lens, const int* __restrict__ block_tables,
+                             int max_blocks_per_seq, int num_heads, int num_kv_heads, int block_size, float scale,
+                             int partition_size) {
+    using namespace decode;
+    static_assert(kNumThreads % HEAD_DIM == 0 && HEAD_DIM >= 32, "head_dim must divide 128");
+    constexpr int kHeadsPerPass = kNumThreads / HEAD_DIM;         // heads covered by one row of threads
+    constexpr int kAccPerThread = kGroupTile / kHeadsPerPass;     // outputs each thread accumulates
+    constexpr int kVec = 16 / sizeof(T);                          // elements per 16-byte load
+    constexpr int kChunksPerRow = HEAD_DIM / kVec;
+
+    const int seq = blockIdx.y;
+    const int partition = blockIdx.z;
+    if (query_start_loc[seq + 1] == query_start_loc[seq]) return;  // no query row this step
+    const int seq_len = seq_lens[seq];
+    const int part_start = partition * partition_size;
+    if (part_start >= seq_len) return;  // a shorter sequence than the longest: nothing here
+    const int part_end = min(seq_len, part_start + partition_size);
+
+    const int group = num_heads / num_kv_heads;
+    const int group_chunks = (group + kGroupTile - 1) / kGroupTile;
+    const int kv_head = blockIdx.x / group_chunks;
+    const int g_first = (blockIdx.x % group_chunks) * kGroupTile;  // first head of the group served here
+    const int num_g = min(kGroupTile, group - g_first);
+    const int head0 = kv_head * group + g_first;                   // its global query-head index
+    const int token = query_start_loc[seq + 1] - 1;                // the decode row (last of the sequence)
+    const int* block_table = block_tables + (long long)seq * max_blocks_per_seq;
+
+    extern __shared__ __align__(16) unsigned char shared_mem[];
+    float* q_s = reinterpret_cast<float*>(shared_mem);
+    float* k_s = q_s + kGroupTile * HEAD_DIM;
+    float* v_s = k_s + kKeyTile * (HEAD_DIM + 1);
+    float* p_s = v_s + kKeyTile * HEAD_DIM;
+    float* m_s = p_s + kGroupTile * kKeyTile;
+    float* l_s = m_s + kGroupTile;
+    float* alpha_s = l_s + kGroupTile;
+    REFENGINE_CHECK_SHARED_BYTES(shared_floats<HEAD_DIM>() * sizeof(float));
+
+    const int tid = threadIdx.x;
+    const int warp = tid / 32;
+    const int lane = tid % 32;
+
+    // Query rows of the served heads, scaled (unused head slots: zero).
+    for (int idx = tid; idx < kGroupTile * HEAD_DIM; idx += kNumThreads) {
+        const int g = idx / HEAD_DIM;
+        q_s[idx] = g < num_g ? load_float(q[((long long)token * num_heads + head0 + g) * HEAD_DIM + idx % HEAD_DIM]) * scale
+                             : 0.0f;
+    }
+    if (tid < kGroupTile) {
+        m_s[tid] = REFENGINE_NEG_INF;
+        l_s[tid] = 0.0f;
+    }
+    float acc[kAccPerThread];
+#pragma unroll
+    for (int i = 0; i < kAccPerThread; ++i) acc[i] = 0.0f;
+    const int d_own = tid % HEAD_DIM;  // the output dimension this thread accumulates
+    const int g_own = tid / HEAD_DIM;  // its first head; then + kHeadsPerPass * i
+
+    for (int tile_start = part_start; tile_start < part_end; tile_start += kKeyTile) {
+        // 1. Stage K and V (converted to float32) through the block table, 16 bytes per
+        //    load (decode is bandwidth-bound: wide loads keep the memory system busy with
+        //    few instructions); zero past the end of the partition.
+        for (int idx = tid; idx < kKeyTile * kChunksPerRow; idx += kNumThreads) {
+            const int key = idx / kChunksPerRow;
+            const int d = (idx % kChunksPerRow) * kVec;
+            const int pos = tile_start + key;
+            uint4 k_raw = {0u, 0u, 0u, 0u}, v_raw = {0u, 0u, 0u, 0u};  // zero bits = 0.0 in every T
+            if (pos < part_end) {
+                const long long physical_block = block_table[pos / block_size];
+                const long long slot = physical_block * block_size + pos % block_size;
+                const long long offset = (slot * num_kv_heads + kv_head) * HEAD_DIM + d;
+                k_raw = *reinterpret_cast<const uint4*>(k_cache + offset);
+                v_raw = *reinterpret_cast<const uint4*>(v_cache + offset);
+            }
+            const T* k_vec = reinterpret_cast<const T*>(&k_raw);
+            const T* v_vec = reinterpret_cast<const T*>(&v_raw);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) {
+                k_s[key * (HEAD_DIM + 1) + d + e] = load_float(k_vec[e]);
+                v_s[key * HEAD_DIM + d + e] = load_float(v_vec[e]);
+            }
+        }
+        __syncthreads();  // q_s, stats (first tile) and the K/V tile are complete
+
+        // 2. Scores for every (head, key) pair of the tile. Head slots past the group
+        //    (num_g < kGroupTile) get a dummy finite score and are never written out.
+        for (int pair = tid; pair < kGroupTile * kKeyTile; pair += kNumThreads) {
+            const int key = pair % kKeyTile;
+            const int g = pair / kKeyTile;
+            float dot = 0.0f;
+            if (g < num_g) {
+#pragma unroll 8
+                for (int d = 0; d < HEAD_DIM; ++d) dot += q_s[g * HEAD_DIM + d] * k_s[key * (HEAD_DIM + 1) + d];
+            }
+            p_s[pair] = (tile_start + key < part_end) ? dot : REFENGINE_NEG_INF;
+        }
+        __syncthreads();  // all scores written
+
+        // 3. Online softmax per head; lane = key. Read m before the shuffles: lane 0
+        //    overwrites it after them, and the shuffles order that write after every read.
+        for (int g = warp; g < kGroupTile; g += kNumWarps) {
+            const float m_old = m_s[g];
+            const float s = p_s[g * kKeyTile + lane];
+            const float m_new = fmaxf(m_old, warp_max(s));  // finite: the tile has >= 1 key
+            const float p = __expf(s - m_new);
+            const float tile_sum = warp_sum(p);
+            p_s[g * kKeyTile + lane] = p;
+            if (lane == 0) {
+                const float alpha = __expf(m_old - m_new);
+                alpha_s[g] = alpha;
+                l_s[g] = l_s[g] * alpha + tile_sum;
+                m_s[g] = m_new;
+            }
+        }
+        __syncthreads();  // probabilities and rescale factors ready
+
+        // 4. acc = alpha * acc + p · V for the outputs this thread owns.
+#pragma unroll
+        for (int i = 0; i < kAccPerThread; ++i) {
+            const int g = g_own + kHeadsPerPass * i;
+            if (g >= num_g) continue;  // an unused head slot
+            float sum = 0.0f;
+#pragma unroll 8
+            for (int key = 0; key < kKeyTile; ++key) sum += p_s[g * kKeyTile + key] * v_s[key * HEAD_DIM + d_own];
+            acc[i] = acc[i] * alpha_s[g] + sum;
+        }
+        __syncthreads();  // done with this tile before the next one overwrites it
+    }
+
+#pragma unroll
+    for (int i = 0; i < kAccPerThread; ++i) {
+        const int g = g_own + kHeadsPerPass * i;
+        if (g >= num_g) continue;
+        const int head = head0 + g;
+        const float o = acc[i] / l_s[g];
+        if (gridDim.z == 1) {  // the whole context in one partition: final answer
+            store_float(&out[((long long)token * num_heads + head) * HEAD_DIM + d_own], o);
+        } else {
+            const long long idx = ((long long)seq * num_heads + head) * gridDim.z + partition;
+            partial_out[idx * HEAD_DIM + d_own] = o;
+            if (d_own == 0) {
+                partial_max[idx] = m_s[g];
+                partial_sum[idx] = l_s[g];
+            }
+        }
+    }
+}
+
+template <typename T, int HEAD_DIM>
+__device__ void paged_decode_reduce(T* __restrict__ out, const float* __restrict__ partial_out,
+                                    const float* __restrict__ partial_max, const float* __restrict__ partial_sum,
+                                    const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
+                                    int num_heads, int num_partitions, int partition_size) {
+    const int head = blockIdx.x;
+    const int seq = blockIdx.y;
+    const int d = threadIdx.x;
+    if (query_start_loc[seq + 1] == query_start_loc[seq]) return;  // no query row this step
+    const int used = (seq_lens[seq] + partition_size - 1) / partition_size;  // partitions this sequence filled
+    const long long base = ((long long)seq * num_heads + head) * num_partitions;
+
+    float global_max = REFENGINE_NEG_INF;
+    for (int p = 0; p < used; ++p) global_max = fmaxf(global_max, partial_max[base + p]);
+    float numerator = 0.0f, denominator = 0.0f;
+    for (int p = 0; p < used; ++p) {
+        const float w = partial_sum[base + p] * __expf(partial_max[base + p] - global_max);
+        numerator += w * partial_out[(base + p) * HEAD_DIM + d];
+        denominator += w;
+    }
+    const int token = query_start_loc[seq + 1] - 1;
+    store_float(&out[((long long)token * num_heads + head) * HEAD_DIM + d], numerator / denominator);
+}
+
+// Exported kernels. paged_decode_<dtype>_hd<D>: 128 threads, grid as above,
+// decode::shared_floats<D>() * 4 bytes of dynamic shared memory. partial_* are float32
+// scratch of [num_seqs, num_heads, num_partitions] (x D for partial_out); unused (may be
+// any pointer) when num_partitions == 1. partition_size must be a multiple of 32.
+// k_cache and v_cache must be 16-byte aligned (any CuPy allocation is).
+// (No __launch_bounds__(128) on the main kernel: with it ptxas aims at full occupancy,
+// 32 registers, and spills for head_dim 32; left alone it takes ~40 and spills nothing.)
+#define DEFINE_PAGED_DECODE(NAME, REDUCE_NAME, T, HEAD_DIM)                                                   \
+    extern "C" __global__ void NAME(                                                                          \
+        const T* q, const T* k_cache, const T* v_cache, T* out, float* partial_out, float* partial_max,  \
+             float* partial_sum, const int* query_start_loc, const int* seq_lens, const int* block_tables,    \
+             int max_blocks_per_seq, int num_heads, int num_kv_heads, int block_size, float scale,            \
+             int partition_size) {                                                                            \
+        paged_decode<T, HEAD_DIM>(q, k_cache, v_cache, out, partial_out, partial_max, partial_sum,            \
+                                  query_start_loc, seq_lens, block_tables, max_blocks_per_seq, num_heads,     \
+                                  num_kv_heads, block_size, scale, partition_size);                           \
+    }                                                                                                         \
+    REFENGINE_EXPORT_KERNEL(NAME)                                                                             \
+    extern "C" __global__ void __launch_bounds__(HEAD_DIM)                                                    \
+        REDUCE_NAME(T* out, const float* partial_out, const float* partial_max, const float* partial_sum,     \
+                    const int* query_start_loc, const int* seq_lens, int num_heads, int num_partitions,       \
+                    int partition_size) {                                                                     \
+        paged_decode_reduce<T, HEAD_DIM>(out, partial_out, partial_max, partial_sum, query_start_loc,         \
+                                         seq_lens, num_heads, num_partitions, partition_size);                \
+    }                                                                                                         \
+    REFENGINE_EXPORT_KERNEL(REDUCE_NAME)
+
+DEFINE_PAGED_DECODE(paged_decode_f32_hd32, paged_decode_reduce_f32_hd32, float, 32)
+DEFINE_PAGED_DECODE(paged_decode_f32_hd64, paged_decode_reduce_f32_hd64, float, 64)
+DEFINE_PAGED_DECODE(paged_decode_f32_hd128, paged_decode_reduce_f32_hd128, float, 128)
+DEFINE_PAGED_DECODE(paged_decode_f16_hd32, paged_decode_reduce_f16_hd32, __half, 32)
+DEFINE_PAGED_DECODE(paged_decode_f16_hd64, paged_decode_reduce_f16_hd64, __half, 64)
+DEFINE_PAGED_DECODE(paged_decode_f16_hd128, paged_decode_reduce_f16_hd128, __half, 128)
+DEFINE_PAGED_DECODE(paged_decode_bf16_hd32, paged_decode_reduce_bf16_hd32, __nv_bfloat16, 32)
+DEFINE_PAGED_DECODE(paged_decode_bf16_hd64, paged_decode_reduce_bf16_hd64, __nv_bfloat16, 64)
+DEFINE_PAGED_DECODE(paged_decode_bf16_hd128, paged_decode_reduce_bf16_hd128, __nv_bfloat16, 128)
