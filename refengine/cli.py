@@ -23,6 +23,10 @@ def engine_options(f):
         click.option("--model", "model", default=None, metavar="DIR",
                      help="model directory (default: $REFENGINE_MODEL or weights/SmolLM2-135M-Instruct)"),
         click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True),
+        click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
+                     show_default=True, help="weights and KV cache (auto: float32 on the CPU, bfloat16 on a GPU)"),
+        click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True,
+                     help="share of GPU memory the engine may use"),
         click.option("--attention-backend", type=click.Choice(["numpy", "cuda", "cuda-emulated"]), default=None,
                      help="how attention is computed (default: follows the device)"),
         click.option("--max-model-len", type=int, default=None, help="most tokens per sequence (prompt + output)"),
@@ -64,7 +68,7 @@ def sampling_options(f):
     return f
 
 
-ENGINE_KEYS = ("model", "device", "attention_backend", "max_model_len", "block_size", "max_num_seqs",
+ENGINE_KEYS = ("model", "device", "dtype", "gpu_memory_utilization", "attention_backend", "max_model_len", "block_size", "max_num_seqs",
                "max_num_batched_tokens", "enable_chunked_prefill", "num_kv_blocks", "kv_cache_memory")
 SAMPLING_KEYS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "ignore_eos", "include_stop_str_in_output", "logprobs")
@@ -80,6 +84,15 @@ def build_engine(kw: dict):
 def build_params(kw: dict) -> SamplingParams:
     ids = [int(t) for t in kw["stop_token_ids"].split(",") if t.strip()]
     return SamplingParams(stop=list(kw["stop"]) or None, stop_token_ids=ids, **{k: kw[k] for k in SAMPLING_KEYS})
+
+
+def setup(kw: dict):
+    """(engine, params) from the command's flags; bad values end the command with the message."""
+    try:
+        params = build_params(kw)
+        return build_engine(kw), params
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        fail(str(e))
 
 
 def setup_logging(level: str) -> None:
@@ -107,11 +120,7 @@ def main(log_level: str):
 @sampling_options
 def generate(prompts, chat, as_json, **kw):
     """Generate text for PROMPTS (one prompt streams; several run as one batch)."""
-    try:
-        engine = build_engine(kw)
-        params = build_params(kw)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        fail(str(e))
+    engine, params = setup(kw)
     tok = engine.tokenizer
     if tok is None:
         fail(f"{engine.model_dir} has no tokenizer.json")
@@ -162,11 +171,7 @@ def chat(system, **kw):
 
     Ctrl-C stops the current answer without leaving.
     """
-    try:
-        engine = build_engine(kw)
-        params = build_params(kw)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        fail(str(e))
+    engine, params = setup(kw)
     tok = engine.tokenizer
     history: list[dict] = [{"role": "system", "content": system}] if system else []
     click.echo("refengine chat: /reset clears the history, /exit leaves, Ctrl-C stops an answer.", err=True)

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from refengine.attention import get_attention_backend
@@ -71,8 +72,29 @@ def resolve_device(device: str) -> tuple[str, object]:
     except Exception as e:  # ImportError, or no driver / device
         if device == "cuda":
             raise RuntimeError(f"device='cuda' needs CuPy and an NVIDIA GPU: {e}") from e
-        logger.info("device='auto': using the CPU (NumPy) because CuPy/CUDA is unavailable: %s", e)
+        logger.warning("device='auto': using the CPU (NumPy) because CuPy/CUDA is unavailable: %s", e)
         return "cpu", np
+
+
+DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+
+def resolve_dtype(dtype: str, device: str):
+    """``dtype`` ("auto", "float32", "float16", "bfloat16") -> NumPy dtype of weights and KV cache.
+
+    "auto" is float32 on the CPU and bfloat16 on a GPU.
+
+    Raises:
+        ValueError: an unknown dtype, or a 16-bit dtype on the CPU (NumPy has no fast
+            16-bit matrix products; the CPU path is float32 end to end).
+    """
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of 'auto', {', '.join(map(repr, DTYPES))}")
+    if device == "cpu" and dtype != "float32":
+        raise ValueError(f"dtype={dtype!r} is not supported on the CPU: the NumPy path is float32 end to end")
+    return np.dtype(DTYPES[dtype])
 
 
 @dataclass
@@ -98,9 +120,14 @@ class LLMEngine:
     Args:
         model: model directory (default: ``$REFENGINE_MODEL`` or ``weights/SmolLM2-135M-Instruct``).
         device: "cpu" (default), "cuda", or "auto".
+        dtype: weights and KV cache: "auto" (float32 on the CPU, bfloat16 on a GPU),
+            "float32", "float16", "bfloat16" (16-bit on a GPU only).
         attention_backend: "numpy", "cuda" or "cuda-emulated" (default: follows the device).
         max_model_len, block_size, max_num_seqs, max_num_batched_tokens,
         enable_chunked_prefill, num_kv_blocks, kv_cache_memory: see :class:`EngineConfig`.
+        gpu_memory_utilization: on a GPU, the share (0-1] of its memory the engine may
+            use; the KV pool gets what is left after the weights and a measured
+            activation peak, as vLLM sizes it.
         log_stats: log one line per finished request and engine stats every few seconds.
         trace: record per-step events for :meth:`EngineMetrics.write_trace`.
 
@@ -110,11 +137,12 @@ class LLMEngine:
             work together (e.g. ``max_model_len`` larger than the KV pool holds).
     """
 
-    def __init__(self, model: str | os.PathLike | None = None, *, device: str = "cpu",
+    def __init__(self, model: str | os.PathLike | None = None, *, device: str = "cpu", dtype: str = "auto",
                  attention_backend: str | None = None, max_model_len: int | None = None,
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  enable_chunked_prefill: bool = True, num_kv_blocks: int | None = None,
-                 kv_cache_memory: int = 2 * 1024**3, log_stats: bool = True, trace: bool = False):
+                 kv_cache_memory: int = 2 * 1024**3, gpu_memory_utilization: float = 0.9,
+                 log_stats: bool = True, trace: bool = False):
         self.model_dir = resolve_model_dir(model)
         self.model_config = ModelConfig.from_model_dir(self.model_dir)
         self.device, xp = resolve_device(device)
@@ -128,10 +156,15 @@ class LLMEngine:
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    enable_chunked_prefill=enable_chunked_prefill, num_kv_blocks=num_kv_blocks,
                                    kv_cache_memory=kv_cache_memory, log_stats=log_stats)
-        dtype = np.float32
-        if num_kv_blocks is None:
-            per_block = KVCache.bytes_per_block(mc.num_hidden_layers, block_size, mc.num_key_value_heads,
-                                                mc.head_dim, np.dtype(dtype).itemsize)
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} is invalid: must be in (0, 1]")
+        self.dtype = dtype = resolve_dtype(dtype, self.device)
+        self.model = LlamaModel(self.model_dir, get_attention_backend(backend), xp=xp, dtype=dtype)
+        per_block = KVCache.bytes_per_block(mc.num_hidden_layers, block_size, mc.num_key_value_heads,
+                                            mc.head_dim, dtype.itemsize)
+        if num_kv_blocks is None and self.device == "cuda":
+            num_kv_blocks = self._gpu_kv_blocks(per_block, gpu_memory_utilization)
+        elif num_kv_blocks is None:
             num_kv_blocks = max(1, kv_cache_memory // per_block)
         pool_tokens = num_kv_blocks * block_size
         if max_model_len is None:
@@ -149,7 +182,6 @@ class LLMEngine:
         self.config.max_model_len = max_model_len
         self.config.num_kv_blocks = num_kv_blocks
 
-        self.model = LlamaModel(self.model_dir, get_attention_backend(backend), xp=xp, dtype=dtype)
         self.kv_cache = KVCache(mc.num_hidden_layers, num_kv_blocks, block_size, mc.num_key_value_heads,
                                 mc.head_dim, dtype=dtype, xp=xp)
         self.block_manager = BlockManager(num_kv_blocks, block_size)
@@ -163,6 +195,39 @@ class LLMEngine:
         self._last_stats_log = time.monotonic()
 
     # --- set-up helpers ---------------------------------------------------------------
+    def _gpu_kv_blocks(self, per_block: int, utilization: float) -> int:
+        """KV blocks that fit in ``utilization`` of the GPU after weights and activations.
+
+        The activation peak is measured, as vLLM's ``profile_run`` does: one forward pass
+        of ``max_num_batched_tokens`` tokens through a throw-away cache, reading how much
+        the CuPy memory pool had to hold.
+        """
+        import cupy
+
+        cfg, mc = self.config, self.model_config
+        pool = cupy.get_default_memory_pool()
+        free, total = cupy.cuda.runtime.memGetInfo()
+        held_before = pool.total_bytes()
+        n = min(cfg.max_num_batched_tokens, mc.max_position_embeddings - 1)
+        probe = Sequence("__profile__", None, [0] * n, SamplingParams(max_tokens=1), 0.0)
+        scratch = KVCache(mc.num_hidden_layers, cdiv(n, cfg.block_size), cfg.block_size, mc.num_key_value_heads,
+                          mc.head_dim, dtype=self.dtype, xp=cupy)
+        probe.block_table = list(range(scratch.num_blocks))
+        ModelRunner(self.model, scratch).execute([(probe, n)])
+        cupy.cuda.Device().synchronize()
+        activation_peak = pool.total_bytes() - held_before - scratch.num_blocks * per_block
+        del scratch
+        pool.free_all_blocks()
+        free, total = cupy.cuda.runtime.memGetInfo()
+        budget = total * utilization - (total - free) - max(activation_peak, 0)
+        if budget < per_block:
+            raise ValueError(f"no GPU memory left for the KV cache at gpu_memory_utilization={utilization} "
+                             f"(weights and activations take {(total - free) / 2**30:.2f} GiB of "
+                             f"{total / 2**30:.2f} GiB)")
+        logger.info("KV cache: %d blocks (%.2f GiB); activation peak %.2f GiB", budget // per_block,
+                    budget / 2**30, activation_peak / 2**30)
+        return int(budget // per_block)
+
     def _load_tokenizer(self):
         if not (self.model_dir / "tokenizer.json").is_file():
             return None  # token-id prompts only (e.g. tiny test models)

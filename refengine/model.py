@@ -16,6 +16,10 @@ Per layer, as in transformers ``models/llama/modeling_llama.py`` (``LlamaDecoder
 
 Linear weights are stored transposed (``[in, out]``) and q/k/v and gate/up are fused,
 so each layer does four matrix products.
+
+Numerics: weights and the KV cache are in ``dtype`` (float32 on the CPU; float16 or
+bfloat16 on a GPU); activations, norms, RoPE and softmax stay float32 and each matrix
+product casts its input to the weight dtype (cuBLAS accumulates in float32).
 """
 
 from __future__ import annotations
@@ -41,19 +45,20 @@ class Layer:
         def t(name):  # HF stores [out, in]
             return w.pop(p + name).T
 
-        self.input_norm = xp.asarray(w.pop(p + "input_layernorm.weight"), dtype=dtype)
-        self.post_norm = xp.asarray(w.pop(p + "post_attention_layernorm.weight"), dtype=dtype)
+        f32 = np.float32  # small vectors (norms, biases) stay float32
+        self.input_norm = xp.asarray(w.pop(p + "input_layernorm.weight"), dtype=f32)
+        self.post_norm = xp.asarray(w.pop(p + "post_attention_layernorm.weight"), dtype=f32)
         qkv = np.concatenate([t("self_attn.q_proj.weight"), t("self_attn.k_proj.weight"),
                               t("self_attn.v_proj.weight")], axis=1)
         self.qkv = xp.asarray(np.ascontiguousarray(qkv), dtype=dtype)
         self.qkv_bias = None
         if cfg.attention_bias:
             bias = np.concatenate([w.pop(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-            self.qkv_bias = xp.asarray(bias, dtype=dtype)
+            self.qkv_bias = xp.asarray(bias, dtype=f32)
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
-            self.q_norm = xp.asarray(w.pop(p + "self_attn.q_norm.weight"), dtype=dtype)
-            self.k_norm = xp.asarray(w.pop(p + "self_attn.k_norm.weight"), dtype=dtype)
+            self.q_norm = xp.asarray(w.pop(p + "self_attn.q_norm.weight"), dtype=f32)
+            self.k_norm = xp.asarray(w.pop(p + "self_attn.k_norm.weight"), dtype=f32)
         self.o = xp.asarray(np.ascontiguousarray(t("self_attn.o_proj.weight")), dtype=dtype)
         gate_up = np.concatenate([t("mlp.gate_proj.weight"), t("mlp.up_proj.weight")], axis=1)
         self.gate_up = xp.asarray(np.ascontiguousarray(gate_up), dtype=dtype)
@@ -67,7 +72,7 @@ class LlamaModel:
         model_dir: a Hugging Face model directory (config.json + safetensors).
         attention: the attention backend (see :mod:`refengine.attention`).
         xp: ``numpy`` or ``cupy``.
-        dtype: weight and activation dtype (float32 on the CPU).
+        dtype: weight and KV cache dtype (float32 on the CPU; float16/bfloat16 on a GPU).
     Raises:
         FileNotFoundError, ValueError: from :class:`ModelConfig` and :func:`load_weights`.
     """
@@ -78,7 +83,7 @@ class LlamaModel:
         w = load_weights(model_dir, cfg, dtype=np.float32)  # cast to `dtype` on upload
         self.embed = xp.asarray(w.pop("model.embed_tokens.weight"), dtype=dtype)  # [V, H]
         self.layers = [Layer(w, i, cfg, xp, dtype) for i in range(cfg.num_hidden_layers)]
-        self.norm = xp.asarray(w.pop("model.norm.weight"), dtype=dtype)
+        self.norm = xp.asarray(w.pop("model.norm.weight"), dtype=np.float32)
         if cfg.tie_word_embeddings:
             self.lm_head = self.embed.T  # a view: tied weights are one array
         else:
@@ -105,10 +110,15 @@ class LlamaModel:
         n_q, n_kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q_size, kv_size = n_q * hd, n_kv * hd
         T = input_ids.shape[0]
-        h = self.embed[input_ids]
+        f32 = xp.float32
+
+        def linear(x, w):  # no copies when everything is float32
+            return (x.astype(w.dtype, copy=False) @ w).astype(f32, copy=False)
+
+        h = self.embed[input_ids].astype(f32)
         for li, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps, xp)
-            qkv = x @ layer.qkv
+            qkv = linear(x, layer.qkv)
             if layer.qkv_bias is not None:
                 qkv += layer.qkv_bias
             q = qkv[:, :q_size].reshape(T, n_q, hd)
@@ -119,10 +129,11 @@ class LlamaModel:
                 k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps, xp)
             q = self.rope(q, positions)
             k = self.rope(k, positions)
-            self.attention.write_kv(kv_cache.k[li], kv_cache.v[li], k, v, meta)
-            o = self.attention.forward(q, kv_cache.k[li], kv_cache.v[li], meta, self.scale)
-            h = h + o.reshape(T, q_size) @ layer.o
+            kc, vc = kv_cache.k[li], kv_cache.v[li]
+            self.attention.write_kv(kc, vc, k.astype(kc.dtype, copy=False), v.astype(kc.dtype, copy=False), meta)
+            o = self.attention.forward(q.astype(kc.dtype, copy=False), kc, vc, meta, self.scale)
+            h = h + linear(o.reshape(T, q_size), layer.o)
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps, xp)
-            h = h + silu_and_mul(x @ layer.gate_up, xp) @ layer.down
+            h = h + linear(silu_and_mul(linear(x, layer.gate_up), xp), layer.down)
         h = rms_norm(h[logits_indices], self.norm, cfg.rms_norm_eps, xp)
-        return (h @ self.lm_head).astype(xp.float32, copy=False)
+        return linear(h, self.lm_head)

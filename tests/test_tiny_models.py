@@ -59,6 +59,14 @@ def build(kind, heads, kv_heads, tied, rope_scaling, dtype, path, seed=0, max_sh
     return model
 
 
+def assert_logits_match(ours: np.ndarray, ref, ids: list[int]) -> None:
+    """Our prompt logits against transformers' (float32, eager) for the same ids."""
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    np.testing.assert_array_equal(ours.argmax(-1), want.argmax(-1))
+
+
 def hf_greedy(model, ids, n):
     out = list(ids)
     with torch.no_grad():
@@ -73,11 +81,7 @@ def test_tiny_model_matches_transformers(case, tmp_path):
     rng = np.random.default_rng(1)
     ids = rng.integers(3, 211, size=37).tolist()
     llm = LLM(model=tmp_path, device="cpu", block_size=8, log_stats=False)
-    ours = llm.prompt_logits(ids)
-    with torch.no_grad():
-        want = ref(torch.tensor([ids])).logits[0].numpy()
-    np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-    np.testing.assert_array_equal(ours.argmax(-1), want.argmax(-1))
+    assert_logits_match(llm.prompt_logits(ids), ref, ids)
     out = llm.generate([ids], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(ref, ids, 12)
 
@@ -86,10 +90,7 @@ def test_sharded_checkpoint(tmp_path):
     ref = build("llama", 4, 2, False, None, torch.float32, tmp_path, max_shard_size="20KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
     ids = list(range(3, 30))
-    ours = LLM(model=tmp_path, log_stats=False).prompt_logits(ids)
-    with torch.no_grad():
-        want = ref(torch.tensor([ids])).logits[0].numpy()
-    np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    assert_logits_match(LLM(model=tmp_path, log_stats=False).prompt_logits(ids), ref, ids)
 
 
 def test_tied_checkpoint_that_also_ships_lm_head(tmp_path):
@@ -99,10 +100,7 @@ def test_tied_checkpoint_that_also_ships_lm_head(tmp_path):
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     ids = list(range(3, 20))
-    ours = LLM(model=tmp_path, log_stats=False).prompt_logits(ids)
-    with torch.no_grad():
-        want = ref(torch.tensor([ids])).logits[0].numpy()
-    np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    assert_logits_match(LLM(model=tmp_path, log_stats=False).prompt_logits(ids), ref, ids)
 
 
 # --- strict loading: each a clear error --------------------------------------------------
