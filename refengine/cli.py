@@ -95,6 +95,12 @@ def setup(kw: dict):
         fail(str(e))
 
 
+def require_tokenizer(engine):
+    if engine.tokenizer is None:
+        fail(f"{engine.model_dir} has no tokenizer.json: text prompts need one")
+    return engine.tokenizer
+
+
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -121,10 +127,10 @@ def main(log_level: str):
 def generate(prompts, chat, as_json, **kw):
     """Generate text for PROMPTS (one prompt streams; several run as one batch)."""
     engine, params = setup(kw)
-    tok = engine.tokenizer
-    if tok is None:
-        fail(f"{engine.model_dir} has no tokenizer.json")
-    texts = [tok.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in prompts]
+    tok = require_tokenizer(engine)
+    # a chat prompt is tokenized as rendered: the template writes its own special tokens
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=True) if chat else p
+             for p in prompts]
     try:
         for i, text in enumerate(texts):
             engine.add_request(str(i), text, params)
@@ -172,7 +178,7 @@ def chat(system, **kw):
     Ctrl-C stops the current answer without leaving.
     """
     engine, params = setup(kw)
-    tok = engine.tokenizer
+    tok = require_tokenizer(engine)
     history: list[dict] = [{"role": "system", "content": system}] if system else []
     click.echo("refengine chat: /reset clears the history, /exit leaves, Ctrl-C stops an answer.", err=True)
     turn = 0
@@ -194,7 +200,7 @@ def chat(system, **kw):
         rid = f"chat-{turn}"
         turn += 1
         try:
-            engine.add_request(rid, tok.apply_chat_template(history), params)
+            engine.add_request(rid, tok.apply_chat_template(history, tokenize=True), params)
         except ValueError as e:
             history.pop()
             click.echo(f"error: {e}", err=True)

@@ -26,7 +26,8 @@ class ModelConfig:
 
     Attributes mirror ``config.json``; ``head_dim`` defaults to ``hidden_size // num_attention_heads``.
     ``attention_bias`` is true for Qwen2 (q/k/v biases); ``qk_norm`` is true for Qwen3
-    (per-head RMSNorm on q and k before RoPE).
+    (per-head RMSNorm on q and k before RoPE). ``sliding_window`` is the attention window
+    when the model uses one (not implemented: the engine caps ``max_model_len`` at it).
     """
 
     architecture: str
@@ -44,6 +45,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False
     qk_norm: bool = False
+    sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     torch_dtype: str = "float32"
@@ -79,6 +81,10 @@ class ModelConfig:
             if rope_type == "default":
                 rope_scaling = None
         n_heads = cfg["num_attention_heads"]
+        # Mistral sets sliding_window; Qwen2/3 only use theirs when use_sliding_window is true.
+        window = cfg.get("sliding_window")
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
+            window = None
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
         return cls(
             architecture=arch,
@@ -96,6 +102,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=int(window) if window else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),

@@ -97,6 +97,23 @@ def resolve_dtype(dtype: str, device: str):
     return np.dtype(DTYPES[dtype])
 
 
+def as_token_ids(prompt) -> list[int]:
+    """A prompt given as token ids -> ``list[int]``.
+
+    Raises:
+        ValueError: ``prompt`` is not a sequence of integers (Python or NumPy ints; bools
+            and floats are refused rather than truncated).
+    """
+    try:
+        items = list(prompt)
+    except TypeError:
+        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}") from None
+    for t in items:
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise ValueError(f"prompt token ids must be integers, got {t!r} ({type(t).__name__})")
+    return [int(t) for t in items]
+
+
 @dataclass
 class Request:
     """A user request: one prompt, ``params.n`` sequences."""
@@ -167,6 +184,7 @@ class LLMEngine:
         elif num_kv_blocks is None:
             num_kv_blocks = max(1, kv_cache_memory // per_block)
         pool_tokens = num_kv_blocks * block_size
+        explicit_len = max_model_len is not None
         if max_model_len is None:
             max_model_len = min(mc.max_position_embeddings, pool_tokens)
         elif max_model_len > pool_tokens:
@@ -176,6 +194,14 @@ class LLMEngine:
         elif max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's context "
                              f"(max_position_embeddings={mc.max_position_embeddings})")
+        window = mc.sliding_window
+        if window is not None and max_model_len > window:
+            if explicit_len:
+                raise ValueError(f"max_model_len={max_model_len} exceeds the model's sliding window ({window}); "
+                                 "sliding-window attention is not implemented, so sequences must fit the window")
+            logger.warning("capping max_model_len at the model's sliding window (%d): sliding-window attention "
+                           "is not implemented", window)
+            max_model_len = window
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ValueError(f"with enable_chunked_prefill=False, max_num_batched_tokens={max_num_batched_tokens} "
                              f"must be >= max_model_len={max_model_len} so every prompt fits one step")
@@ -273,9 +299,12 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{self.model_dir} has no tokenizer.json: pass prompts as token ids")
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
+            # special tokens as the tokenizer config says (a BOS for Llama, none for SmolLM2), as vLLM does
+            text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
-            text, token_ids = None, [int(t) for t in prompt]
+            text, token_ids = None, as_token_ids(prompt)
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError(f"stop strings {params.stop_strings!r} need a tokenizer; {self.model_dir} has no tokenizer.json")
         self._check_prompt(token_ids)
         now = time.monotonic() if arrival_time is None else arrival_time
         seqs = [Sequence(request_id, text, token_ids, params, now, index=i) for i in range(params.n)]
@@ -309,16 +338,29 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
+        req.metrics.on_finished(time.monotonic())
+        self.metrics.record_finished(req.metrics, "abort", request_id)
 
     def has_unfinished_requests(self) -> bool:
+        """True while any request is queued or running (keep calling :meth:`step`)."""
         return bool(self.requests)
 
     def get_num_unfinished_requests(self) -> int:
+        """Requests queued or running."""
         return len(self.requests)
 
     # --- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; return the requests that advanced (or finished)."""
+        """Run one scheduler step.
+
+        Returns:
+            One ``RequestOutput`` per request that got a token this step (finished ones
+            included, with ``finished=True``); ``[]`` when nothing was scheduled. Requests
+            in the middle of a chunked prefill do not appear.
+        Raises:
+            Whatever the model or sampler raises; the step's chunks are then not counted as
+            computed, so the next step redoes them (the engine stays consistent).
+        """
         t0 = time.monotonic()
         sched = self.scheduler.schedule()
         if sched.is_empty:
@@ -330,11 +372,12 @@ class LLMEngine:
             if n == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens == len(seq) - 1:
                 num_decode += 1
         logits, sample_seqs = self.runner.execute(sched.scheduled)
+        out = self.sampler(logits, sample_seqs) if sample_seqs else None
+        # Only now, with every sampled token in hand, do the chunks count as computed.
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
         advanced: dict[str, Request] = {}
         if sample_seqs:
-            out = self.sampler(logits, sample_seqs)
             now = time.monotonic()
             for i, seq in enumerate(sample_seqs):
                 req = self.requests[seq.request_id]
@@ -405,8 +448,10 @@ class LLMEngine:
                 text = detok.text
             else:
                 delta, text = "", ""
+            new_ids = seq.output_token_ids[seq.num_reported_tokens:]
+            seq.num_reported_tokens = seq.num_output_tokens
             completions.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=list(seq.output_token_ids),
+                index=seq.index, text=text, token_ids=list(seq.output_token_ids), delta_token_ids=new_ids,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                 logprobs=list(seq.logprobs) if seq.sampling_params.logprobs is not None else None,
                 delta_text=delta))
@@ -444,7 +489,8 @@ class LLMEngine:
             while seq.num_computed_tokens < len(seq):
                 n = min(self.config.max_num_batched_tokens, len(seq) - seq.num_computed_tokens)
                 if not self.block_manager.can_allocate(seq, n):
-                    raise ValueError(f"not enough free KV blocks for a {len(seq)}-token prompt now")
+                    raise ValueError(f"a {len(seq)}-token prompt needs {self.block_manager.blocks_needed(seq, n)} "
+                                     f"more KV blocks now, {self.block_manager.num_free_blocks} are free")
                 self.block_manager.allocate(seq, n)
                 logits, _ = self.runner.execute([(seq, n)], all_logits=True)
                 chunks.append(logits)
@@ -483,7 +529,10 @@ class LLM:
             ValueError: a bad prompt or a params list of the wrong length; no request is
                 left queued.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, np.ndarray):
+            prompts = prompts.tolist()
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:

@@ -14,6 +14,7 @@ from refengine.sequence import Sequence
 
 
 def cdiv(a: int, b: int) -> int:
+    """Ceiling division: blocks needed for ``a`` tokens at ``b`` tokens per block."""
     return -(-a // b)
 
 
@@ -66,6 +67,7 @@ class BlockManager:
         return max(0, total - len(seq.block_table))
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether the free pool covers :meth:`blocks_needed`."""
         return self.blocks_needed(seq, num_new_tokens) <= len(self.free_blocks)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:

@@ -72,7 +72,8 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype=np.float32) -> d
     """Read every tensor of the checkpoint, check it against ``cfg``, cast to ``dtype``.
 
     A tied checkpoint that also ships ``lm_head.weight`` is accepted (transformers ties
-    it to the embedding; so do we, and the extra tensor is dropped).
+    it to the embedding; so do we, and the extra tensor is dropped), and so are the
+    ``rotary_emb.inv_freq`` buffers of older Llama checkpoints (derived, so dropped).
 
     Returns:
         HF name -> array of ``dtype`` (float32 on the CPU).
@@ -93,6 +94,10 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype=np.float32) -> d
             raise ValueError(f"cannot read {str(path)!r}: {e} (truncated or corrupt safetensors file?)") from e
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
+    # Older Llama checkpoints ship RoPE buffers; they are derived from config.json, so drop them.
+    for name in [n for n in weights if n.endswith(("rotary_emb.inv_freq", "rotary_emb.cos_cached",
+                                                   "rotary_emb.sin_cached"))]:
+        del weights[name]
     missing = [n for n in want if n not in weights]
     if missing:
         raise ValueError(f"checkpoint in {str(model_dir)!r} is missing {len(missing)} tensor(s), e.g. {missing[:3]}")

@@ -41,7 +41,7 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int):
         start = seq.num_computed_tokens
         block_tables[i, :len(seq.block_table)] = seq.block_table
         seq_lens[i] = start + n
-        input_ids.append(seq.all_token_ids[start:start + n])
+        input_ids.append(seq.token_ids_slice(start, start + n))
         positions.append(np.arange(start, start + n))
         if start + n == len(seq):
             sample_rows.append(int(query_start_loc[i + 1]) - 1)
@@ -70,8 +70,11 @@ class ModelRunner:
         self.xp = model.xp
 
     def execute(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False):
-        """Run the model over the scheduled chunks.
+        """Run the model over the scheduled chunks (their K/V land in the cache).
 
+        Args:
+            scheduled: ``(sequence, num_new_tokens)`` pairs whose blocks are allocated.
+            all_logits: return logits for every row, not only the sampling ones.
         Returns:
             ``(logits, sample_seqs)``: ``logits [S, vocab]`` float32 NumPy for the sequences
             that sample this step (or ``[T, vocab]`` for every row when ``all_logits``).

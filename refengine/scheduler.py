@@ -56,13 +56,25 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        """Queue a new sequence at the back of ``waiting``."""
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
+        """True while any sequence waits or runs."""
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        """Decide the next step; allocates the blocks the scheduled tokens need."""
+        """Decide the next step.
+
+        Side effects: allocates the KV blocks the scheduled tokens need, moves admitted
+        sequences from ``waiting`` to ``running`` and preempted ones back to the front of
+        ``waiting``. ``num_computed_tokens`` is left to the caller, which advances it once
+        the step has run.
+
+        Returns:
+            The ``(sequence, num_new_tokens)`` pairs to run (every ``num_new_tokens >= 1``)
+            and the sequences preempted.
+        """
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
@@ -71,6 +83,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
+            assert n > 0, f"running sequence {seq.request_id} has nothing to compute"
             while not bm.can_allocate(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)

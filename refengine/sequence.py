@@ -11,6 +11,8 @@ from refengine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
+    """WAITING (queued or preempted), RUNNING (has KV blocks), FINISHED."""
+
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -33,6 +35,7 @@ class Sequence:
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] = []  # per output token, when asked
+        self.num_reported_tokens = 0  # output tokens already sent in a RequestOutput (for delta_token_ids)
         self.sampling_params = sampling_params
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
@@ -61,6 +64,15 @@ class Sequence:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without building the whole list (called every step)."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
     @property
     def num_uncomputed_tokens(self) -> int:

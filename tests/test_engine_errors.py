@@ -103,3 +103,95 @@ def test_bad_engine_options(tiny_llama_dir):
     with pytest.raises(ValueError, match="max_num_batched_tokens=16 must be >= max_model_len=40"):
         LLMEngine(tiny_llama_dir, enable_chunked_prefill=False, max_num_batched_tokens=16, max_model_len=40,
                   num_kv_blocks=12, block_size=4, log_stats=False)
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([1.7, 3], r"prompt token ids must be integers, got 1.7 \(float\)"),
+    ([True, 3], r"prompt token ids must be integers, got True"),
+    (["a"], r"prompt token ids must be integers, got 'a'"),
+    (None, r"a prompt must be a string or a list of token ids, got NoneType"),
+])
+def test_prompts_that_are_not_token_ids(engine, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("bad", prompt, GREEDY)
+    assert all_free(engine) and not engine.has_unfinished_requests()
+
+
+def test_numpy_token_ids_are_accepted(tiny_llama_dir):
+    import numpy as np
+
+    llm = LLM(tiny_llama_dir, block_size=4, num_kv_blocks=12, max_model_len=40, log_stats=False)
+    a = llm.generate(np.array([5, 6, 7]), GREEDY, use_tqdm=False)
+    b = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
+
+
+def test_stop_strings_need_a_tokenizer(engine):
+    with pytest.raises(ValueError, match=r"stop strings \['x'\] need a tokenizer"):
+        engine.add_request("s", [5, 6], SamplingParams(max_tokens=3, stop=["x"]))
+
+
+def test_an_exception_inside_a_step_leaves_the_engine_consistent(engine, monkeypatch):
+    engine.add_request("a", [5, 6, 7], GREEDY)
+    engine.add_request("b", [8, 9], GREEDY)
+    engine.step()
+    calls = {"n": 0}
+    real = engine.sampler.__class__.__call__
+
+    def flaky(self, logits, seqs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("sampler failed once")
+        return real(self, logits, seqs)
+
+    monkeypatch.setattr(engine.sampler.__class__, "__call__", flaky)
+    with pytest.raises(RuntimeError, match="sampler failed once"):
+        engine.step()
+    done = drain(engine)  # the failed step is redone, nothing is skipped or duplicated
+    assert sorted(done) == ["a", "b"] and all(len(o.outputs[0].token_ids) == 5 for o in done.values())
+    assert all_free(engine)
+
+
+def test_delta_token_ids_and_abort_metrics(engine):
+    engine.add_request("a", [5, 6, 7], GREEDY)
+    seen = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen += out.outputs[0].delta_token_ids
+            final = out
+    assert seen == final.outputs[0].token_ids and len(seen) == 5
+    engine.add_request("b", [5, 6], GREEDY)
+    engine.step()
+    engine.abort("b")
+    assert 'refengine:request_success_total{finished_reason="abort"} 1.0' in engine.metrics.exposition()
+    assert all_free(engine)
+
+
+def test_rope_buffers_of_older_checkpoints_are_ignored(tiny_llama_dir, tmp_path):
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    for f in tiny_llama_dir.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(16, np.float32)
+    save_file(tensors, tmp_path / "model.safetensors")
+    ids = [5, 6, 7, 8]
+    want = LLM(tiny_llama_dir, log_stats=False).prompt_logits(ids)
+    np.testing.assert_array_equal(LLM(tmp_path, log_stats=False).prompt_logits(ids), want)
+
+
+def test_sliding_window_caps_max_model_len(tiny_llama_dir, tmp_path):
+    import json
+    import shutil
+
+    for f in tiny_llama_dir.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=64)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert LLMEngine(tmp_path, log_stats=False).config.max_model_len == 64
+    with pytest.raises(ValueError, match=r"max_model_len=128 exceeds the model's sliding window \(64\)"):
+        LLMEngine(tmp_path, max_model_len=128, log_stats=False)
