@@ -92,13 +92,18 @@ class LlamaModel:
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                     cfg.rope_scaling, xp=xp)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        # On a GPU the CUDA backend also brings RMSNorm, RoPE and SiLU-and-mul kernels
+        # (cuda/layers.cu); the NumPy versions in layers.py are their reference.
+        self.kernels = attention if xp is not np and hasattr(attention, "rms_norm") else None
+        if self.kernels is not None:
+            self.cos_sin = xp.ascontiguousarray(xp.concatenate([self.rope.cos, self.rope.sin], axis=1))
 
     def forward(self, input_ids, positions, kv_cache: KVCache, meta: AttentionMetadata, logits_indices):
         """Run the model over a flat batch; write its K/V into the cache; return logits.
 
         Args:
             input_ids: ``[T]`` int token ids of every sequence's new tokens, concatenated.
-            positions: ``[T]`` int position of each token in its sequence.
+            positions: ``[T]`` int64 NumPy (host) array, the position of each token in its sequence.
             kv_cache: the paged cache (written at ``meta.slot_mapping``).
             meta: the attention metadata of this batch.
             logits_indices: ``[S]`` int rows of the flat batch whose logits are wanted
@@ -115,9 +120,32 @@ class LlamaModel:
         def linear(x, w):  # no copies when everything is float32
             return (x.astype(w.dtype, copy=False) @ w).astype(f32, copy=False)
 
+        kernels = self.kernels
+        if kernels is None:
+            device_positions = xp.asarray(positions)
+
+            def norm(x, w):
+                return rms_norm(x, w, cfg.rms_norm_eps, xp)
+
+            def rope(q, k):
+                return self.rope(q, device_positions), self.rope(k, device_positions)
+
+            act = silu_and_mul
+        else:
+            def norm(x, w):
+                return kernels.rms_norm(x.reshape(-1, x.shape[-1]), w, cfg.rms_norm_eps).reshape(x.shape)
+
+            def rope(q, k):
+                q, k = xp.ascontiguousarray(q), xp.ascontiguousarray(k)
+                kernels.rotary_embedding(positions, q, k, self.cos_sin)  # in place
+                return q, k
+
+            def act(x, xp):
+                return kernels.silu_and_mul(x)
+
         h = self.embed[input_ids].astype(f32)
         for li, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps, xp)
+            x = norm(h, layer.input_norm)
             qkv = linear(x, layer.qkv)
             if layer.qkv_bias is not None:
                 qkv += layer.qkv_bias
@@ -125,15 +153,14 @@ class LlamaModel:
             k = qkv[:, q_size:q_size + kv_size].reshape(T, n_kv, hd)
             v = qkv[:, q_size + kv_size:].reshape(T, n_kv, hd)
             if layer.q_norm is not None:
-                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps, xp)
-                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps, xp)
-            q = self.rope(q, positions)
-            k = self.rope(k, positions)
+                q = norm(q, layer.q_norm)
+                k = norm(k, layer.k_norm)
+            q, k = rope(q, k)
             kc, vc = kv_cache.k[li], kv_cache.v[li]
             self.attention.write_kv(kc, vc, k.astype(kc.dtype, copy=False), v.astype(kc.dtype, copy=False), meta)
             o = self.attention.forward(q.astype(kc.dtype, copy=False), kc, vc, meta, self.scale)
             h = h + linear(o.reshape(T, q_size), layer.o)
-            x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps, xp)
-            h = h + linear(silu_and_mul(linear(x, layer.gate_up), xp), layer.down)
-        h = rms_norm(h[logits_indices], self.norm, cfg.rms_norm_eps, xp)
+            x = norm(h, layer.post_norm)
+            h = h + linear(act(linear(x, layer.gate_up), xp), layer.down)
+        h = norm(h[logits_indices], self.norm)
         return linear(h, self.lm_head)

@@ -82,7 +82,7 @@ class ModelRunner:
         xp = self.xp
         ids, positions, meta, sample_rows, sample_seqs = build_batch(scheduled, self.kv_cache.block_size)
         rows = np.arange(ids.shape[0]) if all_logits else sample_rows
-        logits = self.model.forward(xp.asarray(ids), xp.asarray(positions), self.kv_cache, meta, xp.asarray(rows))
+        logits = self.model.forward(xp.asarray(ids), positions, self.kv_cache, meta, xp.asarray(rows))
         if xp is not np:
             logits = xp.asnumpy(logits)
         return logits, sample_seqs
