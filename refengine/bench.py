@@ -802,10 +802,14 @@ def _finish(ctx: BenchContext, scenario: str, runs: list[RunResult], engine=None
     return report
 
 
+# transformers pads each batch to its longest prompt and output, so a user batches modestly.
+HF_DEFAULT_BATCH = 32
+
+
 def _maybe_compare(ctx: BenchContext, ours: RunResult, requests) -> tuple[list[RunResult], dict | None]:
     if not ctx.compare_transformers:
         return [], None
-    batch = ctx.hf_batch_size or ctx.max_concurrency or ctx.options.max_num_seqs
+    batch = ctx.hf_batch_size or ctx.max_concurrency or min(ctx.options.max_num_seqs, HF_DEFAULT_BATCH)
     theirs = run_transformers(ctx.options.model, requests, batch_size=batch, progress=ctx.progress,
                               device=ctx.options.device, dtype=ctx.hf_dtype)
     ctx.echo(format_run(theirs))
@@ -941,7 +945,8 @@ def _options(*, num_prompts: int, input_len: str, output_len: str, max_concurren
                 click.option("--compare-transformers", is_flag=True,
                              help="Also run the requests through transformers generate (same run)."),
                 click.option("--hf-batch-size", type=int, default=None,
-                             help="transformers batch size (default: --max-concurrency or --max-num-seqs)."),
+                             help="transformers batch size (default: --max-concurrency, else "
+                                  "--max-num-seqs capped at 32)."),
                 click.option("--hf-dtype", type=click.Choice(["float32", "float16", "bfloat16"]),
                              default="float32", show_default=True, help="transformers weight dtype."),
             ]
@@ -977,7 +982,7 @@ def bench():
 
 @bench.command("throughput")
 @_options(num_prompts=64, input_len="16-512", output_len="16-256", max_concurrency=None,
-          max_num_seqs=32, max_num_batched_tokens=512, compare=True)
+          max_num_seqs=256, max_num_batched_tokens=2048, compare=True)  # the engine's own defaults
 def throughput_cmd(**kw):
     """N requests of random lengths submitted at once: requests/s and tokens/s."""
     _check_model(kw["model"])
