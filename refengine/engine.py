@@ -445,6 +445,9 @@ class LLMEngine:
                 delta = detok.get_delta()
                 if seq.is_finished:
                     delta += detok.finish()
+                    if detok.stop_string is not None and seq.stop_reason != detok.stop_string:
+                        # the flushed tail (an incomplete character) completed a stop string
+                        seq.finish_reason, seq.stop_reason = "stop", detok.stop_string
                 text = detok.text
             else:
                 delta, text = "", ""
