@@ -3,7 +3,6 @@ per-request seeding, edge values, and golden checks against transformers' proces
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest

@@ -8,7 +8,6 @@ directory (tests/test_convert.py checks that it equals transformers' own GGUF lo
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
