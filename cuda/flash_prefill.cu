@@ -10,7 +10,7 @@
 //     l     = alpha * l + rowsum(p)             acc   = alpha * acc + p · v
 // and at the end out = acc / l. Only one division per output, none per tile (FA2 §3.1.1).
 //
-// Paged, chunked, batched (DESIGN.md "The attention contract"): sequence i owns query
+// Paged, chunked, batched (refengine/attention/__init__.py, the attention contract): sequence i owns query
 // rows query_start_loc[i] .. query_start_loc[i+1]; its context has seq_lens[i] tokens of
 // which the last q_len are this chunk. Query row j sits at position seq_len - q_len + j
 // and sees keys 0 ..= that position. Key p lives in block block_tables[i][p / block_size].

@@ -1,6 +1,6 @@
 // reshape_and_cache.cu — write this step's keys and values into the paged KV cache.
 //
-// Contract (DESIGN.md, "The attention contract"): token t's key/value rows go to cache
+// Contract (refengine/attention/__init__.py): token t's key/value rows go to cache
 // slot slot_mapping[t], i.e. block slot / block_size, offset slot % block_size:
 //
 //   k [T, num_kv_heads, head_dim]  ->  k_cache [num_blocks, block_size, num_kv_heads, head_dim]

@@ -82,7 +82,10 @@ def build_engine(kw: dict):
 
 
 def build_params(kw: dict) -> SamplingParams:
-    ids = [int(t) for t in kw["stop_token_ids"].split(",") if t.strip()]
+    try:
+        ids = [int(t) for t in kw["stop_token_ids"].split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"--stop-token-ids {kw['stop_token_ids']!r} must be comma-separated integers") from None
     return SamplingParams(stop=list(kw["stop"]) or None, stop_token_ids=ids, **{k: kw[k] for k in SAMPLING_KEYS})
 
 
@@ -91,7 +94,7 @@ def setup(kw: dict):
     try:
         params = build_params(kw)
         return build_engine(kw), params
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, FileNotFoundError, RuntimeError, ImportError) as e:
         fail(str(e))
 
 

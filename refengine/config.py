@@ -117,10 +117,12 @@ class ModelConfig:
             FileNotFoundError: the directory or its ``config.json`` is missing.
         """
         model_dir = Path(model_dir)
+        if model_dir.exists() and not model_dir.is_dir():
+            raise FileNotFoundError(f"model path {str(model_dir)!r} is a file, not a model directory")
         if not model_dir.is_dir():
             raise FileNotFoundError(
                 f"model directory {str(model_dir)!r} does not exist "
-                "(run `python weights/fetch_smollm2.py` for the default model, or pass --model DIR)"
+                "(`make weights` fetches the default model, or pass --model DIR)"
             )
         path = model_dir / "config.json"
         if not path.is_file():

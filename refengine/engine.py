@@ -286,7 +286,8 @@ class LLMEngine:
 
         Args:
             request_id: unique among unfinished requests.
-            prompt: text (tokenized without special tokens added) or a list of token ids.
+            prompt: text (tokenized with the special tokens the tokenizer config adds, e.g. a
+                BOS for Llama, none for SmolLM2, as vLLM does) or a list of token ids (used as is).
             sampling_params: defaults to ``SamplingParams()``.
         Raises:
             ValueError: a duplicate id, an empty prompt, token ids outside the vocabulary,

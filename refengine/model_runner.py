@@ -1,6 +1,6 @@
 """Turns a scheduler decision into one flat batch, runs the model, returns logits.
 
-The flat batch (see DESIGN.md, "One engine step, as data"): the new tokens of every
+The flat batch (README, "Where to start reading", step 3): the new tokens of every
 scheduled sequence concatenated, with their positions and the attention metadata that
 says which rows belong to which sequence and where their K/V go in the paged cache.
 """

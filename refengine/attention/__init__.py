@@ -1,6 +1,6 @@
 """Attention over the paged KV cache: the contract shared by every backend.
 
-The contract (see ``DESIGN.md``, "The attention contract"):
+The contract (the "attention contract" of the design notes):
 
 * Cache per layer: ``k_cache`` and ``v_cache`` of shape
   ``[num_blocks, block_size, num_kv_heads, head_dim]``.
