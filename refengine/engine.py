@@ -326,9 +326,8 @@ class LLMEngine:
         if n >= limit:
             raise ValueError(f"the prompt has {n} tokens but max_model_len is {limit}: "
                              f"it must be shorter than {limit} to leave room for one generated token")
-        need = cdiv(n + 1, self.config.block_size)
-        if need > self.block_manager.num_blocks:
-            raise ValueError(f"the prompt needs {need} KV blocks but the pool has only {self.block_manager.num_blocks}")
+        # No separate "more blocks than the pool" check: __init__ keeps max_model_len within
+        # the pool, so a prompt that passed the limit above always fits.
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its KV blocks (unknown ids are ignored)."""

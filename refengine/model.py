@@ -130,7 +130,8 @@ class LlamaModel:
             def rope(q, k):
                 return self.rope(q, device_positions), self.rope(k, device_positions)
 
-            act = silu_and_mul
+            def act(x):
+                return silu_and_mul(x, xp)
         else:
             def norm(x, w):
                 return kernels.rms_norm(x.reshape(-1, x.shape[-1]), w, cfg.rms_norm_eps).reshape(x.shape)
@@ -140,7 +141,7 @@ class LlamaModel:
                 kernels.rotary_embedding(positions, q, k, self.cos_sin)  # in place
                 return q, k
 
-            def act(x, xp):
+            def act(x):
                 return kernels.silu_and_mul(x)
 
         h = self.embed[input_ids].astype(f32)
@@ -161,6 +162,6 @@ class LlamaModel:
             o = self.attention.forward(q.astype(kc.dtype, copy=False), kc, vc, meta, self.scale)
             h = h + linear(o.reshape(T, q_size), layer.o)
             x = norm(h, layer.post_norm)
-            h = h + linear(act(linear(x, layer.gate_up), xp), layer.down)
+            h = h + linear(act(linear(x, layer.gate_up)), layer.down)
         h = norm(h[logits_indices], self.norm)
         return linear(h, self.lm_head)
