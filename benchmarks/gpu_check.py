@@ -152,6 +152,22 @@ def check_correctness(cp, quick: bool) -> list[tuple[str, bool, str]]:
     return results
 
 
+def ldmatrix_expected(m: np.ndarray) -> np.ndarray:
+    """What ``ldmatrix_check_f16`` must write, from the PTX ISA's ldmatrix fragment figures
+    (§9.7.14.5.15), written out here on their own: lane l = 4g + t receives, in register i,
+    elements (g, 2t) and (g, 2t + 1) of matrix i, or with .trans (2t, g) and (2t + 1, g);
+    the low 16 bits hold the first. Then 32 zeros (cp.async's zero fill)."""
+    bits = m.view(np.uint16).astype(np.uint32)
+    plain = np.zeros((32, 4), np.uint32)
+    trans = np.zeros((32, 4), np.uint32)
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for i in range(4):
+            plain[lane, i] = bits[i, g, 2 * t] | bits[i, g, 2 * t + 1] << 16
+            trans[lane, i] = bits[i, 2 * t, g] | bits[i, 2 * t + 1, g] << 16
+    return np.concatenate([plain.ravel(), trans.ravel(), np.zeros(32, np.uint32)])
+
+
 def check_mma_layout(cp, rng) -> list[tuple[str, bool, str]]:
     """One real tensor-core MMA with fragments built from the PTX layout (cuda/mma_check.cu):
     confirms on hardware the register layout that flash_prefill_mma and the emulator assume."""
@@ -175,6 +191,13 @@ def check_mma_layout(cp, rng) -> list[tuple[str, bool, str]]:
         expected = a.astype(np.float64) @ b.astype(np.float64)
         ok = bool(np.allclose(got, expected, rtol=1e-5, atol=1e-5))
         results.append((f"mma fragment layout {tag}", ok, f"max |err| {np.abs(got - expected).max():.2e}"))
+
+    # ldmatrix / ldmatrix.trans and cp.async zero fill (cuda/mma_check.cu), bit for bit.
+    m = rng.standard_normal((4, 8, 8), dtype=np.float32).astype(np.float16)
+    dout = cp.asarray(np.zeros(32 * 4 * 2 + 32, dtype=np.uint32))
+    backend._launch(Launch("ldmatrix_check_f16", (1, 1, 1), (32, 1, 1), 32 * 24 * 2, (cp.asarray(m), dout)))
+    wrong = int((cp.asnumpy(dout) != ldmatrix_expected(m)).sum())
+    results.append(("ldmatrix + cp.async layout", wrong == 0, "bit-exact" if not wrong else f"{wrong} words differ"))
     return results
 
 
@@ -245,7 +268,8 @@ def copy_bandwidth(cp, nbytes=2 << 30) -> float:
     return 2 * nbytes / seconds / 1e9
 
 
-def bench_prefill(cp, quick: bool, deadline: float) -> list[dict]:
+def bench_prefill(cp, quick: bool, deadline: float, head_dims=(64, 128), seqs=None,
+                  tokens_per_batch=16384) -> list[dict]:
     from refengine.attention.cuda import CudaAttention
 
     try:
@@ -256,10 +280,10 @@ def bench_prefill(cp, quick: bool, deadline: float) -> list[dict]:
         torch_ok = False
     backends = {"mma": CudaAttention(prefill_kernel="mma"), "simt": CudaAttention(prefill_kernel="simt")}
     rows = []
-    tokens_per_batch = 16384
-    seqs = (1024, 4096) if quick else (1024, 2048, 4096, 8192)
+    if seqs is None:
+        seqs = (1024, 4096) if quick else (1024, 2048, 4096, 8192)
     num_heads, num_kv_heads, block_size = 32, 8, 16
-    for head_dim in (64, 128):
+    for head_dim in head_dims:
         for seq in seqs:
             if time.time() > deadline:
                 break
@@ -310,15 +334,20 @@ def time_sdpa(torch, batch, seq, num_heads, num_kv_heads, head_dim) -> float:
     return float(np.median(times))
 
 
-def bench_decode(cp, quick: bool, deadline: float) -> list[dict]:
+def bench_decode(cp, quick: bool, deadline: float, batches=None, contexts=None) -> list[dict]:
     from refengine.attention.cuda import CudaAttention
 
-    backend = CudaAttention()
+    # The default partition size, and a sweep of others: the best one depends on how many
+    # blocks (sequences x KV heads x partitions) it takes to keep every SM's loads in flight.
+    partitions = (512, 128, 256, 1024)
+    backends = {p: CudaAttention(decode_partition_size=p) for p in partitions}
     num_heads, num_kv_heads, head_dim, block_size = 32, 8, 128, 16
     itemsize = 2
     rows = []
-    batches = (1, 32, 128) if quick else (1, 8, 32, 128)
-    contexts = (1024, 8192, 32768) if quick else (1024, 4096, 16384, 32768)
+    if batches is None:
+        batches = (1, 32, 128) if quick else (1, 8, 32, 128)
+    if contexts is None:
+        contexts = (1024, 8192, 32768) if quick else (1024, 4096, 16384, 32768)
     for batch in batches:
         for ctx in contexts:
             if time.time() > deadline:
@@ -337,8 +366,11 @@ def bench_decode(cp, quick: bool, deadline: float) -> list[dict]:
             v_cache = cp.random.standard_normal(shape, dtype=cp.float32).astype(cp.float16)
             q = cp.random.standard_normal((batch, num_heads, head_dim), dtype=cp.float32).astype(cp.float16)
             scale = 1.0 / math.sqrt(head_dim)
-            seconds = time_gpu(cp, lambda: backend.forward(q, k_cache, v_cache, meta, scale))
-            rows.append({"batch": batch, "ctx": ctx, "us": seconds * 1e6, "gbps": kv_bytes / seconds / 1e9})
+            times = {p: time_gpu(cp, lambda b=b: b.forward(q, k_cache, v_cache, meta, scale))
+                     for p, b in backends.items()}
+            best = min(times, key=times.get)
+            rows.append({"batch": batch, "ctx": ctx, "us": times[512] * 1e6, "gbps": kv_bytes / times[512] / 1e9,
+                         "best_partition": best, "best_gbps": kv_bytes / times[best] / 1e9})
             del k_cache, v_cache, q
             cp.get_default_memory_pool().free_all_blocks()
     return rows
@@ -453,10 +485,11 @@ def main(argv=None) -> int:
                   f"{r['simt_tflops']:>10.1f} {r['sdpa_tflops']:>10.1f}")
         print(f"\n(b) paged decode, float16, 32 q heads / 8 KV heads, hd 128; "
               f"device copy bandwidth {copy_gbps:.0f} GB/s (read+write)")
-        print(f"  {'batch':>5} {'ctx':>6} {'us':>9} {'GB/s':>8} {'% of copy':>9}")
+        print(f"  {'batch':>5} {'ctx':>6} {'us':>9} {'GB/s':>8} {'% of copy':>9}   best partition: size  GB/s  %")
         for r in decode:
             print(f"  {r['batch']:>5} {r['ctx']:>6} {r['us']:>9.1f} {r['gbps']:>8.0f} "
-                  f"{100 * r['gbps'] / copy_gbps:>8.0f}%")
+                  f"{100 * r['gbps'] / copy_gbps:>8.0f}%   {r['best_partition']:>20} {r['best_gbps']:>5.0f} "
+                  f"{100 * r['best_gbps'] / copy_gbps:>2.0f}%")
         print(f"\nend to end: {end_to_end_smollm2()}")
     print(f"\ntotal {time.time() - started:.0f} s")
     return 1 if failed else 0

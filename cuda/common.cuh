@@ -19,7 +19,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #define REFENGINE_EXPORT_KERNEL(name)
-#define REFENGINE_CHECK_SHARED_BYTES(n) ((void)0)
+#define REFENGINE_CHECK_SHARED_BYTES(n) ((void)(n))
 #endif
 
 #define REFENGINE_FULL_MASK 0xffffffffu

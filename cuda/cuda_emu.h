@@ -27,8 +27,10 @@
 // `cuLaunchKernel`'s `sharedMemBytes`. (GCC places function-local statics of templates
 // in COMDAT sections, so static `__shared__` arrays could not be found and poisoned.)
 //
-// Tensor cores: the one instruction the kernels use, mma.sync.m16n8k16, is emulated in
-// mma.cuh from its documented register layout (a warp collective, see warp_allgather).
+// Tensor cores: the instructions the kernels use, mma.sync.m16n8k16 and ldmatrix, are
+// emulated in mma.cuh from their documented register layouts (warp collectives, see
+// warp_allgather). cp.async is emulated in emu_runtime.cpp with the latest landing the PTX
+// ISA allows (at the wait), its destination poisoned from the issue on.
 // Not emulated: atomics, wmma fragments, texture memory, streams. Kernels that use them
 // do not compile here, which is the intended signal.
 #pragma once
@@ -99,6 +101,12 @@ void warp_exchange(const void* in, void* out, size_t size, int src_lane, unsigne
 // copies all 32 contributions into `out_all` (lane i's at out_all + i * size). Used by the
 // emulated tensor-core MMA (mma.cuh), where each lane needs its peers' fragments.
 void warp_allgather(const void* in, void* out_all, size_t size, unsigned mask);
+// cp.async (cp_async.cuh): issue a copy of `bytes` into shared memory, of which the first
+// `src_bytes` come from `src` and the rest are zeros; close a group; wait until at most
+// `newest_pending` groups are still in flight.
+void cp_async(void* dst, const void* src, int bytes, int src_bytes);
+void cp_async_commit();
+void cp_async_wait(int newest_pending);
 // Report a strictness violation from inside a kernel (the launch fails with `message`).
 [[noreturn]] void kernel_error(const char* message);
 // Kernels that carve dynamic shared memory call this (via REFENGINE_CHECK_SHARED_BYTES).

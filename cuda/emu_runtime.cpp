@@ -7,8 +7,10 @@
 //
 // Scheduling, one *round* at a time:
 //   1. run every runnable fiber, in the chosen order, until it blocks (at a barrier or a
-//      warp collective) or returns;
-//   2. if all 32 lanes of a warp wait at a warp collective, release that warp;
+//      warp collective) or returns; as soon as all 32 lanes of a warp wait at the same
+//      collective, release that warp and start the round over, so it runs ahead of the
+//      warps that have not run yet;
+//   2. (kept for the checks below) release any warp whose 32 lanes wait at a collective;
 //   3. else, if every thread waits at `__syncthreads()`, release the block;
 //   4. else the kernel is wrong (a barrier or collective that not every thread reaches):
 //      fail the launch with a message.
@@ -101,12 +103,23 @@ constexpr size_t kStackBytes = 64 * 1024;
 constexpr int kWarpSize = 32;
 constexpr size_t kMaxExchangeBytes = 32;
 
+// An issued cp.async that has not landed yet (see cp_async below).
+struct PendingCopy {
+    unsigned char* dst;
+    const unsigned char* src;
+    int bytes;
+    int src_bytes;
+    int group;  // commit groups before it: it belongs to group number `group`
+};
+
 struct Fiber {
     void* sp = nullptr;
     State state = State::Done;
     uint3 tid{0, 0, 0};
     int linear = 0;
     unsigned collectives = 0;  // warp collectives done so far (selects the buffer half)
+    int committed = 0;         // cp.async groups committed so far
+    std::vector<PendingCopy> pending;
     std::vector<unsigned char> stack;
 };
 
@@ -174,6 +187,8 @@ void prepare_fiber(Fiber& f) {
     f.sp = frame;
     f.state = State::Runnable;
     f.collectives = 0;
+    f.committed = 0;
+    f.pending.clear();
 }
 
 void resume(Fiber& f) {
@@ -215,14 +230,34 @@ bool run_block(int nthreads, std::mt19937_64& rng) {
     std::vector<int> order(nthreads);
     for (int i = 0; i < nthreads; ++i) order[i] = (g_schedule_mode == 1) ? i : nthreads - 1 - i;
 
+    // A warp whose 32 lanes have all reached the same collective goes on at once, ahead of
+    // the warps that have not run yet: warps are independent between barriers, and a warp
+    // that runs ahead is what exposes a missing __syncthreads() (it reads tile rows the
+    // other warps have not stored, or overwrites rows they still read).
+    auto release_if_complete = [&](int w) {
+        const unsigned count = g_fibers[w * kWarpSize].collectives;
+        for (int l = 0; l < kWarpSize; ++l) {
+            const Fiber& f = g_fibers[w * kWarpSize + l];
+            if (f.state != State::AtWarpCollective || f.collectives != count) return false;
+        }
+        for (int l = 0; l < kWarpSize; ++l) g_fibers[w * kWarpSize + l].state = State::Runnable;
+        return true;
+    };
+
     for (;;) {
         if (g_schedule_mode == 2) std::shuffle(order.begin(), order.end(), rng);
+        bool ran_ahead = false;
         for (int i : order) {
             Fiber& f = g_fibers[i];
             if (f.state != State::Runnable) continue;
             resume(f);
             if (f.state == State::Failed) return false;
+            if (f.state == State::AtWarpCollective && release_if_complete(i / kWarpSize)) {
+                ran_ahead = true;  // start the pass over: that warp's lanes come first again
+                break;
+            }
         }
+        if (ran_ahead) continue;
         // Everyone is blocked or finished. Release complete warps first.
         bool released = false;
         int done = 0, at_barrier = 0;
@@ -309,6 +344,45 @@ void warp_allgather(const void* in, void* out_all, size_t size, unsigned mask) {
     for (int l = 0; l < kWarpSize; ++l)
         std::memcpy(static_cast<unsigned char*>(out_all) + l * size, g_warps[warp].slot[half][l], size);
     f->collectives += 1;
+}
+
+// cp.async, strictly: the destination is poisoned when the copy is issued and the bytes
+// land only when this thread's cp.async.wait_group retires the copy's group, the latest
+// moment the PTX ISA allows. A thread that reads a tile before waiting, or reads another
+// thread's part of it without a __syncthreads() after that thread's wait, or issues into a
+// buffer others still read, sees NaNs or stale data.
+void cp_async(void* dst, const void* src, int bytes, int src_bytes) {
+    if (g_current == nullptr) kernel_error("cp.async outside a kernel");
+    auto* d = static_cast<unsigned char*>(dst);
+    if (d < shared_mem || d + bytes > shared_mem + g_shared_bytes)
+        kernel_error("cp.async destination is outside the launch's dynamic shared memory");
+    if (bytes != 4 && bytes != 8 && bytes != 16) kernel_error("cp.async copies 4, 8 or 16 bytes");
+    if (reinterpret_cast<uintptr_t>(dst) % bytes || reinterpret_cast<uintptr_t>(src) % bytes)
+        kernel_error("cp.async addresses must be aligned to the copy size");
+    if (src_bytes < 0 || src_bytes > bytes) kernel_error("cp.async src-size out of range");
+    std::memset(d, 0xff, bytes);
+    g_current->pending.push_back({d, static_cast<const unsigned char*>(src), bytes, src_bytes, g_current->committed});
+}
+
+void cp_async_commit() {
+    if (g_current == nullptr) kernel_error("cp.async.commit_group outside a kernel");
+    g_current->committed += 1;
+}
+
+void cp_async_wait(int newest_pending) {
+    if (g_current == nullptr) kernel_error("cp.async.wait_group outside a kernel");
+    Fiber* f = g_current;
+    const int last_done = f->committed - newest_pending;  // groups [0, last_done) complete
+    std::vector<PendingCopy> still;
+    for (const PendingCopy& c : f->pending) {
+        if (c.group < last_done) {
+            std::memcpy(c.dst, c.src, c.src_bytes);
+            std::memset(c.dst + c.src_bytes, 0, c.bytes - c.src_bytes);  // zero fill past src-size
+        } else {
+            still.push_back(c);
+        }
+    }
+    f->pending.swap(still);
 }
 
 void kernel_error(const char* message) {

@@ -8,30 +8,38 @@
 // is needed for the softmax statistics").
 //
 // Thread layout: 128 threads = 4 warps; a block owns BLOCK_M = 64 query rows of one head,
-// warp w the 16 rows 16w .. 16w+15. grid = (ceil(max_query_len / 64), num_heads, num_seqs).
+// warp w the 16 rows 16w .. 16w+15. grid = (ceil(max_query_len / 64), num_heads, num_seqs);
+// blockIdx.x counts down the query tiles, so the blocks with the most keys start first.
 // Within a warp (g = lane / 4, t = lane % 4) a lane holds, for every 8-column tile j:
 //   S[g][8j + 2t, +1] and S[g + 8][8j + 2t, +1]      (mma.cuh's C layout)
 // so a row's values are spread over the 4 lanes of a group: row max / sum need two
 // xor-shuffles (1, 2). The scores of two adjacent 8-key tiles, rounded to T, are exactly
 // the A fragment of the next MMA (P·V): P never leaves registers.
 //
-// Per key tile (BLOCK_N = 64 keys):
-//   1. all 128 threads stage K and V [64][HEAD_DIM] in shared memory with 16-byte loads
-//      through the block table (rows padded by 8 elements: the fragment loads below then
-//      hit 32 different banks);
-//   2. S = Q·Kᵀ: (HEAD_DIM / 16) x 8 MMAs per warp; Q's A fragments stay in registers
-//      for the whole kernel; B fragments are 32-bit loads of K rows;
-//   3. scale, causal mask, online softmax on the S registers;
-//   4. O += P·V: (64 / 16) x (HEAD_DIM / 8) MMAs; V's B fragments are two 16-bit loads.
-// A warp whose 16 rows all precede the tile (the causal upper triangle) skips 2-4.
+// Per key tile i (BLOCK_N = 64 keys), with one K and one V buffer in shared memory:
+//   wait for K(i); barrier; start copying V(i) (cp.async, cp_async.cuh);
+//   1. S = Q·Kᵀ: (HEAD_DIM / 16) x 8 MMAs per warp; Q's A fragments stay in registers for
+//      the whole kernel; K's B fragments come two k-steps per `ldmatrix.x4`;
+//   2. scale, causal mask, online softmax on the S registers;
+//   wait for V(i); barrier; start copying K(i + 1);
+//   3. O += P·V: (64 / 16) x (HEAD_DIM / 8) MMAs; V's B fragments come two d-tiles per
+//      `ldmatrix.x4.trans` (V is stored [key][d]; the MMA wants it k-major).
+// So each tile's copy overlaps the other half's math (FA2 §3.3; the same two-buffer
+// schedule as the FlashAttention-2 CUDA kernels). Copies go through the block table 16 bytes
+// at a time and are zero-filled past the last key (P is 0 there, but 0 · NaN is not).
+// A warp whose 16 rows all precede the tile (the causal upper triangle) skips 1-3 but
+// still takes part in the barriers and copies.
 //
-// Shared memory (dynamic): 2 * 64 * (HEAD_DIM + 8) * 2 bytes (K and V tiles).
+// Shared memory (dynamic): 2 * 64 * (HEAD_DIM + 8) * 2 bytes (K and V tiles; rows padded
+// by 8 elements so the 8 rows of an ldmatrix hit 8 different 16-byte bank groups).
 // Precision: T inputs, float32 accumulation and softmax; P is rounded to T for the P·V
 // product (as in FlashAttention-2), which the T-precision tolerance of the tests covers.
 //
-// Not done (next steps for speed): cp.async double-buffering of the K/V tiles, ldmatrix
-// for the fragment loads, and Hopper wgmma/TMA.
+// Not done (next steps for speed, to be measured on an H200 first): a deeper pipeline
+// (two K/V stages need more than the 48 KiB of dynamic shared memory a launch gets without
+// opting in), 128-row blocks, and Hopper wgmma/TMA (FlashAttention-3).
 #include "common.cuh"
+#include "cp_async.cuh"
 #include "mma.cuh"
 
 namespace prefill_mma {
@@ -55,7 +63,8 @@ __device__ void flash_prefill_mma(const T* __restrict__ q, const T* __restrict__
     constexpr int kDimTiles8 = HEAD_DIM / 8;           // n-tiles of O
     constexpr int kChunks = HEAD_DIM / 8;              // 16-byte chunks per K/V row
 
-    const int q_tile = blockIdx.x;
+    // Highest query tiles (the most keys, causally) first: the long blocks start early.
+    const int q_tile = gridDim.x - 1 - blockIdx.x;
     const int head = blockIdx.y;
     const int seq = blockIdx.z;
     const int q_start = query_start_loc[seq];
@@ -109,41 +118,57 @@ __device__ void flash_prefill_mma(const T* __restrict__ q, const T* __restrict__
     REFENGINE_CHECK_SHARED_BYTES(2 * kBlockN * kStride * sizeof(T));
 
     const int kv_end = ctx_len + last_row + 1;  // keys the block's last row sees
-    for (int kv_start = 0; kv_start < kv_end; kv_start += kBlockN) {
-        // 1. Stage K and V: 16-byte chunks, 8 elements each; zero past kv_end.
+
+    // Start copying keys [kv_start, kv_start + 64) of `cache` into `tile`: 16-byte chunks
+    // through the block table, zero-filled past kv_end (P is 0 there, but 0 * NaN is not).
+    auto load_tile = [&](T* tile, const T* cache, int kv_start) {
         for (int idx = threadIdx.x; idx < kBlockN * kChunks; idx += kNumThreads) {
             const int key = idx / kChunks;
             const int d = (idx % kChunks) * 8;
             const int pos = kv_start + key;
-            uint4 kv = {0u, 0u, 0u, 0u}, vv = {0u, 0u, 0u, 0u};
-            if (pos < kv_end) {
+            const bool valid = pos < kv_end;
+            long long offset = 0;  // a valid address even when nothing is read
+            if (valid) {
                 const long long slot = (long long)block_table[pos / block_size] * block_size + pos % block_size;
-                const long long offset = (slot * num_kv_heads + kv_head) * HEAD_DIM + d;
-                kv = *reinterpret_cast<const uint4*>(k_cache + offset);
-                vv = *reinterpret_cast<const uint4*>(v_cache + offset);
+                offset = (slot * num_kv_heads + kv_head) * HEAD_DIM + d;
             }
-            *reinterpret_cast<uint4*>(k_tile + key * kStride + d) = kv;
-            *reinterpret_cast<uint4*>(v_tile + key * kStride + d) = vv;
+            cp_async_16(tile + key * kStride + d, cache + offset, valid);
         }
-        __syncthreads();  // the tile is complete before anyone reads it
+        cp_async_commit();
+    };
 
-        if (kv_start <= warp_last_pos) {  // warp-uniform: some row of this warp sees a key here
-            // 2. S = Q·Kᵀ for 16 rows x 64 keys.
-            float s[kKeyTiles8][4];
+    // ldmatrix row addresses of this lane (lane 8i + r gives row r of matrix i):
+    //   K: matrices (keys 8j.., d 16ks + 8i..) for i = 0..3 -> B fragments of k-steps ks, ks+1;
+    //   V: matrices (keys 16kk + 8(i%2).., d 8(j + i/2)..) -> B fragments of d-tiles j, j+1.
+    const int mat = lane / 8, mat_row = lane % 8;
+    const T* k_lane = k_tile + mat_row * kStride + mat * 8;
+    const T* v_lane = v_tile + ((mat % 2) * 8 + mat_row) * kStride + (mat / 2) * 8;
+
+    // The FlashAttention-2 pipeline over one K and one V buffer: V(i) travels while
+    // S = Q·K(i)ᵀ is computed, and K(i+1) while O += P·V(i).
+    load_tile(k_tile, k_cache, 0);
+    for (int kv_start = 0; kv_start < kv_end; kv_start += kBlockN) {
+        cp_async_wait<0>();  // this thread's part of K(i) has landed ...
+        __syncthreads();     // ... everyone's has, and nobody still reads V(i-1)
+        load_tile(v_tile, v_cache, kv_start);
+
+        const bool active = kv_start <= warp_last_pos;  // warp-uniform: some row sees a key here
+        float s[kKeyTiles8][4];
+        if (active) {
+            // 1. S = Q·Kᵀ for 16 rows x 64 keys.
 #pragma unroll
             for (int j = 0; j < kKeyTiles8; ++j) {
                 s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-                const T* k_row = k_tile + (j * 8 + g) * kStride + 2 * t;  // B[k][n] = K[n][k]
 #pragma unroll
-                for (int ks = 0; ks < kDimSteps; ++ks) {
-                    unsigned b[2];
-                    b[0] = *reinterpret_cast<const unsigned*>(k_row + ks * 16);
-                    b[1] = *reinterpret_cast<const unsigned*>(k_row + ks * 16 + 8);
+                for (int ks = 0; ks < kDimSteps; ks += 2) {
+                    unsigned b[4];  // b[0..1]: k-step ks, b[2..3]: k-step ks + 1
+                    ldmatrix_x4(b, k_lane + j * 8 * kStride + ks * 16);
                     mma_m16n8k16<T>(s[j], q_frag[ks], b);
+                    mma_m16n8k16<T>(s[j], q_frag[ks + 1], b + 2);
                 }
             }
 
-            // 3. Scale, mask, online softmax (rows g and g + 8 of the warp).
+            // 2. Scale, mask, online softmax (rows g and g + 8 of the warp).
             float tile_max0 = REFENGINE_NEG_INF, tile_max1 = REFENGINE_NEG_INF;
 #pragma unroll
             for (int j = 0; j < kKeyTiles8; ++j) {
@@ -175,8 +200,14 @@ __device__ void flash_prefill_mma(const T* __restrict__ q, const T* __restrict__
                 o[j][2] *= alpha1;
                 o[j][3] *= alpha1;
             }
+        }
 
-            // 4. O += P·V, 16 keys (two S tiles = one A fragment) at a time.
+        cp_async_wait<0>();  // V(i) has landed (this thread's part) ...
+        __syncthreads();     // ... everyone's has, and nobody still reads K(i)
+        if (kv_start + kBlockN < kv_end) load_tile(k_tile, k_cache, kv_start + kBlockN);
+
+        if (active) {
+            // 3. O += P·V, 16 keys (two S tiles = one A fragment) at a time.
 #pragma unroll
             for (int kk = 0; kk < kBlockN / 16; ++kk) {
                 float p[2][4];
@@ -194,18 +225,15 @@ __device__ void flash_prefill_mma(const T* __restrict__ q, const T* __restrict__
                 a[1] = pack_pair(p[0][2], p[0][3], T{});  // row g + 8, keys 2t, 2t+1
                 a[2] = pack_pair(p[1][0], p[1][1], T{});  // row g,     keys 2t+8, 2t+9
                 a[3] = pack_pair(p[1][2], p[1][3], T{});  // row g + 8, keys 2t+8, 2t+9
-                const T* v0 = v_tile + (kk * 16 + 2 * t) * kStride + g;  // B[k][n] = V[key][d]
 #pragma unroll
-                for (int j = 0; j < kDimTiles8; ++j) {
-                    const T* v = v0 + j * 8;
-                    unsigned b[2];
-                    b[0] = (unsigned)bits_of(v[0]) | ((unsigned)bits_of(v[kStride]) << 16);
-                    b[1] = (unsigned)bits_of(v[8 * kStride]) | ((unsigned)bits_of(v[9 * kStride]) << 16);
+                for (int j = 0; j < kDimTiles8; j += 2) {
+                    unsigned b[4];  // b[0..1]: d-tile j, b[2..3]: d-tile j + 1
+                    ldmatrix_x4_trans(b, v_lane + kk * 16 * kStride + j * 8);
                     mma_m16n8k16<T>(o[j], a, b);
+                    mma_m16n8k16<T>(o[j + 1], a, b + 2);
                 }
             }
         }
-        __syncthreads();  // everyone is done with this tile before the next one overwrites it
     }
 
     // Full row sums: add the 4 lanes' shares.

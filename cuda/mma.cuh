@@ -15,6 +15,14 @@
 //   C/D (4 floats):
 //     c[0], c[1] = D[g][2t], D[g][2t+1]          c[2], c[3] = D[g+8][2t], D[g+8][2t+1]
 //
+// ldmatrix (PTX ISA §9.7.14.5.15, `ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16`)
+// loads four 8x8 matrices of 16-bit values from shared memory straight into this layout.
+// Lane 8i + r gives the address of row r of matrix i (16 contiguous bytes, 16-byte
+// aligned); register i of lane (g, t) then receives
+//   plain:  M_i[g][2t], M_i[g][2t+1]          .trans: M_i[2t][g], M_i[2t+1][g]
+// i.e. a B fragment of K (rows = keys: plain) or of V (rows = keys, but n = d: .trans)
+// in one instruction instead of one load per element pair.
+//
 // Because this layout is *documented* (unlike wmma fragments), a kernel may do row-wise
 // work on the accumulators directly in registers (FlashAttention-2's softmax), and the
 // emulation below can reproduce the instruction exactly: each lane gathers its peers'
@@ -79,7 +87,48 @@ __device__ __forceinline__ void mma_m16n8k16(float d[4], const unsigned a[4], co
     }
 }
 
-#else  // the real instruction
+// ldmatrix x4: `row` is this lane's row address (see the table at the top).
+template <bool TRANS>
+__device__ __forceinline__ void ldmatrix_x4_impl(unsigned r[4], const void* row) {
+    const auto* mine = static_cast<const unsigned char*>(row);
+    if (mine < shared_mem || mine + 16 > shared_mem + ::refengine_emu::g_shared_bytes)
+        ::refengine_emu::kernel_error("ldmatrix row address outside the launch's dynamic shared memory");
+    if (reinterpret_cast<uintptr_t>(mine) % 16) ::refengine_emu::kernel_error("ldmatrix row address not 16-byte aligned");
+    const unsigned char* rows[32];
+    ::refengine_emu::warp_allgather(&mine, rows, sizeof(mine), 0xffffffffu);
+    const int lane = ::refengine_emu::lane_id();
+    const int g = lane / 4, t = lane % 4;
+    for (int i = 0; i < 4; ++i) {
+        unsigned short lo, hi;
+        if (TRANS) {  // column g of rows 2t, 2t + 1
+            std::memcpy(&lo, rows[8 * i + 2 * t] + 2 * g, 2);
+            std::memcpy(&hi, rows[8 * i + 2 * t + 1] + 2 * g, 2);
+        } else {  // row g, columns 2t, 2t + 1
+            std::memcpy(&lo, rows[8 * i + g] + 4 * t, 2);
+            std::memcpy(&hi, rows[8 * i + g] + 4 * t + 2, 2);
+        }
+        r[i] = (unsigned)lo | ((unsigned)hi << 16);
+    }
+}
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned r[4], const void* row) { ldmatrix_x4_impl<false>(r, row); }
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], const void* row) { ldmatrix_x4_impl<true>(r, row); }
+
+#else  // the real instructions
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned r[4], const void* row) {
+    const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(row));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], const void* row) {
+    const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(row));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
 
 template <typename T>
 __device__ __forceinline__ void mma_m16n8k16(float d[4], const unsigned a[4], const unsigned b[2]);

@@ -1,4 +1,4 @@
-// mma_check.cu — one tensor-core MMA on known matrices, to check the fragment layout.
+// mma_check.cu — one tensor-core MMA, and one ldmatrix, on known matrices: layout self-tests.
 //
 // mma.cuh encodes our reading of the register layout of mma.sync.m16n8k16 (PTX ISA
 // §9.7.14.5.8). The prefill kernel and the CPU emulation both rely on it, so if the reading
@@ -10,6 +10,7 @@
 // Thread layout: one warp (grid 1, block 32). a: [16][16], b: [16][8] (row-major, k x n),
 // d: [16][8] float32.
 #include "common.cuh"
+#include "cp_async.cuh"
 #include "mma.cuh"
 
 template <typename T>
@@ -44,3 +45,34 @@ extern "C" __global__ void mma_check_bf16(const __nv_bfloat16* a, const __nv_bfl
     mma_check<__nv_bfloat16>(a, b, d);
 }
 REFENGINE_EXPORT_KERNEL(mma_check_bf16)
+
+// ldmatrix_check: the fragment layout of ldmatrix .x4 and .x4.trans (mma.cuh), and
+// cp.async with its zero fill (cp_async.cuh), on known data. m: four 8x8 matrices of
+// 16-bit values, [4][8][8] row-major. Lane l stages row l % 8 of matrix l / 8 into shared
+// memory (row stride 24 elements) with cp.async, and the 8 elements after it as zero fill.
+// out [32 * 4 + 32 * 4 + 32] unsigned: each lane's 4 registers from ldmatrix, then from
+// ldmatrix.trans, then one 32-bit word of its zero-filled chunk (must be 0).
+// Launch: grid 1, block 32, 32 * 24 * 2 bytes of dynamic shared memory.
+// (The body is a plain C++ function, as in every kernel file: `shared_mem` must have the
+// same linkage wherever it is declared, and all files form one translation unit on NVRTC.)
+__device__ void ldmatrix_check(const __half* __restrict__ m, unsigned* __restrict__ out) {
+    constexpr int kStride = 24;
+    extern __shared__ __align__(16) unsigned char shared_mem[];
+    __half* tile = reinterpret_cast<__half*>(shared_mem);
+    REFENGINE_CHECK_SHARED_BYTES(32 * kStride * sizeof(__half));
+    const int lane = threadIdx.x % 32;
+    cp_async_16(tile + lane * kStride, m + lane * 8, true);
+    cp_async_16(tile + lane * kStride + 8, m, false);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    unsigned r[4];
+    ldmatrix_x4(r, tile + lane * kStride);
+    for (int i = 0; i < 4; ++i) out[lane * 4 + i] = r[i];
+    ldmatrix_x4_trans(r, tile + lane * kStride);
+    for (int i = 0; i < 4; ++i) out[128 + lane * 4 + i] = r[i];
+    out[256 + lane] = *reinterpret_cast<const unsigned*>(tile + lane * kStride + 8 + 2 * (lane % 4));
+}
+
+extern "C" __global__ void ldmatrix_check_f16(const __half* m, unsigned* out) { ldmatrix_check(m, out); }
+REFENGINE_EXPORT_KERNEL(ldmatrix_check_f16)

@@ -77,10 +77,17 @@ def test_missing_barrier_before_tile_reuse_fails(tmp_path):
     assert output_error(backend, prefill_case()) > 1e-2
 
 
-def test_missing_barrier_in_tensor_core_kernel_fails(tmp_path):
-    """The same bug in the mma kernel (float16 storage), including its emulated MMAs."""
-    backend = broken_backend(tmp_path, "flash_prefill_mma.cu",
-                             "__syncthreads();  // the tile is complete before anyone reads it", "")
+@pytest.mark.parametrize("old", [
+    "__syncthreads();     // ... everyone's has, and nobody still reads V(i-1)",
+    "cp_async_wait<0>();  // V(i) has landed (this thread's part) ...",
+    "__syncthreads();     // ... everyone's has, and nobody still reads K(i)",
+], ids=["no-barrier-after-wait", "no-cp-async-wait", "no-barrier-before-reuse"])
+def test_broken_pipeline_in_tensor_core_kernel_fails(tmp_path, old):
+    """The tensor-core kernel's cp.async pipeline (float16 storage, emulated MMA, ldmatrix
+    and cp.async): reading a tile before the other threads' copies are known to have landed,
+    reading it before one's own wait, or overwriting K while slower warps still multiply by
+    it, each give wrong numbers."""
+    backend = broken_backend(tmp_path, "flash_prefill_mma.cu", old, "")
     case = prefill_case(dtype=np.float16)
     assert output_error(EmulatedCudaAttention(), prefill_case(dtype=np.float16)) < TOLERANCE[np.dtype(np.float16)]
     assert output_error(backend, case) > 1e-1

@@ -428,7 +428,7 @@ def fake_cupy():
     """A minimal stand-in for the parts of CuPy that CudaAttention and gpu_check use:
     arrays are NumPy arrays (a subclass with ``.data.ptr``), RawModule kernels launch on
     the CPU emulator, events read the wall clock. Only NVRTC compilation is not covered
-    (cuda/check_nvcc.sh compiles the same concatenated source with nvcc)."""
+    here (tests/test_nvrtc.py compiles the same module with the real NVRTC)."""
     import time
     import types
 
@@ -464,6 +464,11 @@ def fake_cupy():
     cp.empty = lambda shape, dtype=np.float32: np.full(shape, np.nan, np.float32).astype(dtype).view(ndarray)
     cp.ascontiguousarray = lambda x: np.ascontiguousarray(x).view(ndarray)
     cp.asnumpy = lambda x: np.array(np.asarray(x))
+    cp.float16, cp.float32 = np.float16, np.float32
+    cp.random = types.SimpleNamespace(
+        standard_normal=lambda shape, dtype=np.float32: np.random.default_rng(0).standard_normal(shape).astype(
+            dtype).view(ndarray))
+    cp.get_default_memory_pool = lambda: types.SimpleNamespace(free_all_blocks=lambda: None)
     cp.RawModule = RawModule
     cp.cuda = types.SimpleNamespace(
         runtime=types.SimpleNamespace(getDeviceCount=lambda: 1,
@@ -497,17 +502,24 @@ def test_cuda_backend_code_path(monkeypatch):
         np.testing.assert_allclose(out.astype(np.float64), dense_reference(decode), rtol=tol, atol=tol)
 
 
-def test_gpu_check_script_runs(monkeypatch, capsys):
-    """benchmarks/gpu_check.py's correctness section on the stand-in CuPy (small batches),
-    and its exit status 2 without CuPy."""
+def load_gpu_check():
+    """benchmarks/gpu_check.py as a module (benchmarks/ is not a package)."""
     import importlib.util
-    import sys
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
     spec = importlib.util.spec_from_file_location("gpu_check", path)
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
+    return gpu_check
+
+
+def test_gpu_check_script_runs(monkeypatch, capsys):
+    """benchmarks/gpu_check.py's correctness section on the stand-in CuPy (small batches),
+    and its exit status 2 without CuPy."""
+    import sys
+
+    gpu_check = load_gpu_check()
 
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
     assert gpu_check.main([]) == 2
@@ -534,3 +546,32 @@ def test_mma_fragment_layout(dtype):
     emulated_launch(build_emulation_library(), Launch(f"mma_check_{tag}", (1, 1, 1), (32, 1, 1), 0, (a, b, d)))
     expected = a.astype(np.float64) @ b.astype(np.float64)  # products of 16-bit values are exact in float32
     np.testing.assert_allclose(d, expected, rtol=1e-5, atol=1e-5)  # float32 sums of 16 terms
+
+
+def test_ldmatrix_fragment_layout_and_cp_async_zero_fill():
+    """The emulated ldmatrix / ldmatrix.trans (mma.cuh) against the PTX layout as
+    gpu_check.ldmatrix_expected writes it out; ``make gpu-check`` runs the same kernel on the
+    GPU against the same expectation, which ties the emulation to the hardware."""
+    from refengine.attention.cuda import Launch, emulated_launch
+
+    m = np.random.default_rng(0).standard_normal((4, 8, 8)).astype(np.float16)
+    out = np.full(32 * 4 * 2 + 32, 0xDEADBEEF, np.uint32)
+    emulated_launch(build_emulation_library(), Launch("ldmatrix_check_f16", (1, 1, 1), (32, 1, 1), 32 * 24 * 2,
+                                                      (m, out)))
+    np.testing.assert_array_equal(out, load_gpu_check().ldmatrix_expected(m))
+
+
+def test_gpu_check_benchmarks_run(monkeypatch):
+    """The benchmark sections of gpu_check.py (tiny shapes, stand-in CuPy): the GPU run
+    must not be the first to execute them. Timings on the emulator mean nothing."""
+    import sys
+
+    gpu_check = load_gpu_check()
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
+    cp = sys.modules["cupy"]
+    prefill = gpu_check.bench_prefill(cp, True, float("inf"), head_dims=(64,), seqs=(64,), tokens_per_batch=64)
+    assert [(r["head_dim"], r["seq"], r["batch"]) for r in prefill] == [(64, 64, 1)]
+    assert prefill[0]["mma_tflops"] > 0 and prefill[0]["simt_tflops"] > 0
+    decode = gpu_check.bench_decode(cp, True, float("inf"), batches=(2,), contexts=(64,))
+    assert [(r["batch"], r["ctx"]) for r in decode] == [(2, 64)]
+    assert decode[0]["best_partition"] in (128, 256, 512, 1024) and decode[0]["best_gbps"] > 0

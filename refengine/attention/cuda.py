@@ -15,20 +15,22 @@ Kernels (see each file's header comment for thread layout and sources, and cuda/
 * ``reshape_and_cache_<dt>``: ``write_kv``, new K/V rows into their cache slots;
 * ``flash_prefill_<dt>_hd<D>``: FlashAttention-2 over the paged cache, any mix of chunk
   lengths (decode rows included), SIMT float32 FMAs;
-* ``flash_prefill_mma_<dt>_hd<D>``: the same on tensor cores (``mma.sync`` m16n8k16),
-  float16/bfloat16 only; the default for those dtypes;
+* ``flash_prefill_mma_<dt>_hd<D>``: the same on tensor cores (``mma.sync`` m16n8k16,
+  ``ldmatrix`` fragments, ``cp.async`` K/V tiles), float16/bfloat16 only; the default for
+  those dtypes;
 * ``paged_decode_<dt>_hd<D>``: one query per sequence, all heads of a KV group per block,
   context split into partitions (Flash-Decoding), and ``paged_decode_reduce_<dt>_hd<D>``
   to merge the partitions by their softmax statistics;
 * ``rms_norm_<dt>``, ``silu_and_mul_<dt>``, ``rotary_embedding_<dt>`` (layers.cu): the
   per-token layer kernels, offered as methods of both backends for a GPU model path;
-* ``mma_check_<dt>``: one tensor-core MMA on known matrices (a layout self-test).
+* ``mma_check_<dt>``, ``ldmatrix_check_f16``: one tensor-core MMA / one ldmatrix (and
+  cp.async) on known matrices (layout self-tests, run on the GPU by ``make gpu-check``).
 
 ``<dt>`` is ``f32``, ``f16`` or ``bf16`` (storage type; arithmetic is float32) and ``D``
 (head_dim) is one of :data:`SUPPORTED_HEAD_DIMS`.
 
-Not done yet: cp.async/TMA pipelining and Hopper ``wgmma`` in the prefill kernel, a
-tensor-core decode for large groups, FP8 KV cache.
+Not done yet: a deeper (multi-stage, TMA) pipeline and Hopper ``wgmma`` in the prefill
+kernel, a tensor-core decode for large groups, FP8 KV cache.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
 BUILD_DIR = CUDA_DIR / "build"
 KERNEL_SOURCES = ("reshape_and_cache.cu", "flash_prefill.cu", "flash_prefill_mma.cu", "paged_decode.cu", "layers.cu",
                   "mma_check.cu")
-EMULATION_SUPPORT = ("cuda_emu.h", "common.cuh", "mma.cuh", "emu_runtime.cpp")
+EMULATION_SUPPORT = ("cuda_emu.h", "common.cuh", "mma.cuh", "cp_async.cuh", "emu_runtime.cpp")
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
 
 # Launch geometry; each constant mirrors the kernel source named beside it.
@@ -348,6 +350,41 @@ class _KernelAttention:
                                     np.int32(rotary_dim))))
 
 
+def nvrtc_program(cuda_include: os.PathLike | str | None) -> tuple[str, tuple[str, ...]]:
+    """The one translation unit and the options :class:`CudaAttention` hands to NVRTC.
+
+    Every file of :data:`KERNEL_SOURCES`, concatenated (each includes ``common.cuh``, whose
+    ``#pragma once`` keeps the helpers single). NVRTC has no ``cuda_fp16.h`` /
+    ``cuda_bf16.h`` of its own: ``cuda_include`` is the CUDA include directory that holds
+    them (CuPy's ``get_cuda_path()/include``; with pip wheels, ``nvidia/cu13/include`` from
+    ``nvidia-cuda-runtime``). ``tests/test_nvrtc.py`` compiles exactly this for sm_90.
+    """
+    code = "\n".join((CUDA_DIR / name).read_text() for name in KERNEL_SOURCES)
+    options = ["--std=c++17", f"-I{CUDA_DIR}"]
+    if cuda_include is not None:
+        options.append(f"-I{cuda_include}")
+    return code, tuple(options)
+
+
+def exported_kernel_names() -> list[str]:
+    """Every ``extern "C"`` kernel the host code may launch, by name (sorted).
+
+    The names follow the dtype tags and :data:`SUPPORTED_HEAD_DIMS`; the tensor-core
+    kernels (``flash_prefill_mma_*``, ``mma_check_*``) exist for 16-bit storage only.
+    """
+    names = []
+    for tag in ("f32", "f16", "bf16"):
+        names += [f"reshape_and_cache_{tag}", f"rms_norm_{tag}", f"silu_and_mul_{tag}", f"rotary_embedding_{tag}"]
+        for d in SUPPORTED_HEAD_DIMS:
+            names += [f"flash_prefill_{tag}_hd{d}", f"paged_decode_{tag}_hd{d}", f"paged_decode_reduce_{tag}_hd{d}"]
+            if tag != "f32":
+                names.append(f"flash_prefill_mma_{tag}_hd{d}")
+        if tag != "f32":
+            names.append(f"mma_check_{tag}")
+    names.append("ldmatrix_check_f16")
+    return sorted(names)
+
+
 def _check_cache(k_cache: Any, v_cache: Any) -> None:
     if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache/v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
@@ -555,12 +592,9 @@ class CudaAttention(_KernelAttention):
             raise ImportError("attention_backend='cuda' needs CuPy with a CUDA device: "
                               "pip install 'refengine[cuda]' (cupy-cuda13x)") from exc
         self._cp = cupy
-        code = "\n".join((CUDA_DIR / name).read_text() for name in KERNEL_SOURCES)
-        options = ["--std=c++17", f"-I{CUDA_DIR}"]
         cuda_path = cupy.cuda.get_cuda_path() if hasattr(cupy.cuda, "get_cuda_path") else None
-        if cuda_path:
-            options.append(f"-I{Path(cuda_path) / 'include'}")
-        self._module = cupy.RawModule(code=code, options=tuple(options))
+        code, options = nvrtc_program(Path(cuda_path) / "include" if cuda_path else None)
+        self._module = cupy.RawModule(code=code, options=options)
         self._kernels: dict[str, Any] = {}
 
     def _launch(self, launch: Launch) -> None:
