@@ -6,7 +6,10 @@ in a few minutes:
 
   (a) correctness: the CUDA kernels (``CudaAttention``) against the NumPy twin on random
       paged batches (decode, chunked prefill, mixed; GQA; head_dim 64/128; float16,
-      bfloat16, float32 storage) and ``reshape_and_cache`` bit for bit;
+      bfloat16, float32 storage), ``reshape_and_cache`` bit for bit, the layer kernels,
+      and the tensor-core layouts on the hardware (one MMA; one ``ldmatrix`` /
+      ``ldmatrix.trans`` with ``cp.async`` zero fill, bit for bit against the PTX figures
+      as ``ldmatrix_expected`` writes them out; the CPU emulator is tested against the same);
   (b) speed:
       * flash prefill TFLOP/s (causal; FLOPs = 2 * 2 * b * h * s^2 * d / 2) at head_dim 64
         and 128, seq 1k-8k, batch filling the chip, beside
@@ -14,7 +17,10 @@ in a few minutes:
         inputs when torch with CUDA is importable;
       * paged decode achieved bandwidth (K+V bytes read / time) at batch 1-128 and
         context 1k-32k, 32 query heads, 8 KV heads, head_dim 128, beside the device's
-        measured device-to-device copy bandwidth ((read + write bytes) / time);
+        measured device-to-device copy bandwidth ((read + write bytes) / time), at the
+        default partition size (512) and the best of 128/256/512/1024;
+      * end to end: SmolLM2 greedy on the GPU (float32) against the CPU, and offline
+        throughput in bfloat16;
   (c) a short table of the results.
 
 Usage:  python benchmarks/gpu_check.py [--quick] [--skip-bench]
@@ -156,7 +162,7 @@ def ldmatrix_expected(m: np.ndarray) -> np.ndarray:
     """What ``ldmatrix_check_f16`` must write, from the PTX ISA's ldmatrix fragment figures
     (§9.7.14.5.15), written out here on their own: lane l = 4g + t receives, in register i,
     elements (g, 2t) and (g, 2t + 1) of matrix i, or with .trans (2t, g) and (2t + 1, g);
-    the low 16 bits hold the first. Then 32 zeros (cp.async's zero fill)."""
+    the low 16 bits hold the first. Then 128 zero words (cp.async's zero fill)."""
     bits = m.view(np.uint16).astype(np.uint32)
     plain = np.zeros((32, 4), np.uint32)
     trans = np.zeros((32, 4), np.uint32)
@@ -165,7 +171,7 @@ def ldmatrix_expected(m: np.ndarray) -> np.ndarray:
         for i in range(4):
             plain[lane, i] = bits[i, g, 2 * t] | bits[i, g, 2 * t + 1] << 16
             trans[lane, i] = bits[i, 2 * t, g] | bits[i, 2 * t + 1, g] << 16
-    return np.concatenate([plain.ravel(), trans.ravel(), np.zeros(32, np.uint32)])
+    return np.concatenate([plain.ravel(), trans.ravel(), np.zeros(32 * 4, np.uint32)])
 
 
 def check_mma_layout(cp, rng) -> list[tuple[str, bool, str]]:
@@ -194,7 +200,7 @@ def check_mma_layout(cp, rng) -> list[tuple[str, bool, str]]:
 
     # ldmatrix / ldmatrix.trans and cp.async zero fill (cuda/mma_check.cu), bit for bit.
     m = rng.standard_normal((4, 8, 8), dtype=np.float32).astype(np.float16)
-    dout = cp.asarray(np.zeros(32 * 4 * 2 + 32, dtype=np.uint32))
+    dout = cp.asarray(np.zeros(32 * 4 * 3, dtype=np.uint32))
     backend._launch(Launch("ldmatrix_check_f16", (1, 1, 1), (32, 1, 1), 32 * 24 * 2, (cp.asarray(m), dout)))
     wrong = int((cp.asnumpy(dout) != ldmatrix_expected(m)).sum())
     results.append(("ldmatrix + cp.async layout", wrong == 0, "bit-exact" if not wrong else f"{wrong} words differ"))

@@ -29,8 +29,9 @@ __device__ __forceinline__ void cp_async_wait() { ::refengine_emu::cp_async_wait
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool fill) {
     const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     // .cg: cache in L2 only (K/V tiles are read once per block; keep L1 for nothing else).
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(fill ? 16 : 0)
-                 : "memory");
+    // No "memory" clobber: nothing may read the destination before cp_async_wait (which has
+    // one), and without it the compiler can hoist the next chunk's address loads.
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(fill ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>

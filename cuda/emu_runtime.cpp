@@ -118,6 +118,7 @@ struct Fiber {
     uint3 tid{0, 0, 0};
     int linear = 0;
     unsigned collectives = 0;  // warp collectives done so far (selects the buffer half)
+    unsigned collective_kind = 0;  // what it waits at: shuffle or all-gather, and the width
     int committed = 0;         // cp.async groups committed so far
     std::vector<PendingCopy> pending;
     std::vector<unsigned char> stack;
@@ -238,7 +239,9 @@ bool run_block(int nthreads, std::mt19937_64& rng) {
         const unsigned count = g_fibers[w * kWarpSize].collectives;
         for (int l = 0; l < kWarpSize; ++l) {
             const Fiber& f = g_fibers[w * kWarpSize + l];
-            if (f.state != State::AtWarpCollective || f.collectives != count) return false;
+            if (f.state != State::AtWarpCollective || f.collectives != count ||
+                f.collective_kind != g_fibers[w * kWarpSize].collective_kind)
+                return false;
         }
         for (int l = 0; l < kWarpSize; ++l) g_fibers[w * kWarpSize + l].state = State::Runnable;
         return true;
@@ -268,7 +271,8 @@ bool run_block(int nthreads, std::mt19937_64& rng) {
             for (int l = 0; l < kWarpSize; ++l) {
                 const Fiber& f = g_fibers[w * kWarpSize + l];
                 if (f.state == State::AtWarpCollective) ++waiting;
-                if (f.collectives != first_count) same_collective = false;
+                if (f.collectives != first_count || f.collective_kind != g_fibers[w * kWarpSize].collective_kind)
+                    same_collective = false;
             }
             if (waiting == 0) continue;
             if (waiting < kWarpSize) {
@@ -284,7 +288,7 @@ bool run_block(int nthreads, std::mt19937_64& rng) {
                 }
             }
             if (!same_collective) {
-                set_error("warp %d: lanes meet at different warp collectives (mismatched shuffle counts)", w);
+                set_error("warp %d: lanes meet at different warp collectives (mismatched counts or kinds)", w);
                 return false;
             }
             for (int l = 0; l < kWarpSize; ++l) g_fibers[w * kWarpSize + l].state = State::Runnable;
@@ -326,6 +330,7 @@ void warp_exchange(const void* in, void* out, size_t size, int src_lane, unsigne
     const int lane = f->linear % kWarpSize;
     const unsigned half = f->collectives & 1u;
     std::memcpy(g_warps[warp].slot[half][lane], in, size);
+    f->collective_kind = 1000u + static_cast<unsigned>(size);  // a shuffle of `size` bytes
     block_current(State::AtWarpCollective);  // resumes once all 32 lanes have published
     std::memcpy(out, g_warps[warp].slot[half][src_lane], size);
     f->collectives += 1;
@@ -340,6 +345,7 @@ void warp_allgather(const void* in, void* out_all, size_t size, unsigned mask) {
     const int lane = f->linear % kWarpSize;
     const unsigned half = f->collectives & 1u;
     std::memcpy(g_warps[warp].slot[half][lane], in, size);
+    f->collective_kind = 2000u + static_cast<unsigned>(size);  // an all-gather (mma, ldmatrix)
     block_current(State::AtWarpCollective);
     for (int l = 0; l < kWarpSize; ++l)
         std::memcpy(static_cast<unsigned char*>(out_all) + l * size, g_warps[warp].slot[half][l], size);

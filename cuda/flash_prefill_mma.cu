@@ -35,9 +35,10 @@
 // Precision: T inputs, float32 accumulation and softmax; P is rounded to T for the P·V
 // product (as in FlashAttention-2), which the T-precision tolerance of the tests covers.
 //
-// Not done (next steps for speed, to be measured on an H200 first): a deeper pipeline
-// (two K/V stages need more than the 48 KiB of dynamic shared memory a launch gets without
-// opting in), 128-row blocks, and Hopper wgmma/TMA (FlashAttention-3).
+// Not done (next steps for speed, to be measured on an H200 first): a deeper pipeline (two
+// K/V stages fit the 48 KiB a launch gets without opting in up to head_dim 64; head_dim 128
+// needs 69.6 KiB and cudaFuncAttributeMaxDynamicSharedMemorySize), block-table lookups done
+// once per tile for K and V, 128-row blocks, and Hopper wgmma/TMA (FlashAttention-3).
 #include "common.cuh"
 #include "cp_async.cuh"
 #include "mma.cuh"
@@ -56,7 +57,7 @@ __device__ void flash_prefill_mma(const T* __restrict__ q, const T* __restrict__
                                   const int* __restrict__ block_tables, int max_blocks_per_seq, int num_heads,
                                   int num_kv_heads, int block_size, float scale) {
     using namespace prefill_mma;
-    static_assert(HEAD_DIM % 16 == 0, "head_dim must be a multiple of 16");
+    static_assert(HEAD_DIM % 32 == 0, "head_dim must be a multiple of 32 (ldmatrix.x4 covers two k-steps)");
     constexpr int kStride = HEAD_DIM + kPad;           // shared-memory row length (elements)
     constexpr int kDimSteps = HEAD_DIM / 16;           // k-steps of Q·Kᵀ
     constexpr int kKeyTiles8 = kBlockN / 8;            // n-tiles of S

@@ -94,18 +94,23 @@ __device__ __forceinline__ void ldmatrix_x4_impl(unsigned r[4], const void* row)
     if (mine < shared_mem || mine + 16 > shared_mem + ::refengine_emu::g_shared_bytes)
         ::refengine_emu::kernel_error("ldmatrix row address outside the launch's dynamic shared memory");
     if (reinterpret_cast<uintptr_t>(mine) % 16) ::refengine_emu::kernel_error("ldmatrix row address not 16-byte aligned");
-    const unsigned char* rows[32];
-    ::refengine_emu::warp_allgather(&mine, rows, sizeof(mine), 0xffffffffu);
+    // Each lane publishes the 16 bytes of its row as they are when it reaches the
+    // instruction (what a lane writes after it cannot leak into its peers' registers).
+    struct Row {
+        unsigned char bytes[16];
+    } own, rows[32];
+    std::memcpy(own.bytes, mine, 16);
+    ::refengine_emu::warp_allgather(&own, rows, sizeof(Row), 0xffffffffu);
     const int lane = ::refengine_emu::lane_id();
     const int g = lane / 4, t = lane % 4;
     for (int i = 0; i < 4; ++i) {
         unsigned short lo, hi;
         if (TRANS) {  // column g of rows 2t, 2t + 1
-            std::memcpy(&lo, rows[8 * i + 2 * t] + 2 * g, 2);
-            std::memcpy(&hi, rows[8 * i + 2 * t + 1] + 2 * g, 2);
+            std::memcpy(&lo, rows[8 * i + 2 * t].bytes + 2 * g, 2);
+            std::memcpy(&hi, rows[8 * i + 2 * t + 1].bytes + 2 * g, 2);
         } else {  // row g, columns 2t, 2t + 1
-            std::memcpy(&lo, rows[8 * i + g] + 4 * t, 2);
-            std::memcpy(&hi, rows[8 * i + g] + 4 * t + 2, 2);
+            std::memcpy(&lo, rows[8 * i + g].bytes + 4 * t, 2);
+            std::memcpy(&hi, rows[8 * i + g].bytes + 4 * t + 2, 2);
         }
         r[i] = (unsigned)lo | ((unsigned)hi << 16);
     }

@@ -48,11 +48,12 @@ REFENGINE_EXPORT_KERNEL(mma_check_bf16)
 
 // ldmatrix_check: the fragment layout of ldmatrix .x4 and .x4.trans (mma.cuh), and
 // cp.async with its zero fill (cp_async.cuh), on known data. m: four 8x8 matrices of
-// 16-bit values, [4][8][8] row-major. Lane l stages row l % 8 of matrix l / 8 into shared
-// memory (row stride 24 elements) with cp.async, and the 8 elements after it as zero fill.
-// out [32 * 4 + 32 * 4 + 32] unsigned: each lane's 4 registers from ldmatrix, then from
-// ldmatrix.trans, then one 32-bit word of its zero-filled chunk (must be 0).
-// Launch: grid 1, block 32, 32 * 24 * 2 bytes of dynamic shared memory.
+// 16-bit values, [4][8][8] row-major. Shared memory is first set to all-ones bits; then
+// lane l stages row l % 8 of matrix l / 8 (row stride 24 elements) with cp.async, and the
+// 8 elements after it as zero fill. out [32 * 4 + 32 * 4 + 32 * 4] unsigned: each lane's
+// 4 registers from ldmatrix, then from ldmatrix.trans, then the 16 bytes of its
+// zero-filled chunk (all 0). Launch: grid 1, block 32, 32 * 24 * 2 bytes of dynamic
+// shared memory.
 // (The body is a plain C++ function, as in every kernel file: `shared_mem` must have the
 // same linkage wherever it is declared, and all files form one translation unit on NVRTC.)
 __device__ void ldmatrix_check(const __half* __restrict__ m, unsigned* __restrict__ out) {
@@ -61,6 +62,9 @@ __device__ void ldmatrix_check(const __half* __restrict__ m, unsigned* __restric
     __half* tile = reinterpret_cast<__half*>(shared_mem);
     REFENGINE_CHECK_SHARED_BYTES(32 * kStride * sizeof(__half));
     const int lane = threadIdx.x % 32;
+    // Not zero to begin with (a GPU's shared memory often is), so the zero fill shows.
+    for (int i = lane; i < 32 * kStride / 2; i += 32) reinterpret_cast<unsigned*>(tile)[i] = 0xffffffffu;
+    __syncthreads();
     cp_async_16(tile + lane * kStride, m + lane * 8, true);
     cp_async_16(tile + lane * kStride + 8, m, false);
     cp_async_commit();
@@ -71,7 +75,7 @@ __device__ void ldmatrix_check(const __half* __restrict__ m, unsigned* __restric
     for (int i = 0; i < 4; ++i) out[lane * 4 + i] = r[i];
     ldmatrix_x4_trans(r, tile + lane * kStride);
     for (int i = 0; i < 4; ++i) out[128 + lane * 4 + i] = r[i];
-    out[256 + lane] = *reinterpret_cast<const unsigned*>(tile + lane * kStride + 8 + 2 * (lane % 4));
+    for (int i = 0; i < 4; ++i) out[256 + lane * 4 + i] = reinterpret_cast<const unsigned*>(tile + lane * kStride + 8)[i];
 }
 
 extern "C" __global__ void ldmatrix_check_f16(const __half* m, unsigned* out) { ldmatrix_check(m, out); }

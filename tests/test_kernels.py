@@ -555,7 +555,7 @@ def test_ldmatrix_fragment_layout_and_cp_async_zero_fill():
     from refengine.attention.cuda import Launch, emulated_launch
 
     m = np.random.default_rng(0).standard_normal((4, 8, 8)).astype(np.float16)
-    out = np.full(32 * 4 * 2 + 32, 0xDEADBEEF, np.uint32)
+    out = np.full(32 * 4 * 3, 0xDEADBEEF, np.uint32)
     emulated_launch(build_emulation_library(), Launch("ldmatrix_check_f16", (1, 1, 1), (32, 1, 1), 32 * 24 * 2,
                                                       (m, out)))
     np.testing.assert_array_equal(out, load_gpu_check().ldmatrix_expected(m))
