@@ -162,7 +162,13 @@ def ldmatrix_expected(m: np.ndarray) -> np.ndarray:
     """What ``ldmatrix_check_f16`` must write, from the PTX ISA's ldmatrix fragment figures
     (§9.7.14.5.15), written out here on their own: lane l = 4g + t receives, in register i,
     elements (g, 2t) and (g, 2t + 1) of matrix i, or with .trans (2t, g) and (2t + 1, g);
-    the low 16 bits hold the first. Then 128 zero words (cp.async's zero fill)."""
+    the low 16 bits hold the first. Then 128 zero words (cp.async's zero fill).
+
+    Args:
+        m: ``[4, 8, 8]`` float16 (four 8x8 matrices, row-major).
+    Returns:
+        ``[384]`` uint32: ``plain[32 lanes][4 regs]``, ``trans[32][4]``, then 128 zeros.
+    """
     bits = m.view(np.uint16).astype(np.uint32)
     plain = np.zeros((32, 4), np.uint32)
     trans = np.zeros((32, 4), np.uint32)

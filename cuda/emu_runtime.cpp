@@ -10,10 +10,9 @@
 //      warp collective) or returns; as soon as all 32 lanes of a warp wait at the same
 //      collective, release that warp and start the round over, so it runs ahead of the
 //      warps that have not run yet;
-//   2. (kept for the checks below) release any warp whose 32 lanes wait at a collective;
-//   3. else, if every thread waits at `__syncthreads()`, release the block;
-//   4. else the kernel is wrong (a barrier or collective that not every thread reaches):
-//      fail the launch with a message.
+//   2. once all are blocked: if every thread waits at `__syncthreads()`, release the block;
+//   3. else the kernel is wrong (a barrier or collective that not every thread reaches, or
+//      lanes of a warp at different collectives): fail the launch with a message.
 // The order in step 1 is reverse thread order by default, so a thread that consumes data
 // produced by a lower-numbered thread without a barrier in between always reads stale or
 // poisoned memory.
@@ -261,40 +260,27 @@ bool run_block(int nthreads, std::mt19937_64& rng) {
             }
         }
         if (ran_ahead) continue;
-        // Everyone is blocked or finished. Release complete warps first.
-        bool released = false;
+        // Everyone is blocked or finished. A warp whose 32 lanes met at the same collective
+        // was released above, so lanes still waiting at one mean a broken kernel.
         int done = 0, at_barrier = 0;
         for (int w = 0; w < nwarps; ++w) {
             int waiting = 0;
-            unsigned first_count = g_fibers[w * kWarpSize].collectives;
-            bool same_collective = true;
-            for (int l = 0; l < kWarpSize; ++l) {
-                const Fiber& f = g_fibers[w * kWarpSize + l];
-                if (f.state == State::AtWarpCollective) ++waiting;
-                if (f.collectives != first_count || f.collective_kind != g_fibers[w * kWarpSize].collective_kind)
-                    same_collective = false;
-            }
+            for (int l = 0; l < kWarpSize; ++l) waiting += g_fibers[w * kWarpSize + l].state == State::AtWarpCollective;
             if (waiting == 0) continue;
-            if (waiting < kWarpSize) {
-                for (int l = 0; l < kWarpSize; ++l) {
-                    const Fiber& f = g_fibers[w * kWarpSize + l];
-                    if (f.state != State::AtWarpCollective) {
-                        set_error("divergent warp collective: warp %d lane %d is at %s while %d lanes wait "
-                                  "at a shuffle/__syncwarp (block %u,%u,%u)",
-                                  w, l, state_name(f.state), waiting, g_block_idx.x, g_block_idx.y,
-                                  g_block_idx.z);
-                        return false;
-                    }
-                }
-            }
-            if (!same_collective) {
+            if (waiting == kWarpSize) {
                 set_error("warp %d: lanes meet at different warp collectives (mismatched counts or kinds)", w);
                 return false;
             }
-            for (int l = 0; l < kWarpSize; ++l) g_fibers[w * kWarpSize + l].state = State::Runnable;
-            released = true;
+            for (int l = 0; l < kWarpSize; ++l) {
+                const Fiber& f = g_fibers[w * kWarpSize + l];
+                if (f.state != State::AtWarpCollective) {
+                    set_error("divergent warp collective: warp %d lane %d is at %s while %d lanes wait "
+                              "at a shuffle/__syncwarp (block %u,%u,%u)",
+                              w, l, state_name(f.state), waiting, g_block_idx.x, g_block_idx.y, g_block_idx.z);
+                    return false;
+                }
+            }
         }
-        if (released) continue;
         for (int i = 0; i < nthreads; ++i) {
             if (g_fibers[i].state == State::Done) ++done;
             if (g_fibers[i].state == State::AtBarrier) ++at_barrier;

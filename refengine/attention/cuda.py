@@ -357,32 +357,19 @@ def nvrtc_program(cuda_include: os.PathLike | str | None) -> tuple[str, tuple[st
     ``#pragma once`` keeps the helpers single). NVRTC has no ``cuda_fp16.h`` /
     ``cuda_bf16.h`` of its own: ``cuda_include`` is the CUDA include directory that holds
     them (CuPy's ``get_cuda_path()/include``; with pip wheels, ``nvidia/cu13/include`` from
-    ``nvidia-cuda-runtime``). ``tests/test_nvrtc.py`` compiles exactly this for sm_90.
+    ``nvidia-cuda-runtime``). ``tests/test_nvrtc.py`` compiles exactly this for sm_90;
+    CuPy adds ``-arch`` and its own flags (``cupy/cuda/compiler.py``).
+
+    Returns:
+        ``(source, options)``: the CUDA C++ text and the NVRTC command-line options.
+    Raises:
+        OSError: a file of :data:`KERNEL_SOURCES` cannot be read.
     """
     code = "\n".join((CUDA_DIR / name).read_text() for name in KERNEL_SOURCES)
     options = ["--std=c++17", f"-I{CUDA_DIR}"]
     if cuda_include is not None:
         options.append(f"-I{cuda_include}")
     return code, tuple(options)
-
-
-def exported_kernel_names() -> list[str]:
-    """Every ``extern "C"`` kernel the host code may launch, by name (sorted).
-
-    The names follow the dtype tags and :data:`SUPPORTED_HEAD_DIMS`; the tensor-core
-    kernels (``flash_prefill_mma_*``, ``mma_check_*``) exist for 16-bit storage only.
-    """
-    names = []
-    for tag in ("f32", "f16", "bf16"):
-        names += [f"reshape_and_cache_{tag}", f"rms_norm_{tag}", f"silu_and_mul_{tag}", f"rotary_embedding_{tag}"]
-        for d in SUPPORTED_HEAD_DIMS:
-            names += [f"flash_prefill_{tag}_hd{d}", f"paged_decode_{tag}_hd{d}", f"paged_decode_reduce_{tag}_hd{d}"]
-            if tag != "f32":
-                names.append(f"flash_prefill_mma_{tag}_hd{d}")
-        if tag != "f32":
-            names.append(f"mma_check_{tag}")
-    names.append("ldmatrix_check_f16")
-    return sorted(names)
 
 
 def _check_cache(k_cache: Any, v_cache: Any) -> None:
