@@ -32,6 +32,7 @@ from refengine.kv_cache import BlockManager, KVCache, cdiv
 from refengine.metrics import EngineMetrics, RequestMetrics
 from refengine.model import LlamaModel
 from refengine.model_runner import ModelRunner
+from refengine.ops import get_layer_ops
 from refengine.sampler import Sampler
 from refengine.sampling_params import SamplingParams
 from refengine.scheduler import Scheduler
@@ -176,7 +177,9 @@ class LLMEngine:
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} is invalid: must be in (0, 1]")
         self.dtype = dtype = resolve_dtype(dtype, self.device)
-        self.model = LlamaModel(self.model_dir, get_attention_backend(backend), xp=xp, dtype=dtype)
+        attention = get_attention_backend(backend)
+        ops = get_layer_ops("cuda", xp, kernels=attention) if self.device == "cuda" else get_layer_ops("numpy", xp)
+        self.model = LlamaModel(self.model_dir, attention, ops, xp=xp, dtype=dtype)
         per_block = KVCache.bytes_per_block(mc.num_hidden_layers, block_size, mc.num_key_value_heads,
                                             mc.head_dim, dtype.itemsize)
         if num_kv_blocks is None and self.device == "cuda":

@@ -32,8 +32,10 @@ import numpy as np
 from refengine.attention import AttentionBackend, AttentionMetadata
 from refengine.config import ModelConfig
 from refengine.kv_cache import KVCache
-from refengine.layers import RotaryEmbedding, rms_norm, silu_and_mul
+from refengine.layers import RotaryEmbedding
 from refengine.loader import load_weights
+from refengine.ops import LayerOps
+from refengine.ops.numpy_ops import NumpyOps
 
 
 class Layer:
@@ -77,9 +79,11 @@ class LlamaModel:
         FileNotFoundError, ValueError: from :class:`ModelConfig` and :func:`load_weights`.
     """
 
-    def __init__(self, model_dir: str | Path, attention: AttentionBackend, xp=np, dtype=np.float32):
+    def __init__(self, model_dir: str | Path, attention: AttentionBackend, ops: LayerOps | None = None, xp=np,
+                 dtype=np.float32):
         self.config = cfg = ModelConfig.from_model_dir(model_dir)
         self.xp, self.dtype, self.attention = xp, dtype, attention
+        self.ops = ops if ops is not None else NumpyOps(xp)
         w = load_weights(model_dir, cfg, dtype=np.float32)  # cast to `dtype` on upload
         self.embed = xp.asarray(w.pop("model.embed_tokens.weight"), dtype=dtype)  # [V, H]
         self.layers = [Layer(w, i, cfg, xp, dtype) for i in range(cfg.num_hidden_layers)]
@@ -92,11 +96,6 @@ class LlamaModel:
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                     cfg.rope_scaling, xp=xp)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
-        # On a GPU the CUDA backend also brings RMSNorm, RoPE and SiLU-and-mul kernels
-        # (cuda/layers.cu); the NumPy versions in layers.py are their reference.
-        self.kernels = attention if xp is not np and hasattr(attention, "rms_norm") else None
-        if self.kernels is not None:
-            self.cos_sin = xp.ascontiguousarray(xp.concatenate([self.rope.cos, self.rope.sin], axis=1))
 
     def forward(self, input_ids, positions, kv_cache: KVCache, meta: AttentionMetadata, logits_indices):
         """Run the model over a flat batch; write its K/V into the cache; return logits.
@@ -116,37 +115,16 @@ class LlamaModel:
         q_size, kv_size = n_q * hd, n_kv * hd
         T = input_ids.shape[0]
         f32 = xp.float32
+        eps = cfg.rms_norm_eps
 
-        def linear(x, w):  # no copies when everything is float32
-            return (x.astype(w.dtype, copy=False) @ w).astype(f32, copy=False)
-
-        kernels = self.kernels
-        if kernels is None:
-            device_positions = xp.asarray(positions)
-
-            def norm(x, w):
-                return rms_norm(x, w, cfg.rms_norm_eps, xp)
-
-            def rope(q, k):
-                return self.rope(q, device_positions), self.rope(k, device_positions)
-
-            def act(x):
-                return silu_and_mul(x, xp)
-        else:
-            def norm(x, w):
-                return kernels.rms_norm(x.reshape(-1, x.shape[-1]), w, cfg.rms_norm_eps).reshape(x.shape)
-
-            def rope(q, k):
-                q, k = xp.ascontiguousarray(q), xp.ascontiguousarray(k)
-                kernels.rotary_embedding(positions, q, k, self.cos_sin)  # in place
-                return q, k
-
-            def act(x):
-                return kernels.silu_and_mul(x)
+        ops = self.ops
+        linear, norm, act = ops.linear, ops.rms_norm, ops.silu_and_mul
+        positions = ops.device_positions(positions)
+        self.attention.prepare(meta)
 
         h = self.embed[input_ids].astype(f32)
         for li, layer in enumerate(self.layers):
-            x = norm(h, layer.input_norm)
+            x = norm(h, layer.input_norm, eps)
             qkv = linear(x, layer.qkv)
             if layer.qkv_bias is not None:
                 qkv += layer.qkv_bias
@@ -154,14 +132,14 @@ class LlamaModel:
             k = qkv[:, q_size:q_size + kv_size].reshape(T, n_kv, hd)
             v = qkv[:, q_size + kv_size:].reshape(T, n_kv, hd)
             if layer.q_norm is not None:
-                q = norm(q, layer.q_norm)
-                k = norm(k, layer.k_norm)
-            q, k = rope(q, k)
+                q = norm(q, layer.q_norm, eps)
+                k = norm(k, layer.k_norm, eps)
+            q, k = ops.rope(q, k, positions, self.rope)
             kc, vc = kv_cache.k[li], kv_cache.v[li]
             self.attention.write_kv(kc, vc, k.astype(kc.dtype, copy=False), v.astype(kc.dtype, copy=False), meta)
             o = self.attention.forward(q.astype(kc.dtype, copy=False), kc, vc, meta, self.scale)
             h = h + linear(o.reshape(T, q_size), layer.o)
-            x = norm(h, layer.post_norm)
+            x = norm(h, layer.post_norm, eps)
             h = h + linear(act(linear(x, layer.gate_up)), layer.down)
-        h = norm(h[logits_indices], self.norm)
+        h = norm(h[logits_indices], self.norm, eps)
         return linear(h, self.lm_head)

@@ -69,7 +69,7 @@ def test_tiny_model_on_the_cupy_code_path(tiny_llama_dir, monkeypatch):
               log_stats=False)
     engine = gpu.llm_engine
     assert engine.device == "cuda" and engine.attention_backend == "cuda"
-    assert engine.model.kernels is not None  # RMSNorm, RoPE and SiLU-and-mul run as (emulated) kernels too
+    assert engine.model.ops.name == "cuda"  # RMSNorm, RoPE and SiLU-and-mul run as (emulated) kernels too
     # 1 GiB usable (2 GiB x 0.9 - 1 GiB in use) over 3 layers x 2 x 8 x 2 heads x 32 x 4 bytes per block
     assert engine.config.num_kv_blocks == int((2 * 0.9 - 1) * 2**30) // (3 * 2 * 8 * 2 * 32 * 4)
     got = [o.outputs[0].token_ids for o in gpu.generate(prompts, params, use_tqdm=False)]

@@ -14,7 +14,8 @@ The contract (the "attention contract" of the design notes):
 * Grouped-query attention: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
 * Softmax in float32.
 
-Every backend implements :class:`AttentionBackend`: ``write_kv`` then ``forward``.
+Every backend implements :class:`AttentionBackend`: ``prepare`` once per step, then per
+layer ``write_kv`` and ``forward``.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ class AttentionBackend(Protocol):
     """What the model needs from an attention implementation."""
 
     name: str
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Called once per step before the first layer (e.g. to copy ``meta`` to the device once)."""
 
     def write_kv(self, k_cache: Any, v_cache: Any, k: Any, v: Any, meta: AttentionMetadata) -> None:
         """Store ``k, v [T, num_kv_heads, head_dim]`` at ``meta.slot_mapping`` (in place)."""

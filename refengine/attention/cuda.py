@@ -151,6 +151,9 @@ class _KernelAttention:
         raise NotImplementedError
 
     # --- the AttentionBackend protocol ----------------------------------------------------
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Nothing yet: metadata is uploaded per call."""
+
     def write_kv(self, k_cache: Any, v_cache: Any, k: Any, v: Any, meta: AttentionMetadata) -> None:
         """Store ``k, v [T, num_kv_heads, head_dim]`` into the caches at ``meta.slot_mapping``.
 

@@ -40,6 +40,9 @@ class NumpyAttention:
 
     name = "numpy"
 
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Nothing to do: the metadata is already host arrays."""
+
     def write_kv(self, k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray,
                  meta: AttentionMetadata) -> None:
         """Store ``k, v [T, num_kv_heads, head_dim]`` at ``meta.slot_mapping [T]`` in place."""

@@ -1,0 +1,63 @@
+"""Layer operations: everything in a decoder layer that is not attention.
+
+A model's forward pass calls these through one :class:`LayerOps` object chosen once per
+engine (by device and backend), so a faster implementation of RMSNorm, RoPE, SiLU-and-mul
+or the matrix product (compiled CPU kernels, CUDA kernels, quantized matmuls) slots in
+without touching the model code. The NumPy implementation (:mod:`refengine.ops.numpy_ops`,
+over :mod:`refengine.layers`) is the reference every other one is tested against.
+
+Implementations:
+
+* ``"numpy"``: :class:`refengine.ops.numpy_ops.NumpyOps` (NumPy, or CuPy through ``xp``).
+* ``"cuda"``: :class:`refengine.ops.cuda.CudaLayerOps`, the kernels of ``cuda/layers.cu``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+LAYER_OPS = ("numpy", "cuda")
+
+
+class LayerOps(Protocol):
+    """What a decoder layer needs besides attention. Activations are float32 ``[T, ...]``."""
+
+    name: str
+
+    def device_positions(self, positions: np.ndarray) -> Any:
+        """Positions ``[T]`` int64 (host) in the form :meth:`rope` takes; called once per step."""
+
+    def linear(self, x: Any, w: Any) -> Any:
+        """``x [T, in]`` float32 times ``w [in, out]`` (weight dtype) -> ``[T, out]`` float32."""
+
+    def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
+        """RMSNorm over the last axis of ``x [..., d]`` with ``weight [d]`` float32 -> float32."""
+
+    def rope(self, q: Any, k: Any, positions: Any, rope: Any) -> tuple[Any, Any]:
+        """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by ``positions`` (from
+        :meth:`device_positions`) with the tables of ``rope`` (a
+        :class:`refengine.layers.RotaryEmbedding`); may work in place; returns ``(q, k)``."""
+
+    def silu_and_mul(self, x: Any) -> Any:
+        """``silu(x[:, :I]) * x[:, I:]`` for ``x [T, 2I]`` float32 -> ``[T, I]`` float32."""
+
+
+def get_layer_ops(name: str, xp=np, kernels: Any = None) -> LayerOps:
+    """Build the layer operations called ``name`` (one of :data:`LAYER_OPS`).
+
+    ``kernels`` is the CUDA kernel launcher ``"cuda"`` shares with the attention backend.
+
+    Raises:
+        ValueError: ``name`` is not known.
+    """
+    if name == "numpy":
+        from refengine.ops.numpy_ops import NumpyOps
+
+        return NumpyOps(xp)
+    if name == "cuda":
+        from refengine.ops.cuda import CudaLayerOps
+
+        return CudaLayerOps(kernels)
+    raise ValueError(f"layer ops {name!r} is not one of {LAYER_OPS}")

@@ -1,0 +1,32 @@
+"""The reference layer operations: :mod:`refengine.layers` over an array module ``xp``."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from refengine.layers import rms_norm, silu_and_mul
+
+
+class NumpyOps:
+    """Layer operations in NumPy (or CuPy when ``xp`` is ``cupy``). float32 activations."""
+
+    name = "numpy"
+
+    def __init__(self, xp=np):
+        self.xp = xp
+
+    def device_positions(self, positions: np.ndarray):
+        return self.xp.asarray(positions)
+
+    def linear(self, x, w):
+        """``x [T, in] @ w [in, out]``; no copies when both are float32."""
+        return (x.astype(w.dtype, copy=False) @ w).astype(self.xp.float32, copy=False)
+
+    def rms_norm(self, x, weight, eps: float):
+        return rms_norm(x, weight, eps, self.xp)
+
+    def rope(self, q, k, positions, rope):
+        return rope(q, positions), rope(k, positions)
+
+    def silu_and_mul(self, x):
+        return silu_and_mul(x, self.xp)
