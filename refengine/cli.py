@@ -14,34 +14,13 @@ import time
 
 import click
 
+from refengine.engine_args import EngineArgs
 from refengine.sampling_params import SamplingParams
 
 
 def engine_options(f):
-    """Decorate a command with the engine flags (passed on as ``LLMEngine`` kwargs)."""
-    options = [
-        click.option("--model", "model", default=None, metavar="DIR",
-                     help="model directory (default: $REFENGINE_MODEL or weights/SmolLM2-135M-Instruct)"),
-        click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True),
-        click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
-                     show_default=True, help="weights and KV cache (auto: float32 on the CPU, bfloat16 on a GPU)"),
-        click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True,
-                     help="share of GPU memory the engine may use"),
-        click.option("--attention-backend", type=click.Choice(["numpy", "cuda", "cuda-emulated"]), default=None,
-                     help="how attention is computed (default: follows the device)"),
-        click.option("--max-model-len", type=int, default=None, help="most tokens per sequence (prompt + output)"),
-        click.option("--block-size", type=int, default=16, show_default=True, help="tokens per KV cache block"),
-        click.option("--max-num-seqs", type=int, default=256, show_default=True, help="most sequences per step"),
-        click.option("--max-num-batched-tokens", type=int, default=None, help="per-step token budget"),
-        click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=True, show_default=True),
-        click.option("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory)"),
-        click.option("--kv-cache-memory", type=int, default=2 * 1024**3, show_default=True,
-                     help="bytes for the KV pool on the CPU"),
-        click.option("--disable-log-stats", is_flag=True, help="no per-request and periodic stats logging"),
-    ]
-    for option in reversed(options):
-        f = option(f)
-    return f
+    """Decorate a command with the engine flags, generated from :class:`EngineArgs`'s fields."""
+    return EngineArgs.cli_options(f)
 
 
 def sampling_options(f):
@@ -68,17 +47,19 @@ def sampling_options(f):
     return f
 
 
-ENGINE_KEYS = ("model", "device", "dtype", "gpu_memory_utilization", "attention_backend", "max_model_len", "block_size", "max_num_seqs",
-               "max_num_batched_tokens", "enable_chunked_prefill", "num_kv_blocks", "kv_cache_memory")
 SAMPLING_KEYS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "ignore_eos", "include_stop_str_in_output", "logprobs")
 
 
 def build_engine(kw: dict):
+    """The engine of a command's flags (engine flags are taken out of ``kw``).
+
+    Raises:
+        ValueError: an invalid value or combination; FileNotFoundError: no model.
+    """
     from refengine.engine import LLMEngine
 
-    engine_kw = {k: kw[k] for k in ENGINE_KEYS if k != "model"}
-    return LLMEngine(kw["model"], log_stats=not kw["disable_log_stats"], **engine_kw)
+    return LLMEngine.from_engine_args(EngineArgs.from_cli(kw))
 
 
 def build_params(kw: dict) -> SamplingParams:

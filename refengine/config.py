@@ -2,21 +2,16 @@
 
 ``ModelConfig`` reads a Hugging Face ``config.json`` (field names as in
 ``transformers.LlamaConfig`` / ``Qwen2Config`` / ``Qwen3Config`` / ``MistralConfig``).
-``EngineConfig`` holds the serving knobs, named as vLLM names them.
+``EngineConfig`` and ``SchedulerConfig`` are the resolved, frozen serving limits (built by
+:class:`refengine.engine_args.EngineArgs`, vLLM's names).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -25,9 +20,10 @@ class ModelConfig:
     """The architecture facts the forward pass needs.
 
     Attributes mirror ``config.json``; ``head_dim`` defaults to ``hidden_size // num_attention_heads``.
-    ``attention_bias`` is true for Qwen2 (q/k/v biases); ``qk_norm`` is true for Qwen3
-    (per-head RMSNorm on q and k before RoPE). ``sliding_window`` is the attention window
-    when the model uses one (not implemented: the engine caps ``max_model_len`` at it).
+    The model class of ``architecture`` (:mod:`refengine.models`) reads the family-specific
+    fields: ``attention_bias`` (q/k/v biases; Qwen2's default) and ``sliding_window`` (the
+    attention window when the model uses one; not implemented: the engine caps
+    ``max_model_len`` at it).
     """
 
     architecture: str
@@ -44,28 +40,20 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = False
-    qk_norm: bool = False
     sliding_window: int | None = None
-    bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
-    torch_dtype: str = "float32"
-    raw: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelConfig":
         """Build from a parsed ``config.json``.
 
         Raises:
-            ValueError: the architecture or rope scaling type is not supported; the
-                message lists what is.
+            ValueError: the architecture (see :data:`refengine.models.MODEL_REGISTRY`) or
+                rope scaling type is not supported; the message lists what is.
         """
-        archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else None
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {arch!r} (config.json 'architectures': {archs}); "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        from refengine.models import get_model_class  # the registry imports this module
+
+        model_class = get_model_class(cfg.get("architectures"))
         rope_scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
         rope_theta = cfg.get("rope_theta")
         if rope_scaling is not None:
@@ -81,13 +69,9 @@ class ModelConfig:
             if rope_type == "default":
                 rope_scaling = None
         n_heads = cfg["num_attention_heads"]
-        # Mistral sets sliding_window; Qwen2/3 only use theirs when use_sliding_window is true.
-        window = cfg.get("sliding_window")
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
-            window = None
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
         return cls(
-            architecture=arch,
+            architecture=model_class.architecture,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -100,13 +84,8 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            sliding_window=int(window) if window else None,
-            bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
-            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
-            raw=cfg,
+            **model_class.config_fields(cfg),
         )
 
     @classmethod
@@ -131,38 +110,59 @@ class ModelConfig:
             return cls.from_dict(json.load(f))
 
 
-@dataclass
-class EngineConfig:
-    """Serving limits, with vLLM's names and meanings.
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The limits the scheduler works under (vLLM's ``SchedulerConfig``).
 
     Attributes:
-        max_model_len: most tokens (prompt + output) one sequence may hold; None means
-            the model's context, capped by what the KV pool can hold.
-        block_size: tokens per KV cache block.
         max_num_seqs: most sequences running in one step.
         max_num_batched_tokens: per-step token budget (prefill chunks + decodes).
         enable_chunked_prefill: split prompts that do not fit the budget across steps;
             off means a prompt is prefilled whole in one step or waits.
-        num_kv_blocks: explicit KV pool size in blocks (None: from ``kv_cache_memory``).
-        kv_cache_memory: bytes for the KV pool on the CPU when ``num_kv_blocks`` is None.
-        log_stats: log engine stats every few seconds while busy.
+        max_model_len: most tokens (prompt + output) one sequence may hold.
     """
 
-    max_model_len: int | None = None
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int = 2 * 1024**3
-    log_stats: bool = True
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    max_model_len: int | None
 
-    def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks={self.num_kv_blocks!r} is invalid: must be >= 1")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len={self.max_model_len!r} is invalid: must be >= 1")
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine runs with, resolved from :class:`refengine.engine_args.EngineArgs`.
+
+    Attributes:
+        model_dir, model_config: the model.
+        device: "cpu" or "cuda". dtype: NumPy dtype of weights and KV cache.
+        attention_backend: :data:`refengine.attention.ATTENTION_BACKENDS` entry.
+        layer_ops: :data:`refengine.ops.LAYER_OPS` entry.
+        block_size: tokens per KV block. num_kv_blocks: pool size in blocks (None only
+            before a GPU engine has measured its memory). bytes_per_block: one block
+            across all layers, keys and values.
+        gpu_memory_utilization: share of GPU memory the engine may use.
+        log_stats: log per-request lines and periodic stats. trace: record step events.
+        scheduler_config: the scheduler's limits (``max_model_len`` and the token budget).
+    """
+
+    model_dir: Path
+    model_config: ModelConfig
+    device: str
+    dtype: object
+    attention_backend: str
+    layer_ops: str
+    block_size: int
+    num_kv_blocks: int | None
+    bytes_per_block: int
+    gpu_memory_utilization: float
+    log_stats: bool
+    trace: bool
+    scheduler_config: SchedulerConfig
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.scheduler_config.max_model_len
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self.scheduler_config.max_num_batched_tokens

@@ -15,8 +15,8 @@ incomplete), then both offsets move forward. Each step decodes a few tokens, nev
 whole output. The window starts up to 5 tokens into the prompt so the first generated
 token is decoded in context (vLLM's ``INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET``).
 
-Stop strings are searched only where a new match can be: from ``len(stop) - 1``
-characters before the new text to its end.
+Stop strings are matched by :mod:`refengine.stop` on ``text``; this class only holds back
+a streamed tail that could still grow into one, and cuts ``text`` when told.
 
 Known limit (shared with vLLM): tokens whose decode keeps ending in U+FFFD (a model
 emitting invalid UTF-8) stay pending, and the window grows, until a whole character
@@ -47,34 +47,28 @@ class IncrementalDetokenizer:
         tokenizer: anything with ``decode(ids: list[int], skip_special_tokens: bool) -> str``.
         prompt_token_ids: the prompt; only its last ``INITIAL_PREFIX_TOKENS`` are kept, as
             decoding context for the first output tokens.
-        params: reads ``stop`` (via ``stop_strings``), ``include_stop_str_in_output``,
-            ``skip_special_tokens`` and ``min_tokens`` (no stop string is searched for
-            while fewer output tokens exist; a match must end in text added after that).
+        params: reads ``stop`` (via ``stop_strings``, for the hold-back) and ``skip_special_tokens``.
 
-    Use: per generated token ``stop = d.add_token(t)``; then ``d.get_delta()`` for the
-    text to stream; when the request ends for any reason other than a stop string,
-    ``d.finish()`` for the rest. Invariant: the concatenation of every ``get_delta()`` and
-    ``finish()`` equals ``d.text``, which equals the decode of the output tokens cut at the
-    stop string (for a tokenizer whose decode of a concatenation is the concatenation of
-    decodes at character boundaries, e.g. byte-level BPE).
+    Use: per generated token ``new_text = d.add_token(t)`` (the stop checker searches
+    ``d.text`` and may :meth:`truncate` it); then ``d.get_delta()`` for the text to stream;
+    at the end :meth:`flush` (or :meth:`finish`, which also returns the rest). Invariant:
+    the concatenation of every ``get_delta()`` equals ``d.text``, which equals the decode of
+    the output tokens, cut where a stop string matched (for a tokenizer whose decode of a
+    concatenation is the concatenation of decodes at character boundaries, e.g. byte-level BPE).
 
     Attributes:
         text: the output text so far: only whole characters (pending incomplete ones are
             not in it until they complete or ``finish`` flushes them), cut at the stop
             string when one matched.
-        output_token_ids: every token passed to ``add_token`` before a stop string matched
-            (and the one that completed it).
-        stop_string: the matched stop string, or None.
-        finished: True after a stop string matched or ``finish()`` was called; then
-            ``add_token`` ignores its token and returns None.
+        output_token_ids: every token passed to ``add_token`` before it finished.
+        finished: True after :meth:`truncate` or :meth:`flush`; then ``add_token`` ignores
+            its token and returns "".
     """
 
     def __init__(self, tokenizer: Decoder, prompt_token_ids: list[int], params: SamplingParams):
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
         self.stop_strings = list(params.stop_strings)
-        self.include_stop_str_in_output = params.include_stop_str_in_output
-        self.min_tokens = params.min_tokens
 
         # The prompt's last few tokens (decoding context), then every output token.
         self._tokens = [int(t) for t in prompt_token_ids[-INITIAL_PREFIX_TOKENS:]]
@@ -88,8 +82,7 @@ class IncrementalDetokenizer:
             self._prefix_offset, self._prefix_text = self._read_offset, ""
 
         self.text = ""
-        self._emitted = 0  # characters of ``text`` already returned by get_delta/finish
-        self.stop_string: str | None = None
+        self._emitted = 0  # characters of ``text`` already returned by get_delta
         self.finished = False
 
     @property
@@ -101,44 +94,27 @@ class IncrementalDetokenizer:
             return ""
         return self.tokenizer.decode(self._tokens[start:end], skip_special_tokens=self.skip_special_tokens)
 
-    def add_token(self, token_id: int) -> str | None:
-        """Append one generated token; return the stop string it completed, else None.
-
-        On a match ``text`` is cut just before the stop string (just after it with
-        ``include_stop_str_in_output``), whatever followed in the same token is dropped,
-        and the detokenizer is finished. Of several stop strings the one that starts
-        earliest wins (ties: the first in ``params.stop``).
-        """
+    def add_token(self, token_id: int) -> str:
+        """Append one generated token; return the text it completed and appended to ``text``
+        ("" while a character is still incomplete, or once finished: the token is ignored)."""
         if self.finished:
-            return None
+            return ""
         self._tokens.append(int(token_id))
         window_text = self._decode(self._prefix_offset, len(self._tokens))
         if len(window_text) <= len(self._prefix_text) or window_text.endswith(_REPLACEMENT):
-            return None  # nothing new yet, or a character still incomplete: wait
+            return ""  # nothing new yet, or a character still incomplete: wait
         new_text = window_text[len(self._prefix_text):]
         # Move the window: what was pending is now the decoded context.
         self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
         self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
-        return self._append_text(new_text)
-
-    def _append_text(self, new_text: str) -> str | None:
-        old_len = len(self.text)
         self.text += new_text
-        if not self.stop_strings or len(self._tokens) - self._num_prompt < self.min_tokens:
-            return None  # like EOS, stop strings count only once min_tokens are out
-        best: tuple[int, str] | None = None
-        for stop in self.stop_strings:
-            # A new match must end inside the new text, so it starts at most len-1 before it.
-            i = self.text.find(stop, max(old_len - len(stop) + 1, 0))
-            if i != -1 and (best is None or i < best[0]):
-                best = (i, stop)
-        if best is None:
-            return None
-        i, stop = best
-        self.text = self.text[: i + len(stop)] if self.include_stop_str_in_output else self.text[:i]
-        self.stop_string = stop
+        return new_text
+
+    def truncate(self, length: int) -> None:
+        """Cut ``text`` to its first ``length`` characters (a stop string matched, see
+        :mod:`refengine.stop`) and finish: later tokens are ignored."""
+        self.text = self.text[:length]
         self.finished = True
-        return stop
 
     def _held_back(self) -> int:
         """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
@@ -163,19 +139,24 @@ class IncrementalDetokenizer:
         self._emitted = end
         return delta
 
+    def flush(self) -> str:
+        """End of the output: append the pending tokens' text, including a trailing incomplete
+        character (as U+FFFD, as a full decode of the output would show it), and finish.
+
+        Returns:
+            The text this appended ("" if nothing was pending or already finished).
+        """
+        if self.finished:
+            return ""
+        pending = self._decode(self._prefix_offset, len(self._tokens))
+        self._prefix_offset = self._read_offset = len(self._tokens)
+        flushed = pending[len(self._prefix_text):] if len(pending) > len(self._prefix_text) else ""
+        self._prefix_text = ""
+        self.text += flushed
+        self.finished = True
+        return flushed
+
     def finish(self) -> str:
-        """End of the request (EOS, length, abort): flush and return everything not yet
-        streamed, including a trailing incomplete character (as U+FFFD, as a full decode
-        of the output would show it). The flushed characters are still searched for stop
-        strings (check ``stop_string`` afterwards if the finish reason matters). Idempotent; after a stop-string match it only returns
-        what ``get_delta`` has not."""
-        if not self.finished:
-            pending = self._decode(self._prefix_offset, len(self._tokens))
-            self._prefix_offset = self._read_offset = len(self._tokens)
-            if len(pending) > len(self._prefix_text):
-                self._append_text(pending[len(self._prefix_text):])
-            self._prefix_text = ""
-            self.finished = True
-        delta = self.text[self._emitted:]
-        self._emitted = len(self.text)
-        return delta
+        """:meth:`flush`, then return everything not yet streamed. Idempotent."""
+        self.flush()
+        return self.get_delta()

@@ -5,12 +5,17 @@ scheduler decision through the model and returns the requests that advanced,
 ``abort`` drops one, ``has_unfinished_requests`` says whether to keep stepping.
 ``LLM`` wraps it for offline use: ``LLM(model=...).generate(prompts, params)``.
 
+Engine options are the fields of :class:`refengine.engine_args.EngineArgs`, resolved
+into a frozen :class:`refengine.config.EngineConfig` before anything is allocated.
+
 One step::
 
-    scheduler.schedule()    -> [(seq, num_new_tokens)]       (refengine/scheduler.py)
-    model_runner.execute()  -> logits of sequences that sample (refengine/model_runner.py)
-    sampler(...)            -> one token per such sequence     (refengine/sampler.py)
-    _append_token(...)      -> stop checks, text delta         (refengine/detokenizer.py)
+    scheduler.schedule()     -> [(seq, num_new_tokens)]        (refengine/scheduler.py)
+    model_runner.execute()   -> logits of sequences that sample  (refengine/model_runner.py)
+    sampler(...)             -> one token per such sequence      (refengine/sampler.py)
+    scheduler.postprocess()  -> computed tokens advance, tokens appended, stop rules
+                                (refengine/stop.py), finished sequences freed
+    _make_output(...)        -> RequestOutputs (formatting only)
 """
 
 from __future__ import annotations
@@ -20,82 +25,26 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
 from refengine.attention import get_attention_backend
-from refengine.config import EngineConfig, ModelConfig
 from refengine.detokenizer import IncrementalDetokenizer
+from refengine.engine_args import EngineArgs
 from refengine.kv_cache import BlockManager, KVCache, cdiv
 from refengine.metrics import EngineMetrics, RequestMetrics
-from refengine.model import LlamaModel
 from refengine.model_runner import ModelRunner
+from refengine.models import load_model
 from refengine.ops import get_layer_ops
 from refengine.sampler import Sampler
 from refengine.sampling_params import SamplingParams
 from refengine.scheduler import Scheduler
 from refengine.sequence import CompletionOutput, RequestOutput, Sequence, SequenceStatus
+from refengine.stop import StopChecker
 
 logger = logging.getLogger("refengine")
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL = "weights/SmolLM2-135M-Instruct"
 STATS_INTERVAL_S = 5.0
-
-
-def resolve_model_dir(model: str | os.PathLike | None) -> Path:
-    """``model``, else ``$REFENGINE_MODEL``, else the default model in this checkout."""
-    if model:
-        return Path(model)
-    if os.environ.get("REFENGINE_MODEL"):
-        return Path(os.environ["REFENGINE_MODEL"])
-    local = Path(DEFAULT_MODEL)
-    return local if local.is_dir() else REPO_ROOT / DEFAULT_MODEL
-
-
-def resolve_device(device: str) -> tuple[str, object]:
-    """``device`` ("auto", "cpu", "cuda") -> (name, array module).
-
-    Raises:
-        ValueError: unknown device; RuntimeError: "cuda" without a usable CuPy.
-    """
-    if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device={device!r} is not one of 'auto', 'cpu', 'cuda'")
-    if device == "cpu":
-        return "cpu", np
-    try:
-        import cupy
-
-        cupy.cuda.runtime.getDeviceCount()
-        return "cuda", cupy
-    except Exception as e:  # ImportError, or no driver / device
-        if device == "cuda":
-            raise RuntimeError(f"device='cuda' needs CuPy and an NVIDIA GPU: {e}") from e
-        logger.warning("device='auto': using the CPU (NumPy) because CuPy/CUDA is unavailable: %s", e)
-        return "cpu", np
-
-
-DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
-
-
-def resolve_dtype(dtype: str, device: str):
-    """``dtype`` ("auto", "float32", "float16", "bfloat16") -> NumPy dtype of weights and KV cache.
-
-    "auto" is float32 on the CPU and bfloat16 on a GPU.
-
-    Raises:
-        ValueError: an unknown dtype, or a 16-bit dtype on the CPU (NumPy has no fast
-            16-bit matrix products; the CPU path is float32 end to end).
-    """
-    if dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else "float32"
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not one of 'auto', {', '.join(map(repr, DTYPES))}")
-    if device == "cpu" and dtype != "float32":
-        raise ValueError(f"dtype={dtype!r} is not supported on the CPU: the NumPy path is float32 end to end")
-    return np.dtype(DTYPES[dtype])
 
 
 def as_token_ids(prompt) -> list[int]:
@@ -124,7 +73,6 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence]
-    detokenizers: list[IncrementalDetokenizer | None]
     metrics: RequestMetrics
 
     @property
@@ -137,94 +85,74 @@ class LLMEngine:
 
     Args:
         model: model directory (default: ``$REFENGINE_MODEL`` or ``weights/SmolLM2-135M-Instruct``).
-        device: "cpu" (default), "cuda", or "auto".
-        dtype: weights and KV cache: "auto" (float32 on the CPU, bfloat16 on a GPU),
-            "float32", "float16", "bfloat16" (16-bit on a GPU only).
-        attention_backend: "numpy", "cuda" or "cuda-emulated" (default: follows the device).
-        max_model_len, block_size, max_num_seqs, max_num_batched_tokens,
-        enable_chunked_prefill, num_kv_blocks, kv_cache_memory: see :class:`EngineConfig`.
-        gpu_memory_utilization: on a GPU, the share (0-1] of its memory the engine may
-            use; the KV pool gets what is left after the weights and a measured
-            activation peak, as vLLM sizes it.
-        log_stats: log one line per finished request and engine stats every few seconds.
-        trace: record per-step events for :meth:`EngineMetrics.write_trace`.
+        **kwargs: engine options, the fields of :class:`refengine.engine_args.EngineArgs`
+            (``device``, ``dtype``, ``attention_backend``, ``max_model_len``, ``block_size``,
+            ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_chunked_prefill``,
+            ``num_kv_blocks``, ``kv_cache_memory``, ``gpu_memory_utilization``,
+            ``log_stats``, ``trace``), each documented there.
 
     Raises:
         FileNotFoundError: the model directory or its files are missing.
-        ValueError: an unsupported architecture, a bad checkpoint, or limits that cannot
-            work together (e.g. ``max_model_len`` larger than the KV pool holds).
+        ValueError: an unknown option, an invalid value or combination (e.g. a device and
+            backend that do not go together, ``max_model_len`` larger than the KV pool
+            holds), an unsupported architecture or a bad checkpoint.
     """
 
-    def __init__(self, model: str | os.PathLike | None = None, *, device: str = "cpu", dtype: str = "auto",
-                 attention_backend: str | None = None, max_model_len: int | None = None,
-                 block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                 enable_chunked_prefill: bool = True, num_kv_blocks: int | None = None,
-                 kv_cache_memory: int = 2 * 1024**3, gpu_memory_utilization: float = 0.9,
-                 log_stats: bool = True, trace: bool = False):
-        self.model_dir = resolve_model_dir(model)
-        self.model_config = ModelConfig.from_model_dir(self.model_dir)
-        self.device, xp = resolve_device(device)
-        backend = attention_backend or ("cuda" if self.device == "cuda" else "numpy")
-        self.attention_backend = backend
+    def __init__(self, model: str | os.PathLike | None = None, **kwargs):
+        self._init(EngineArgs.from_kwargs(model, **kwargs))
 
-        mc = self.model_config
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, max_model_len or mc.max_position_embeddings)
-        self.config = EngineConfig(max_model_len=max_model_len, block_size=block_size, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens,
-                                   enable_chunked_prefill=enable_chunked_prefill, num_kv_blocks=num_kv_blocks,
-                                   kv_cache_memory=kv_cache_memory, log_stats=log_stats)
-        if not 0.0 < gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} is invalid: must be in (0, 1]")
-        self.dtype = dtype = resolve_dtype(dtype, self.device)
-        attention = get_attention_backend(backend)
-        ops = get_layer_ops("cuda", xp, kernels=attention) if self.device == "cuda" else get_layer_ops("numpy", xp)
-        self.model = LlamaModel(self.model_dir, attention, ops, xp=xp, dtype=dtype)
-        per_block = KVCache.bytes_per_block(mc.num_hidden_layers, block_size, mc.num_key_value_heads,
-                                            mc.head_dim, dtype.itemsize)
-        if num_kv_blocks is None and self.device == "cuda":
-            num_kv_blocks = self._gpu_kv_blocks(per_block, gpu_memory_utilization)
-        elif num_kv_blocks is None:
-            num_kv_blocks = max(1, kv_cache_memory // per_block)
-        pool_tokens = num_kv_blocks * block_size
-        explicit_len = max_model_len is not None
-        if max_model_len is None:
-            max_model_len = min(mc.max_position_embeddings, pool_tokens)
-        elif max_model_len > pool_tokens:
-            raise ValueError(f"max_model_len={max_model_len} needs {cdiv(max_model_len, block_size)} KV blocks "
-                             f"but the pool holds {num_kv_blocks} ({pool_tokens} tokens); "
-                             "lower max_model_len or give the pool more memory")
-        elif max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's context "
-                             f"(max_position_embeddings={mc.max_position_embeddings})")
-        window = mc.sliding_window
-        if window is not None and max_model_len > window:
-            if explicit_len:
-                raise ValueError(f"max_model_len={max_model_len} exceeds the model's sliding window ({window}); "
-                                 "sliding-window attention is not implemented, so sequences must fit the window")
-            logger.warning("capping max_model_len at the model's sliding window (%d): sliding-window attention "
-                           "is not implemented", window)
-            max_model_len = window
-        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
-            raise ValueError(f"with enable_chunked_prefill=False, max_num_batched_tokens={max_num_batched_tokens} "
-                             f"must be >= max_model_len={max_model_len} so every prompt fits one step")
-        self.config.max_model_len = max_model_len
-        self.config.num_kv_blocks = num_kv_blocks
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        """Build an engine from an :class:`EngineArgs` (as the CLI does)."""
+        engine = cls.__new__(cls)
+        engine._init(args)
+        return engine
 
-        self.kv_cache = KVCache(mc.num_hidden_layers, num_kv_blocks, block_size, mc.num_key_value_heads,
-                                mc.head_dim, dtype=dtype, xp=xp)
-        self.block_manager = BlockManager(num_kv_blocks, block_size)
-        self.scheduler = Scheduler(self.config, self.block_manager)
+    def _init(self, args: EngineArgs) -> None:
+        model_dir, model_config = args.model_config()
+        config = args.create_engine_config(model_dir, model_config)  # every check before allocating
+        xp = np
+        if config.device == "cuda":
+            import cupy as xp
+        attention = get_attention_backend(config.attention_backend)
+        ops = get_layer_ops(config.layer_ops, xp, kernels=attention)
+        self.model = load_model(model_dir, model_config, attention, ops, xp=xp, dtype=config.dtype)
+        if config.num_kv_blocks is None:  # on a GPU the pool is what the weights and activations leave
+            num_blocks = self._gpu_kv_blocks(config)
+            config = args.create_engine_config(model_dir, model_config, num_gpu_blocks=num_blocks)
+        self.config = config
+        mc = model_config
+        self.kv_cache = KVCache(mc.num_hidden_layers, config.num_kv_blocks, config.block_size,
+                                mc.num_key_value_heads, mc.head_dim, dtype=config.dtype, xp=xp)
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
         self.runner = ModelRunner(self.model, self.kv_cache)
         self.tokenizer = self._load_tokenizer()
         self.eos_token_ids = self._eos_token_ids()
+        self.scheduler = Scheduler(config.scheduler_config, self.block_manager,
+                                   StopChecker(self.eos_token_ids, config.max_model_len))
         self.sampler = Sampler(eos_token_id=sorted(self.eos_token_ids))
-        self.metrics = EngineMetrics(trace=trace)
+        self.metrics = EngineMetrics(trace=config.trace)
         self.requests: dict[str, Request] = {}
         self._last_stats_log = time.monotonic()
 
+    @property
+    def model_dir(self):
+        return self.config.model_dir
+
+    @property
+    def model_config(self):
+        return self.config.model_config
+
+    @property
+    def device(self) -> str:
+        return self.config.device
+
+    @property
+    def attention_backend(self) -> str:
+        return self.config.attention_backend
+
     # --- set-up helpers ---------------------------------------------------------------
-    def _gpu_kv_blocks(self, per_block: int, utilization: float) -> int:
+    def _gpu_kv_blocks(self, config) -> int:
         """KV blocks that fit in ``utilization`` of the GPU after weights and activations.
 
         The activation peak is measured, as vLLM's ``profile_run`` does: one forward pass
@@ -233,14 +161,15 @@ class LLMEngine:
         """
         import cupy
 
-        cfg, mc = self.config, self.model_config
+        cfg, mc = config, config.model_config
+        per_block, utilization = cfg.bytes_per_block, cfg.gpu_memory_utilization
         pool = cupy.get_default_memory_pool()
         free, total = cupy.cuda.runtime.memGetInfo()
         held_before = pool.total_bytes()
         n = min(cfg.max_num_batched_tokens, mc.max_position_embeddings - 1)
-        probe = Sequence("__profile__", None, [0] * n, SamplingParams(max_tokens=1), 0.0)
+        probe = Sequence("__profile__", None, [0] * n, SamplingParams(max_tokens=1))
         scratch = KVCache(mc.num_hidden_layers, cdiv(n, cfg.block_size), cfg.block_size, mc.num_key_value_heads,
-                          mc.head_dim, dtype=self.dtype, xp=cupy)
+                          mc.head_dim, dtype=cfg.dtype, xp=cupy)
         probe.block_table = list(range(scratch.num_blocks))
         ModelRunner(self.model, scratch).execute([(probe, n)])
         cupy.cuda.Device().synchronize()
@@ -311,9 +240,11 @@ class LLMEngine:
             raise ValueError(f"stop strings {params.stop_strings!r} need a tokenizer; {self.model_dir} has no tokenizer.json")
         self._check_prompt(token_ids)
         now = time.monotonic() if arrival_time is None else arrival_time
-        seqs = [Sequence(request_id, text, token_ids, params, now, index=i) for i in range(params.n)]
-        detoks = [IncrementalDetokenizer(self.tokenizer, token_ids, params) if self.tokenizer else None for _ in seqs]
-        self.requests[request_id] = Request(request_id, text, token_ids, params, seqs, detoks,
+        seqs = [Sequence(request_id, text, token_ids, params, index=i,
+                         detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params)
+                         if self.tokenizer else None)
+                for i in range(params.n)]
+        self.requests[request_id] = Request(request_id, text, token_ids, params, seqs,
                                             RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids)))
         for seq in seqs:
             self.scheduler.add(seq)
@@ -341,6 +272,8 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
+                if seq.detokenizer is not None:
+                    seq.detokenizer.flush()
         req.metrics.on_finished(time.monotonic())
         self.metrics.record_finished(req.metrics, "abort", request_id)
 
@@ -376,17 +309,21 @@ class LLMEngine:
                 num_decode += 1
         logits, sample_seqs = self.runner.execute(sched.scheduled)
         out = self.sampler(logits, sample_seqs) if sample_seqs else None
-        # Only now, with every sampled token in hand, do the chunks count as computed.
-        for seq, n in sched.scheduled:
-            seq.num_computed_tokens += n
+        # Only now, with every sampled token in hand, is the step applied (in one place).
+        sampled = [(seq, int(out.token_ids[i]), out.logprobs[i] if out.logprobs is not None else None)
+                   for i, seq in enumerate(sample_seqs)]
+        results = self.scheduler.postprocess(sched.scheduled, sampled)
+        now = time.monotonic()
         advanced: dict[str, Request] = {}
-        if sample_seqs:
-            now = time.monotonic()
-            for i, seq in enumerate(sample_seqs):
-                req = self.requests[seq.request_id]
-                lp = out.logprobs[i] if out.logprobs is not None else None
-                self._append_token(req, seq, int(out.token_ids[i]), lp, now)
-                advanced[req.request_id] = req
+        for seq, _ in results:
+            req = self.requests[seq.request_id]
+            first = req.metrics.first_token_time is None
+            gap = req.metrics.on_token(now, seq.index)
+            if first:
+                self.metrics.record_first_token(req.metrics.ttft)
+            elif gap is not None:
+                self.metrics.record_token_latency(gap)
+            advanced[req.request_id] = req
         outputs = [self._make_output(req) for req in advanced.values()]
         now = time.monotonic()
         for req in advanced.values():
@@ -399,7 +336,7 @@ class LLMEngine:
                     self._log_finished(req)
         self.metrics.record_step(step_start=t0, step_duration=now - t0,
                                  num_prefill_tokens=sched.num_tokens - num_decode, num_decode_tokens=num_decode,
-                                 num_generated_tokens=len(sample_seqs), num_seqs=len(sched.scheduled),
+                                 num_generated_tokens=len(sampled), num_seqs=len(sched.scheduled),
                                  num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                                  kv_cache_usage=self.block_manager.usage, num_preemptions=len(sched.preempted))
         if self.config.log_stats and now - self._last_stats_log >= STATS_INTERVAL_S:
@@ -407,53 +344,13 @@ class LLMEngine:
             logger.info(EngineMetrics.format_log_line(self.metrics.stats_since_last_log()))
         return outputs
 
-    def _append_token(self, req: Request, seq: Sequence, token: int, logprobs, now: float) -> None:
-        """Add a sampled token, then apply the stop rules in vLLM's order."""
-        params = seq.sampling_params
-        seq.output_token_ids.append(token)
-        if logprobs is not None:
-            seq.logprobs.append(logprobs)
-        if seq.index == 0:
-            if req.metrics.first_token_time is None:
-                req.metrics.on_token(now)
-                self.metrics.record_first_token(req.metrics.ttft)
-            else:
-                last = req.metrics.token_times[-1]
-                req.metrics.on_token(now)
-                self.metrics.record_token_latency(now - last)
-        n_out = seq.num_output_tokens
-        detok = req.detokenizers[seq.index]
-        finish = None
-        may_stop = n_out >= params.min_tokens  # min_tokens holds off EOS, stop ids and stop strings
-        if may_stop and not params.ignore_eos and token in self.eos_token_ids:
-            finish = ("stop", None)  # the EOS id stays in token_ids, never in the text
-        elif may_stop and token in params.stop_token_ids:
-            finish = ("stop", token)
-        elif detok is not None:
-            matched = detok.add_token(token)
-            if matched is not None and may_stop:
-                finish = ("stop", matched)
-        if finish is None and params.max_tokens is not None and n_out >= params.max_tokens:
-            finish = ("length", None)
-        if finish is None and len(seq) >= self.config.max_model_len:
-            finish = ("length", None)
-        if finish is not None:
-            seq.finish_reason, seq.stop_reason = finish
-            self.scheduler.finish(seq)
-
     def _make_output(self, req: Request) -> RequestOutput:
+        """Format the request's state as a ``RequestOutput`` (changes nothing but the
+        streaming cursors: text and token deltas since the previous output)."""
         completions = []
-        for seq, detok in zip(req.seqs, req.detokenizers):
-            if detok is not None:
-                delta = detok.get_delta()
-                if seq.is_finished:
-                    delta += detok.finish()
-                    if detok.stop_string is not None and seq.stop_reason != detok.stop_string:
-                        # the flushed tail (an incomplete character) completed a stop string
-                        seq.finish_reason, seq.stop_reason = "stop", detok.stop_string
-                text = detok.text
-            else:
-                delta, text = "", ""
+        for seq in req.seqs:
+            detok = seq.detokenizer
+            delta, text = (detok.get_delta(), detok.text) if detok is not None else ("", "")
             new_ids = seq.output_token_ids[seq.num_reported_tokens:]
             seq.num_reported_tokens = seq.num_output_tokens
             completions.append(CompletionOutput(
@@ -488,7 +385,7 @@ class LLMEngine:
         """
         token_ids = [int(t) for t in token_ids]
         self._check_prompt(token_ids)
-        seq = Sequence("__prompt_logits__", None, token_ids, SamplingParams(max_tokens=1), time.monotonic())
+        seq = Sequence("__prompt_logits__", None, token_ids, SamplingParams(max_tokens=1))
         seq.status = SequenceStatus.RUNNING
         chunks = []
         try:
@@ -500,7 +397,7 @@ class LLMEngine:
                 self.block_manager.allocate(seq, n)
                 logits, _ = self.runner.execute([(seq, n)], all_logits=True)
                 chunks.append(logits)
-                seq.num_computed_tokens += n
+                self.scheduler.postprocess([(seq, n)], [])
         finally:
             self.block_manager.free(seq)
         return np.concatenate(chunks, axis=0)

@@ -1,7 +1,7 @@
 """Load a Hugging Face model directory's safetensors into arrays, strictly.
 
-Every tensor the architecture expects must be present with the shape ``config.json``
-implies, and every tensor in the checkpoint must be used: a mismatch is an error naming
+Every tensor the model class expects (:meth:`refengine.models.llama.LlamaForCausalLM.checkpoint_shapes`)
+must be present with the shape ``config.json`` implies, and every tensor in the checkpoint must be used: a mismatch is an error naming
 the tensor. bfloat16 checkpoints load through ``ml_dtypes`` (importing it teaches NumPy,
 and so ``safetensors.numpy``, the ``bfloat16`` type).
 """
@@ -15,35 +15,6 @@ import ml_dtypes  # noqa: F401  (registers numpy's bfloat16 for safetensors)
 import numpy as np
 from safetensors import safe_open
 
-from refengine.config import ModelConfig
-
-
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> shape for ``cfg`` (names as in ``modeling_llama.py`` / ``modeling_qwen3.py``)."""
-    h, hd = cfg.hidden_size, cfg.head_dim
-    q_out, kv_out = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q_out, h),
-            p + "self_attn.k_proj.weight": (kv_out, h),
-            p + "self_attn.v_proj.weight": (kv_out, h),
-            p + "self_attn.o_proj.weight": (h, q_out),
-            p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
-            p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
-            p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
-        })
-        if cfg.attention_bias:
-            shapes.update({p + "self_attn.q_proj.bias": (q_out,), p + "self_attn.k_proj.bias": (kv_out,),
-                           p + "self_attn.v_proj.bias": (kv_out,)})
-        if cfg.qk_norm:
-            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    return shapes
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -68,8 +39,9 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {str(model_dir)!r}")
 
 
-def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype=np.float32) -> dict[str, np.ndarray]:
-    """Read every tensor of the checkpoint, check it against ``cfg``, cast to ``dtype``.
+def load_weights(model_dir: str | Path, want: dict[str, tuple[int, ...]], tied_embeddings: bool,
+                 dtype=np.float32) -> dict[str, np.ndarray]:
+    """Read every tensor of the checkpoint, check it against ``want`` (name -> shape), cast to ``dtype``.
 
     A tied checkpoint that also ships ``lm_head.weight`` is accepted (transformers ties
     it to the embedding; so do we, and the extra tensor is dropped), and so are the
@@ -83,7 +55,6 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype=np.float32) -> d
             or has the wrong shape; the message names it.
     """
     model_dir = Path(model_dir)
-    want = expected_shapes(cfg)
     weights: dict[str, np.ndarray] = {}
     for path in checkpoint_files(model_dir):
         try:
@@ -92,7 +63,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype=np.float32) -> d
                     weights[name] = f.get_tensor(name)
         except Exception as e:  # safetensors raises its own error types for corrupt files
             raise ValueError(f"cannot read {str(path)!r}: {e} (truncated or corrupt safetensors file?)") from e
-    if cfg.tie_word_embeddings:
+    if tied_embeddings:
         weights.pop("lm_head.weight", None)
     # Older Llama checkpoints ship RoPE buffers; they are derived from config.json, so drop them.
     for name in [n for n in weights if n.endswith(("rotary_emb.inv_freq", "rotary_emb.cos_cached",

@@ -47,7 +47,9 @@ class RequestMetrics:
         first_scheduled_time: when the scheduler first gave it compute (start of the step).
         first_token_time: when its first output token was produced.
         finished_time: when it finished (stop, length or abort).
-        token_times: one entry per output token, the time it was produced.
+        token_times: one entry per output token of every completion (``n > 1``), the
+            time it was produced.
+        inter_token_latencies: seconds between consecutive tokens of the same completion.
     """
 
     arrival_time: float
@@ -56,6 +58,8 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    _last_token_time: dict = field(default_factory=dict, repr=False)
 
     # --- stamps (called by the engine) ----------------------------------------------
     def on_scheduled(self, now: float) -> None:
@@ -67,11 +71,22 @@ class RequestMetrics:
         if self.first_scheduled_time is None:
             self.first_scheduled_time = now
 
-    def on_token(self, now: float) -> None:
-        """One output token was produced at ``now``."""
+    def on_token(self, now: float, index: int = 0) -> float | None:
+        """Completion ``index`` produced one output token at ``now``.
+
+        Returns:
+            The inter-token latency it adds (seconds since that completion's previous
+            token), or None for a completion's first token.
+        """
         if self.first_token_time is None:
             self.first_token_time = now
         self.token_times.append(now)
+        last = self._last_token_time.get(index)
+        self._last_token_time[index] = now
+        if last is None:
+            return None
+        self.inter_token_latencies.append(now - last)
+        return now - last
 
     def on_finished(self, now: float) -> None:
         """The request finished at ``now`` (first call wins)."""
@@ -81,7 +96,7 @@ class RequestMetrics:
     # --- derived ------------------------------------------------------------------------
     @property
     def num_output_tokens(self) -> int:
-        """Output tokens produced so far (``len(token_times)``)."""
+        """Output tokens produced so far, all completions together (``len(token_times)``)."""
         return len(self.token_times)
 
     @property
@@ -92,22 +107,16 @@ class RequestMetrics:
         return self.first_token_time - self.arrival_time
 
     @property
-    def inter_token_latencies(self) -> list[float]:
-        """Seconds between consecutive output tokens (``num_output_tokens - 1`` values)."""
-        t = self.token_times
-        return [b - a for a, b in zip(t, t[1:])]
-
-    @property
     def tpot(self) -> float | None:
-        """Time per output token, seconds: mean inter-token latency after the first token.
+        """Time per output token, seconds: the mean inter-token latency over every completion.
 
-        Equals ``(last_token_time - first_token_time) / (num_output_tokens - 1)``;
-        ``None`` with fewer than two tokens.
+        With one completion this is ``(last_token_time - first_token_time) / (num_output_tokens - 1)``;
+        ``None`` without any two consecutive tokens.
         """
-        n = len(self.token_times)
-        if n < 2:
+        gaps = self.inter_token_latencies
+        if not gaps:
             return None
-        return (self.token_times[-1] - self.token_times[0]) / (n - 1)
+        return sum(gaps) / len(gaps)
 
     @property
     def e2e_latency(self) -> float | None:
@@ -233,6 +242,7 @@ class EngineMetrics:
     ``refengine:kv_cache_usage_perc``                       gauge      KV blocks in use, fraction 0-1
     ``refengine:time_to_first_token_seconds``               histogram  TTFT per request
     ``refengine:inter_token_latency_seconds``               histogram  gap between consecutive output tokens
+    ``refengine:time_per_output_token_seconds``             histogram  TPOT per finished request
     ``refengine:e2e_request_latency_seconds``               histogram  arrival to finish per request
     ``refengine:request_queue_time_seconds``                histogram  arrival to first scheduled
     ``refengine:request_prefill_time_seconds``              histogram  first scheduled to first token
@@ -294,6 +304,9 @@ class EngineMetrics:
             buckets=TTFT_BUCKETS_S, registry=r)
         self.itl_hist = Histogram(
             "refengine:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            buckets=ITL_BUCKETS_S, registry=r)
+        self.tpot_hist = Histogram(
+            "refengine:time_per_output_token_seconds", "Histogram of time per output token (TPOT) per request, seconds.",
             buckets=ITL_BUCKETS_S, registry=r)
         self.e2e_hist = Histogram(
             "refengine:e2e_request_latency_seconds", "Histogram of end-to-end request latency in seconds.",
@@ -392,7 +405,7 @@ class EngineMetrics:
         self.request_success.labels(finished_reason=finish_reason).inc()
         self.prompt_tokens_hist.observe(m.num_prompt_tokens)
         self.generation_tokens_hist.observe(m.num_output_tokens)
-        for hist, value in ((self.e2e_hist, m.e2e_latency), (self.queue_hist, m.queue_time),
+        for hist, value in ((self.e2e_hist, m.e2e_latency), (self.tpot_hist, m.tpot), (self.queue_hist, m.queue_time),
                             (self.prefill_hist, m.prefill_time), (self.decode_hist, m.decode_time)):
             if value is not None:
                 hist.observe(value)

@@ -11,7 +11,6 @@ import numpy as np
 
 from refengine.attention import AttentionMetadata
 from refengine.kv_cache import KVCache
-from refengine.model import LlamaModel
 from refengine.sequence import Sequence
 
 
@@ -64,7 +63,7 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int):
 class ModelRunner:
     """Holds the model and its KV cache; runs one flat batch per call."""
 
-    def __init__(self, model: LlamaModel, kv_cache: KVCache):
+    def __init__(self, model, kv_cache: KVCache):
         self.model = model
         self.kv_cache = kv_cache
         self.xp = model.xp

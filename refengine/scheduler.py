@@ -15,6 +15,10 @@ One step, as vLLM's scheduler does it (continuous batching with chunked prefill)
 A preempted sequence comes back as a prefill of its prompt plus what it already
 generated, and continues exactly where it stopped.
 
+After the model has run, :meth:`Scheduler.postprocess` is the one place where a step's
+results are applied: computed tokens advance, sampled tokens are appended, the stop rules
+(:mod:`refengine.stop`) run, finished sequences leave the queues and free their blocks.
+
 Source: Yu et al. 2022 ("Orca", iteration-level scheduling), Kwon et al. 2023 §4.5
 (preemption by recompute), Agrawal et al. 2024 ("Sarathi-Serve", chunked prefill).
 """
@@ -24,9 +28,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from refengine.config import EngineConfig
+from refengine.config import SchedulerConfig
 from refengine.kv_cache import BlockManager
 from refengine.sequence import Sequence, SequenceStatus
+from refengine.stop import StopChecker, StopDecision
 
 
 @dataclass
@@ -46,14 +51,22 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Owns the waiting and running queues and the block manager."""
+    """Owns the waiting and running queues and the block manager.
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    Args:
+        config: the limits (token budget, ``max_num_seqs``, chunked prefill).
+        block_manager: the KV pool.
+        stop_checker: the stop rules :meth:`postprocess` applies (None: sequences end
+            only when finished from outside, as in unit tests of scheduling alone).
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 stop_checker: StopChecker | None = None):
         self.config = config
         self.block_manager = block_manager
+        self.stop_checker = stop_checker
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
-        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence at the back of ``waiting``."""
@@ -68,8 +81,8 @@ class Scheduler:
 
         Side effects: allocates the KV blocks the scheduled tokens need, moves admitted
         sequences from ``waiting`` to ``running`` and preempted ones back to the front of
-        ``waiting``. ``num_computed_tokens`` is left to the caller, which advances it once
-        the step has run.
+        ``waiting``. ``num_computed_tokens`` is advanced by :meth:`postprocess`, once the
+        step has run.
 
         Returns:
             The ``(sequence, num_new_tokens)`` pairs to run (every ``num_new_tokens >= 1``)
@@ -120,7 +133,36 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
+
+    def postprocess(self, scheduled: list[tuple[Sequence, int]], sampled: list[tuple[Sequence, int, dict | None]]
+                    ) -> list[tuple[Sequence, StopDecision | None]]:
+        """Apply a step's results: the only place a step changes sequences.
+
+        Args:
+            scheduled: what the step ran, ``(sequence, num_new_tokens)``: each chunk now
+                counts as computed.
+            sampled: ``(sequence, token id, logprobs or None)`` for each sequence that
+                sampled this step (logprobs: ``{token_id: logprob}``, kept when asked for).
+        Returns:
+            ``(sequence, decision)`` per sampled sequence; a sequence whose decision is not
+            None has finished (``finish_reason``/``stop_reason`` set, blocks freed).
+        """
+        for seq, n in scheduled:
+            seq.num_computed_tokens += n
+        results = []
+        for seq, token, logprobs in sampled:
+            if logprobs is not None:
+                seq.logprobs.append(logprobs)
+            if self.stop_checker is None:
+                seq.output_token_ids.append(token)
+                decision = None
+            else:
+                decision = self.stop_checker.append_and_check(seq, token)
+            if decision is not None:
+                seq.finish_reason, seq.stop_reason = decision.finish_reason, decision.stop_reason
+                self.finish(seq)
+            results.append((seq, decision))
+        return results
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence from either queue and free its blocks."""

@@ -21,14 +21,16 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """A prompt and the tokens generated after it.
 
-    ``num_computed_tokens`` counts the tokens whose K/V are in the cache; the scheduler
-    advances it by the chunk it schedules. A sequence whose prompt is fully computed and
-    which is not finished is decoding. ``block_table`` lists the physical KV blocks that
-    hold positions ``0 .. len(block_table) * block_size - 1``.
+    ``num_computed_tokens`` counts the tokens whose K/V are in the cache; only
+    :meth:`refengine.scheduler.Scheduler.postprocess` advances it, once a step's chunk has
+    run. A sequence whose prompt is fully computed and which is not finished is decoding.
+    ``block_table`` lists the physical KV blocks that hold positions
+    ``0 .. len(block_table) * block_size - 1``. ``detokenizer`` turns its output ids into
+    text (None for a model without a tokenizer).
     """
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 sampling_params: SamplingParams, arrival_time: float, index: int = 0):
+                 sampling_params: SamplingParams, index: int = 0, detokenizer=None):
         self.request_id = request_id
         self.index = index  # which of the n completions of the request
         self.prompt = prompt
@@ -42,7 +44,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.arrival_time = arrival_time
+        self.detokenizer = detokenizer
         # One generator per sequence so a seed gives the same tokens whatever the batch.
         seed = sampling_params.seed
         if seed is not None:
@@ -61,12 +63,8 @@ class Sequence:
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
     def token_ids_slice(self, start: int, end: int) -> list[int]:
-        """``all_token_ids[start:end]`` without building the whole list (called every step)."""
+        """``(prompt_token_ids + output_token_ids)[start:end]`` without building the whole list."""
         n = len(self.prompt_token_ids)
         if end <= n:
             return self.prompt_token_ids[start:end]
@@ -78,11 +76,6 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         """Tokens still to run through the model before this sequence can sample."""
         return len(self) - self.num_computed_tokens
-
-    @property
-    def is_prefilling(self) -> bool:
-        """True while more than the last token is uncomputed (prompt, or recompute after preemption)."""
-        return self.num_uncomputed_tokens > 1
 
     @property
     def is_finished(self) -> bool:

@@ -1,5 +1,6 @@
-"""IncrementalDetokenizer: exact deltas on a scripted fake tokenizer, then the invariants on
-the real SmolLM2 byte-level BPE tokenizer (random ids, multilingual text, stop strings)."""
+"""IncrementalDetokenizer and the stop-string rules of refengine/stop.py: exact deltas on a
+scripted fake tokenizer, then the invariants on the real SmolLM2 byte-level BPE tokenizer
+(random ids, multilingual text, stop strings)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 
 from refengine.detokenizer import IncrementalDetokenizer
 from refengine.sampling_params import SamplingParams
+from refengine.sequence import Sequence
+from refengine.stop import StopChecker
 
 FFFD = "\ufffd"
 
@@ -34,16 +37,45 @@ class FakeTokenizer:
         return b"".join(parts).decode("utf-8", errors="replace")
 
 
+class Stream:
+    """One sequence's output as the engine produces it: each token through the stop checker
+    (which feeds the detokenizer), then the streamed delta."""
+
+    def __init__(self, prompt=(), tokenizer=None, **params):
+        p = SamplingParams(**{"max_tokens": None, **params})  # no length limit unless asked
+        self.d = IncrementalDetokenizer(tokenizer or FakeTokenizer(), list(prompt), p)
+        self.seq = Sequence("r", None, list(prompt), p, detokenizer=self.d)
+        self.checker = StopChecker(eos_token_ids=[], max_model_len=10**9)
+        self.decision = None
+
+    def add(self, token: int):
+        """The stop string this token completed, else None (tokens after the end are ignored)."""
+        if self.decision is not None:
+            return None
+        self.decision = self.checker.append_and_check(self.seq, token)
+        return self.decision.stop_reason if self.decision is not None else None
+
+    @property
+    def stop_string(self):
+        return self.decision.stop_reason if self.decision is not None else None
+
+    def __getattr__(self, name):  # text, get_delta, finish, ...: the detokenizer's
+        return getattr(self.d, name)
+
+
 def stream(tokens, prompt=(), tokenizer=None, finish=True, **params):
-    """Feed tokens one by one; return (detokenizer, [delta after each token] + [finish delta], stops)."""
-    d = IncrementalDetokenizer(tokenizer or FakeTokenizer(), list(prompt), SamplingParams(**params))
+    """Feed tokens one by one; return (stream, [delta after each token] + [finish delta], stops).
+
+    ``finish``: the sequence then ends for a reason other than a stop string (the
+    detokenizer flushes)."""
+    st = Stream(prompt, tokenizer, **params)
     deltas, stops = [], []
     for t in tokens:
-        stops.append(d.add_token(t))
-        deltas.append(d.get_delta())
+        stops.append(st.add(t))
+        deltas.append(st.d.get_delta())
     if finish:
-        deltas.append(d.finish())
-    return d, deltas, stops
+        deltas.append(st.d.finish())
+    return st, deltas, stops
 
 
 def test_scripted_stream_exact_deltas():
@@ -57,7 +89,7 @@ def test_split_character_is_held_until_complete_and_flushed_by_finish():
     assert deltas == ["Hel", ""] and d.text == "Hel"  # no U+FFFD ever streamed
     assert d.finish() == FFFD and d.text == "Hel" + FFFD  # as a full decode would show it
     assert d.get_delta() == "" and d.finish() == ""  # idempotent
-    assert d.add_token(5) is None and d.text == "Hel" + FFFD  # finished: ignored
+    assert d.add_token(5) == "" and d.text == "Hel" + FFFD  # finished: ignored
 
 
 def test_prompt_ending_inside_a_character_does_not_leak_into_the_output():
@@ -124,10 +156,15 @@ def test_stop_strings_wait_for_min_tokens():
     assert "".join(deltas) == "STOPHel"
 
 
-def test_finish_flush_is_searched_for_stop_strings_too():
-    d, deltas, _ = stream([0, 13], stop=["c"], finish=False)  # "c" + a dangling lead byte: held
-    assert deltas == ["Hel", ""]
-    assert d.finish() == "" and d.text == "Hel" and d.stop_string == "c"
+def test_final_flush_is_searched_for_stop_strings_too():
+    # "c" + a dangling lead byte is held; max_tokens ends the sequence on that token and the
+    # flushed "c\ufffd" completes the stop string "c", which then decides the end
+    d, deltas, stops = stream([0, 13], stop=["c"], max_tokens=2, finish=False)
+    assert deltas == ["Hel", ""] and d.text == "Hel" and stops == [None, "c"]
+    assert (d.decision.finish_reason, d.decision.stop_reason) == ("stop", "c")
+    # without a stop string the same end is "length" and the flushed text stays
+    d, deltas, stops = stream([0, 13], max_tokens=2, finish=False)
+    assert deltas == ["Hel", "c" + FFFD] and (d.decision.finish_reason, d.decision.stop_reason) == ("length", None)
 
 
 def test_special_tokens_skipped_or_kept():
@@ -245,10 +282,10 @@ def test_real_streamed_text_is_always_a_prefix_of_the_final_text(smol):
     for _ in range(40):
         i = int(rng.integers(0, len(text) - 3))
         stop = text[i: i + int(rng.integers(1, 4))]
-        d = IncrementalDetokenizer(smol, [], SamplingParams(stop=stop))
+        d = Stream(tokenizer=smol, stop=stop)
         streamed = ""
         for t in ids:
-            hit = d.add_token(t)
+            hit = d.add(t)
             streamed += d.get_delta()
             if hit:
                 break

@@ -406,7 +406,7 @@ def test_works_on_real_sequences_and_n_completions_differ():
     logits = np.zeros((1, 1000), np.float32)  # uniform: two streams agree by chance 1/1000 per step
 
     def run(index):
-        seq = Sequence("r", None, [1, 2, 3], params, arrival_time=0.0, index=index)
+        seq = Sequence("r", None, [1, 2, 3], params, index=index)
         for _ in range(5):
             seq.output_token_ids.append(int(Sampler()(logits, [seq]).token_ids[0]))
         return seq.output_token_ids

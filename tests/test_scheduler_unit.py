@@ -1,14 +1,14 @@
 """Unit tests of the block manager and the scheduler's decisions, with no model.
 
-A stub "model step" marks the scheduled tokens computed and appends one token to each
-sequence whose chunk reached its end, as the engine does.
+A stub "model step" hands the scheduler's ``postprocess`` one token for each sequence whose
+chunk reached its end, as the engine does.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from refengine.config import EngineConfig
+from refengine.config import SchedulerConfig
 from refengine.kv_cache import BlockManager
 from refengine.sampling_params import SamplingParams
 from refengine.scheduler import Scheduler
@@ -16,15 +16,13 @@ from refengine.sequence import Sequence, SequenceStatus
 
 
 def seq(name: str, prompt_len: int) -> Sequence:
-    return Sequence(name, None, list(range(prompt_len)), SamplingParams(max_tokens=100), 0.0)
+    return Sequence(name, None, list(range(prompt_len)), SamplingParams(max_tokens=100))
 
 
 def stub_step(sched: Scheduler):
     out = sched.schedule()
-    for s, n in out.scheduled:
-        s.num_computed_tokens += n
-        if s.num_computed_tokens == len(s):
-            s.output_token_ids.append(7)
+    sampled = [(s, 7, None) for s, n in out.scheduled if s.num_computed_tokens + n == len(s)]
+    sched.postprocess(out.scheduled, sampled)
     return out
 
 
@@ -33,7 +31,8 @@ def plan(out) -> list[tuple[str, int]]:
 
 
 def make(num_blocks=100, block_size=4, **kw) -> Scheduler:
-    cfg = EngineConfig(block_size=block_size, **{"max_num_batched_tokens": 16, "max_num_seqs": 8, **kw})
+    cfg = SchedulerConfig(**{"max_num_batched_tokens": 16, "max_num_seqs": 8, "enable_chunked_prefill": True,
+                             "max_model_len": 1000, **kw})
     return Scheduler(cfg, BlockManager(num_blocks, block_size))
 
 
@@ -106,7 +105,7 @@ def test_preemption_takes_the_most_recent_and_requeues_it_first():
     out = stub_step(sched)
     assert plan(out) == [("a", 1)] and out.preempted == [b]
     assert b.status == SequenceStatus.WAITING and b.num_computed_tokens == 0 and b.block_table == []
-    assert list(sched.waiting) == [b, c] and sched.num_preemptions == 1
+    assert list(sched.waiting) == [b, c]
     # b comes back as a prefill of prompt + its generated token (9 tokens) once a finishes
     sched.finish(a)
     assert plan(stub_step(sched)) == [("b", 9), ("c", 2)]

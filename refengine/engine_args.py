@@ -1,0 +1,329 @@
+"""Every engine option, declared once: :class:`EngineArgs` (vLLM's name and knob names).
+
+Each field carries its default, its help text and its validation. The same declaration
+generates the click options of every command that builds an engine (``generate``,
+``chat``, ``bench``, ``serve``: :meth:`EngineArgs.cli_options`), and
+:meth:`EngineArgs.create_engine_config` resolves it, before anything is allocated, into
+the frozen :class:`refengine.config.EngineConfig` the engine runs with: the device and
+array module, the dtype, the attention backend and layer operations, the KV pool size,
+``max_model_len`` (from the model and the pool) and the per-step token budget.
+
+Every invalid value or combination is a ``ValueError`` that names the values and the limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from refengine.config import EngineConfig, ModelConfig, SchedulerConfig
+from refengine.kv_cache import cdiv
+
+logger = logging.getLogger("refengine")
+
+DEFAULT_MODEL = "weights/SmolLM2-135M-Instruct"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEVICES = ("cpu", "cuda", "auto")
+DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+# Which attention backends run on which device, and the layer operations that go with them.
+BACKENDS = {"numpy": "cpu", "cuda-emulated": "cpu", "cuda": "cuda"}
+LAYER_OPS_FOR_BACKEND = {"numpy": "numpy", "cuda-emulated": "numpy", "cuda": "cuda"}
+DEFAULT_BATCHED_TOKENS = 2048
+
+
+def _option(help: str, *, metavar: str | None = None, choices=None, flag: str | None = None,
+            minimum: float | None = None, maximum: float | None = None, positive: bool = False,
+            cli: bool = True) -> dict:
+    """Field metadata: CLI help and validation (``minimum``/``maximum`` inclusive,
+    ``positive``: strictly above 0; ``flag``: an inverted switch's name; ``cli``: whether
+    commands get a flag for it)."""
+    return {"help": help, "metavar": metavar, "choices": choices, "flag": flag, "minimum": minimum,
+            "maximum": maximum, "positive": positive, "cli": cli}
+
+
+def resolve_model_dir(model: str | os.PathLike | None) -> Path:
+    """``model``, else ``$REFENGINE_MODEL``, else the default model (``weights/SmolLM2-135M-Instruct``
+    under the current directory, then under this checkout)."""
+    if model:
+        return Path(model)
+    if os.environ.get("REFENGINE_MODEL"):
+        return Path(os.environ["REFENGINE_MODEL"])
+    local = Path(DEFAULT_MODEL)
+    return local if local.is_dir() else REPO_ROOT / DEFAULT_MODEL
+
+
+@dataclass
+class EngineArgs:
+    """The options of :class:`refengine.engine.LLMEngine` and ``LLM(...)``, with vLLM's names.
+
+    Raises (on construction):
+        ValueError: a value of the wrong type or out of range; the message names the
+            option, the value and the allowed range.
+    """
+
+    model: str | None = field(default=None, metadata=_option(
+        "model directory (default: $REFENGINE_MODEL or weights/SmolLM2-135M-Instruct)", metavar="DIR"))
+    device: str = field(default="cpu", metadata=_option(
+        "where the model runs (auto: a GPU when CuPy finds one)", choices=DEVICES))
+    dtype: str = field(default="auto", metadata=_option(
+        "weights and KV cache (auto: float32 on the CPU, bfloat16 on a GPU)", choices=("auto", *DTYPES)))
+    attention_backend: str | None = field(default=None, metadata=_option(
+        "how attention is computed (default: numpy on the CPU, cuda on a GPU)", choices=tuple(BACKENDS)))
+    max_model_len: int | None = field(default=None, metadata=_option(
+        "most tokens per sequence, prompt + output (default: the model's context, capped by the KV pool)",
+        minimum=1))
+    block_size: int = field(default=16, metadata=_option("tokens per KV cache block", minimum=1))
+    max_num_seqs: int = field(default=256, metadata=_option("most sequences in one step", minimum=1))
+    max_num_batched_tokens: int | None = field(default=None, metadata=_option(
+        f"per-step token budget (default: {DEFAULT_BATCHED_TOKENS}; without chunked prefill at least "
+        "max_model_len)", minimum=1))
+    enable_chunked_prefill: bool = field(default=True, metadata=_option(
+        "split prompts longer than the token budget across steps"))
+    num_kv_blocks: int | None = field(default=None, metadata=_option(
+        "KV pool size in blocks (default: from --kv-cache-memory on the CPU, --gpu-memory-utilization on a GPU)",
+        minimum=1))
+    kv_cache_memory: int = field(default=2 * 1024**3, metadata=_option(
+        "bytes for the KV pool on the CPU (allocated lazily)", minimum=1))
+    gpu_memory_utilization: float = field(default=0.9, metadata=_option(
+        "share of GPU memory the engine may use, in (0, 1]", positive=True, maximum=1.0))
+    log_stats: bool = field(default=True, metadata=_option(
+        "no per-request and periodic stats logging", flag="--disable-log-stats"))
+    trace: bool = field(default=False, metadata=_option(
+        "record per-step events for a Chrome trace (EngineMetrics.write_trace; bench's --trace PATH)",
+        cli=False))
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check_field(f, getattr(self, f.name))
+
+    # --- construction from keyword arguments and from the command line ----------------
+    @classmethod
+    def from_kwargs(cls, model=None, **kwargs) -> "EngineArgs":
+        """``EngineArgs(model, **kwargs)`` with a clear error for an unknown option.
+
+        Raises:
+            ValueError: an option that is not an engine option (the message lists them),
+                or an invalid value.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {', '.join(map(repr, unknown))}; "
+                             f"engine options are: {', '.join(sorted(known))}")
+        return cls(model=None if model is None else str(model), **kwargs)
+
+    @classmethod
+    def cli_options(cls, f):
+        """Decorate a click command with one option per field (``--max-model-len`` ...).
+
+        The command receives them as keyword arguments; :meth:`from_cli` takes them back.
+        """
+        import click
+
+        for fld in reversed([f for f in dataclasses.fields(cls) if f.metadata["cli"]]):
+            meta = fld.metadata
+            name = fld.name.replace("_", "-")
+            if fld.type in ("bool", bool):
+                if meta["flag"]:  # an inverted switch named as vLLM names it
+                    option = click.option(meta["flag"], f"cli_{fld.name}", is_flag=True, help=meta["help"])
+                else:
+                    option = click.option(f"--{name}/--no-{name}", f"cli_{fld.name}", default=fld.default,
+                                          show_default=True, help=meta["help"])
+            else:
+                if meta["choices"]:
+                    type_ = click.Choice(meta["choices"])
+                else:
+                    type_ = _python_type(fld)
+                    type_ = {int: int, float: float, str: str}[type_]
+                option = click.option(f"--{name}", f"cli_{fld.name}", type=type_, default=fld.default,
+                                      show_default=fld.default is not None, metavar=meta["metavar"],
+                                      help=meta["help"])
+            f = option(f)
+        return f
+
+    @classmethod
+    def from_cli(cls, kw: dict) -> "EngineArgs":
+        """Take this class's options out of a click command's keyword arguments (``kw`` is
+        left with the command's own options).
+
+        Raises:
+            ValueError: an invalid value (as the constructor).
+        """
+        values = {}
+        for fld in [f for f in dataclasses.fields(cls) if f.metadata["cli"]]:
+            value = kw.pop(f"cli_{fld.name}")
+            if fld.metadata["flag"]:
+                value = not value  # --disable-log-stats sets log_stats=False
+            values[fld.name] = value
+        return cls(**values)
+
+    # --- resolution ---------------------------------------------------------------------
+    def model_config(self) -> tuple[Path, ModelConfig]:
+        """``(model directory, its ModelConfig)``.
+
+        Raises:
+            FileNotFoundError: the directory or its config.json is missing.
+            ValueError: an unsupported or invalid config.json.
+        """
+        model_dir = resolve_model_dir(self.model)
+        return model_dir, ModelConfig.from_model_dir(model_dir)
+
+    def create_engine_config(self, model_dir: Path, model_config: ModelConfig,
+                             num_gpu_blocks: int | None = None) -> EngineConfig:
+        """Resolve every option against the model into the frozen config the engine runs with.
+
+        Args:
+            model_dir, model_config: from :meth:`model_config`.
+            num_gpu_blocks: on a GPU without ``num_kv_blocks``, the pool the engine measured
+                after loading the weights; until then (None) the pool-dependent fields
+                (``num_kv_blocks``, ``max_model_len``) are left unresolved and every other
+                check runs.
+        Raises:
+            ValueError: a device/backend mismatch, a dtype the device cannot run, a pool
+                smaller than one block, ``max_model_len`` beyond the model's context, the
+                pool or the sliding window, or a token budget that cannot hold a prompt
+                without chunked prefill; the message names the values.
+            RuntimeError: ``device="cuda"`` without a usable CuPy and GPU.
+        """
+        mc = model_config
+        device = resolve_device(self.device)
+        backend = self.attention_backend or ("cuda" if device == "cuda" else "numpy")
+        if BACKENDS[backend] != device:
+            raise ValueError(f"attention_backend={backend!r} runs on device={BACKENDS[backend]!r}, not on "
+                             f"device={device!r}; on {device!r} use one of "
+                             f"{[b for b, d in BACKENDS.items() if d == device]}")
+        dtype = resolve_dtype(self.dtype, device)
+        per_block = 2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim * dtype.itemsize
+        num_blocks = self.num_kv_blocks
+        if num_blocks is None and device == "cpu":
+            if self.kv_cache_memory < per_block:
+                raise ValueError(f"kv_cache_memory={self.kv_cache_memory} bytes holds no KV block: one block of "
+                                 f"block_size={self.block_size} tokens takes {per_block} bytes for this model")
+            num_blocks = self.kv_cache_memory // per_block
+        elif num_blocks is None:
+            num_blocks = num_gpu_blocks
+        max_model_len = self.max_model_len
+        if max_model_len is not None and max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's context "
+                             f"(max_position_embeddings={mc.max_position_embeddings} in config.json)")
+        if num_blocks is not None:
+            max_model_len = self._fit_pool(max_model_len, mc, num_blocks)
+        window = mc.sliding_window
+        if window is not None and max_model_len is not None and max_model_len > window:
+            if self.max_model_len is not None:
+                raise ValueError(f"max_model_len={max_model_len} exceeds the model's sliding window ({window}); "
+                                 "sliding-window attention is not implemented, so sequences must fit the window")
+            logger.warning("capping max_model_len at the model's sliding window (%d): sliding-window attention "
+                           "is not implemented", window)
+            max_model_len = window
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = DEFAULT_BATCHED_TOKENS if self.enable_chunked_prefill else max(
+                DEFAULT_BATCHED_TOKENS, max_model_len or mc.max_position_embeddings)
+        elif not self.enable_chunked_prefill and max_model_len is not None and budget < max_model_len:
+            raise ValueError(f"with enable_chunked_prefill=False, max_num_batched_tokens={budget} must be >= "
+                             f"max_model_len={max_model_len} so every prompt fits one step")
+        return EngineConfig(
+            model_dir=model_dir, model_config=mc, device=device, dtype=dtype, attention_backend=backend,
+            layer_ops=LAYER_OPS_FOR_BACKEND[backend], block_size=self.block_size, num_kv_blocks=num_blocks,
+            bytes_per_block=per_block, gpu_memory_utilization=self.gpu_memory_utilization,
+            log_stats=self.log_stats, trace=self.trace,
+            scheduler_config=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
+                                             enable_chunked_prefill=self.enable_chunked_prefill,
+                                             max_model_len=max_model_len))
+
+    def _fit_pool(self, max_model_len: int | None, mc: ModelConfig, num_blocks: int) -> int:
+        pool_tokens = num_blocks * self.block_size
+        if max_model_len is None:
+            return min(mc.max_position_embeddings, pool_tokens)
+        if max_model_len > pool_tokens:
+            memory = ("num_kv_blocks" if self.num_kv_blocks is not None else
+                      "kv_cache_memory" if self.device == "cpu" else "gpu_memory_utilization")
+            raise ValueError(f"max_model_len={max_model_len} needs {cdiv(max_model_len, self.block_size)} KV blocks "
+                             f"but the pool holds {num_blocks} ({pool_tokens} tokens); lower max_model_len or "
+                             f"raise {memory}")
+        return max_model_len
+
+
+def _python_type(fld: dataclasses.Field) -> type:
+    """int, float, bool or str from a field's annotation (``"int | None"`` -> int)."""
+    name = str(fld.type).split("|")[0].strip()
+    return {"int": int, "float": float, "bool": bool, "str": str}[name]
+
+
+def _check_field(fld: dataclasses.Field, value) -> None:
+    """Type and range of one field's value.
+
+    Raises:
+        ValueError: naming the option, the value and what is allowed.
+    """
+    name, meta = fld.name, fld.metadata
+    if value is None and "None" in str(fld.type):
+        return
+    want = _python_type(fld)
+    ok = isinstance(value, want) and not (want is not bool and isinstance(value, bool))
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if want is int and isinstance(value, np.integer):
+        ok = True
+    if not ok:
+        raise ValueError(f"{name}={value!r} is invalid: must be {want.__name__}"
+                         f"{' or None' if 'None' in str(fld.type) else ''}, got {type(value).__name__}")
+    if meta["choices"] and value not in meta["choices"]:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, meta['choices']))}")
+    if want in (int, float):
+        if want is float and not math.isfinite(value):
+            raise ValueError(f"{name}={value!r} is invalid: must be a finite number")
+        low, high = meta["minimum"], meta["maximum"]
+        if meta["positive"] and not value > 0:
+            raise ValueError(f"{name}={value!r} is invalid: must be > 0" + (f" and <= {high}" if high else ""))
+        if low is not None and value < low:
+            raise ValueError(f"{name}={value!r} is invalid: must be an integer >= {low}" if want is int
+                             else f"{name}={value!r} is invalid: must be >= {low}")
+        if high is not None and value > high:
+            raise ValueError(f"{name}={value!r} is invalid: must be in (0, {high}]" if meta["positive"]
+                             else f"{name}={value!r} is invalid: must be <= {high}")
+
+
+def resolve_device(device: str) -> str:
+    """``device`` ("auto", "cpu", "cuda") -> "cpu" or "cuda".
+
+    Raises:
+        RuntimeError: "cuda" without a usable CuPy and GPU.
+    """
+    if device == "cpu":
+        return "cpu"
+    try:
+        import cupy
+
+        cupy.cuda.runtime.getDeviceCount()
+        return "cuda"
+    except Exception as e:  # ImportError, or no driver / device
+        if device == "cuda":
+            raise RuntimeError(f"device='cuda' needs CuPy and an NVIDIA GPU "
+                               f"(pip install 'refengine[cuda]'): {e}") from e
+        logger.warning("device='auto': using the CPU (NumPy) because CuPy/CUDA is unavailable: %s", e)
+        return "cpu"
+
+
+def resolve_dtype(dtype: str, device: str) -> np.dtype:
+    """``dtype`` ("auto", "float32", "float16", "bfloat16") -> NumPy dtype of weights and KV cache.
+
+    "auto" is float32 on the CPU and bfloat16 on a GPU.
+
+    Raises:
+        ValueError: a 16-bit dtype on the CPU (NumPy has no fast 16-bit matrix products;
+            the CPU path is float32 end to end).
+    """
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    if device == "cpu" and dtype != "float32":
+        raise ValueError(f"dtype={dtype!r} is not supported on the CPU: the NumPy path is float32 end to end")
+    return np.dtype(DTYPES[dtype])

@@ -1,0 +1,81 @@
+"""EngineArgs: every engine option declared once, validated before anything is allocated, and
+the same errors from Python and from every CLI command that builds an engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from refengine import LLM
+from refengine.cli import main
+from refengine.engine_args import EngineArgs
+
+BAD_COMBINATIONS = [
+    # (Python keyword arguments, CLI flags, what the message must name)
+    ({"device": "cpu", "attention_backend": "cuda"}, ["--device", "cpu", "--attention-backend", "cuda"],
+     r"attention_backend='cuda' runs on device='cuda', not on device='cpu'"),
+    ({"enable_chunked_prefill": False, "max_num_batched_tokens": 32, "max_model_len": 64},
+     ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "32", "--max-model-len", "64"],
+     r"enable_chunked_prefill=False, max_num_batched_tokens=32 must be >= max_model_len=64"),
+    ({"block_size": 0}, ["--block-size", "0"], r"block_size=0 is invalid: must be an integer >= 1"),
+    ({"kv_cache_memory": 100}, ["--kv-cache-memory", "100"], r"kv_cache_memory=100 bytes holds no KV block"),
+    ({"gpu_memory_utilization": 1.5}, ["--gpu-memory-utilization", "1.5"],
+     r"gpu_memory_utilization=1.5 is invalid: must be in \(0, 1.0\]"),
+    ({"max_model_len": 100_000}, ["--max-model-len", "100000"],
+     r"max_model_len=100000 exceeds the model's context \(max_position_embeddings=256"),
+]
+
+
+@pytest.mark.parametrize("kwargs, flags, message", BAD_COMBINATIONS)
+def test_bad_values_and_pairs_from_python(tiny_llama_dir, kwargs, flags, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_llama_dir, **kwargs)
+
+
+def test_unknown_option_is_named():
+    with pytest.raises(ValueError, match=r"unknown engine option\(s\) 'max_num_seq'; engine options are: .*max_num_seqs"):
+        LLM("unused", max_num_seq=4)
+
+
+def test_wrong_types_are_refused_before_loading():
+    for kwargs, message in [({"block_size": True}, "block_size=True is invalid: must be int, got bool"),
+                            ({"max_num_seqs": 2.5}, "max_num_seqs=2.5 is invalid: must be int"),
+                            ({"device": "tpu"}, "device='tpu' is not one of 'cpu', 'cuda', 'auto'"),
+                            ({"gpu_memory_utilization": float("nan")}, "must be a finite number")]:
+        with pytest.raises(ValueError, match=message):
+            EngineArgs(**kwargs)
+
+
+COMMANDS = [["generate", "hi"], ["chat"], ["bench", "throughput", "--num-prompts", "1"]]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
+@pytest.mark.parametrize("kwargs, flags, message", BAD_COMBINATIONS)
+def test_bad_values_and_pairs_from_every_cli_command(tiny_llama_dir, command, kwargs, flags, message):
+    res = CliRunner().invoke(main, command + ["--model", str(tiny_llama_dir), *flags])
+    assert res.exit_code != 0 and "Traceback" not in res.output, res.output
+    errors = [line for line in res.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and re.search(message, errors[0]), res.output
+
+
+def test_every_command_that_builds_an_engine_has_every_engine_flag():
+    flags = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(EngineArgs)
+             if f.name not in ("log_stats", "trace")}
+    flags.add("--disable-log-stats")
+    commands = [main.commands["generate"], main.commands["chat"], *main.commands["bench"].commands.values()]
+    for command in commands:
+        have = {opt for p in command.params if isinstance(p, click.Option) for opt in p.opts}
+        assert flags <= have, (command.name, flags - have)
+
+
+def test_resolved_config_is_frozen_and_complete(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, block_size=4, num_kv_blocks=12, log_stats=False)
+    cfg = llm.llm_engine.config
+    assert (cfg.device, cfg.attention_backend, cfg.layer_ops, cfg.num_kv_blocks) == ("cpu", "numpy", "numpy", 12)
+    assert cfg.max_model_len == 48 and cfg.max_num_batched_tokens == 2048  # pool-capped; the default budget
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.block_size = 8
