@@ -29,7 +29,8 @@ import click
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from refengine.bench import busy_warning, default_model_dir, environment, load_corpus  # noqa: E402
+from refengine.bench.report import busy_warning, environment  # noqa: E402
+from refengine.bench.workload import default_model_dir, load_corpus  # noqa: E402
 
 
 def bench_refengine(model_dir: str, prompt_ids: list[int], decode_steps: int, repeats: int, device: str) -> dict:

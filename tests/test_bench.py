@@ -9,10 +9,13 @@ from types import SimpleNamespace
 import pytest
 from click.testing import CliRunner
 
-from refengine import bench
-from refengine.bench import (BenchContext, BenchRequest, EngineOptions, RequestResult, RunResult,
-                             concurrency_levels, find_knee, format_table, latency_summary, load_corpus,
-                             parse_len_range, sample_requests, sweep_table)
+from refengine.bench import bench
+from refengine.bench.driver import EngineOptions, RequestResult, RunResult, latency_summary, run_engine
+from refengine.bench.hf_baseline import compare, run_transformers
+from refengine.bench.report import format_table
+from refengine.bench.scenarios import BenchContext, run_long_context, run_simple, run_sweep
+from refengine.bench.sweep import concurrency_levels, find_knee, sweep_table
+from refengine.bench.workload import BenchRequest, load_corpus, parse_len_range, sample_requests
 from refengine.metrics import EngineMetrics, RequestMetrics
 
 
@@ -184,14 +187,14 @@ def test_format_table():
 def test_run_engine_respects_max_concurrency():
     engine = FakeEngine()
     reqs = sample_requests(list(range(300)), 7, (3, 9), (2, 5), seed=1)
-    run = bench.run_engine(engine, reqs, max_concurrency=3, progress=False)
+    run = run_engine(engine, reqs, max_concurrency=3, progress=False)
     assert engine.max_in_flight == 3
     assert [r.request_id for r in run.requests] == [r.request_id for r in reqs]
     assert [r.output_len for r in run.requests] == [r.output_len for r in reqs]
     assert all(r.ttft is not None and r.e2e_latency >= r.ttft for r in run.requests)
     assert run.steps and sum(s.num_prefill_tokens for s in run.steps) == sum(len(r.prompt_token_ids) for r in reqs)
     engine2 = FakeEngine()
-    bench.run_engine(engine2, reqs, max_concurrency=None, progress=False)
+    run_engine(engine2, reqs, max_concurrency=None, progress=False)
     assert engine2.max_in_flight == 7
 
 
@@ -202,7 +205,7 @@ def test_run_engine_detects_lost_requests():
             return []
 
     with pytest.raises(RuntimeError, match="never came back"):
-        bench.run_engine(Lossy(), sample_requests([1, 2, 3], 2, (2, 2), (2, 2), seed=0), progress=False)
+        run_engine(Lossy(), sample_requests([1, 2, 3], 2, (2, 2), (2, 2), seed=0), progress=False)
 
 
 def fake_ctx(tmp_path, **kw) -> BenchContext:
@@ -215,7 +218,7 @@ def fake_ctx(tmp_path, **kw) -> BenchContext:
 
 
 def test_simple_scenario_writes_json_and_plot(tmp_path):
-    report = bench.run_simple(fake_ctx(tmp_path, max_concurrency=2), "chat", llm_factory=FakeLLM)
+    report = run_simple(fake_ctx(tmp_path, max_concurrency=2), "chat", llm_factory=FakeLLM)
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["scenario"] == "chat" and doc["workload"]["max_concurrency"] == 2
     assert doc["engine_settings"][0]["max_num_seqs"] >= 2
@@ -233,7 +236,7 @@ def test_long_context_runs_both_modes(tmp_path):
         seen.append(options.llm_kwargs())
         return FakeLLM(options)
 
-    doc = bench.run_long_context(fake_ctx(tmp_path, max_concurrency=2), llm_factory=factory)
+    doc = run_long_context(fake_ctx(tmp_path, max_concurrency=2), llm_factory=factory)
     assert [s["enable_chunked_prefill"] for s in seen] == [True, False]
     assert seen[1]["max_num_batched_tokens"] >= seen[1]["max_model_len"]  # whole prompt fits a step
     assert [r["label"] for r in doc["runs"]] == ["refengine chunked_prefill=on", "refengine chunked_prefill=off"]
@@ -241,7 +244,7 @@ def test_long_context_runs_both_modes(tmp_path):
 
 def test_sweep_scenario(tmp_path):
     lines = []
-    doc = bench.run_sweep(fake_ctx(tmp_path, num_prompts=8, max_concurrency=4, echo=lines.append),
+    doc = run_sweep(fake_ctx(tmp_path, num_prompts=8, max_concurrency=4, echo=lines.append),
                           "tpot", 0.10, llm_factory=FakeLLM)
     assert doc["sweep"]["concurrency"] == [1, 2, 4]
     assert [r["max_concurrency"] for r in doc["runs"]] == [1, 2, 4]
@@ -251,13 +254,13 @@ def test_sweep_scenario(tmp_path):
 
 def test_cli_help_and_bad_length():
     runner = CliRunner()
-    res = runner.invoke(bench.bench, ["--help"])
+    res = runner.invoke(bench, ["--help"])
     assert res.exit_code == 0
     for name in ("throughput", "chat", "generation", "long-context", "sweep"):
         assert name in res.output
-    res = runner.invoke(bench.bench, ["throughput", "--model", ".", "--input-len", "9-3"])
+    res = runner.invoke(bench, ["throughput", "--model", ".", "--input-len", "9-3"])
     assert res.exit_code != 0 and "LO <= HI" in res.output
-    res = runner.invoke(bench.bench, ["chat", "--model", "/nonexistent/model"])
+    res = runner.invoke(bench, ["chat", "--model", "/nonexistent/model"])
     assert res.exit_code != 0 and "not found" in res.output
 
 
@@ -273,15 +276,15 @@ def test_run_transformers_on_tiny_model(tmp_path):
                                    eos_token_id=1, pad_token_id=None, bos_token_id=None)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
     reqs = [BenchRequest("a", [3, 4, 5, 6, 7], 4), BenchRequest("b", [8, 9], 2), BenchRequest("c", [10, 11, 12], 3)]
-    run = bench.run_transformers(str(tmp_path), reqs, batch_size=2, progress=False)
+    run = run_transformers(str(tmp_path), reqs, batch_size=2, progress=False)
     assert [r.output_len for r in run.requests] == [4, 2, 3]
     assert [len(r.output_token_ids) for r in run.requests] == [4, 2, 3]
     for r in run.requests:
         assert r.ttft is not None and r.e2e_latency >= r.ttft and len(r.inter_token_latencies) == r.output_len - 1
     # Left padding must not change a row's greedy continuation: "b" alone gives the same tokens.
-    alone = bench.run_transformers(str(tmp_path), [reqs[1]], batch_size=1, progress=False)
+    alone = run_transformers(str(tmp_path), [reqs[1]], batch_size=1, progress=False)
     assert alone.requests[0].output_token_ids == run.requests[1].output_token_ids
-    cmp = bench.compare(run, run)
+    cmp = compare(run, run)
     assert cmp["output_throughput_ratio"] == pytest.approx(1.0) and cmp["greedy_exact_match"] == 3
 
 
@@ -304,7 +307,7 @@ def test_scenario_smoke_real_engine(tmp_path, smollm2_dir, scenario, extra):
     args = [scenario, *TINY, "--model", str(smollm2_dir), *extra, "--json", str(out)]
     if scenario == "sweep":
         args += ["--plot", str(tmp_path / "r.png"), "--trace", str(tmp_path / "t.json")]
-    res = CliRunner().invoke(bench.bench, args)
+    res = CliRunner().invoke(bench, args)
     assert res.exit_code == 0, res.output + repr(res.exception)
     doc = json.loads(out.read_text())
     n = doc["workload"]["num_prompts"]

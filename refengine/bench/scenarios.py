@@ -1,0 +1,184 @@
+"""The scenarios: build the engine and the workload, run, compare, report.
+
+The engine is built once per scenario with ``max_num_seqs`` at least the concurrency, so
+concurrency is set by the client, not by engine settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import click
+
+from refengine.bench.driver import EngineOptions, RunResult, build_llm, run_engine, warm_up
+from refengine.bench.hf_baseline import HF_DEFAULT_BATCH, compare, run_transformers
+from refengine.bench.plot import plot_report
+from refengine.bench.report import _fmt, busy_warning, environment, format_run, format_table, write_json
+from refengine.bench.sweep import concurrency_levels, sweep_table
+from refengine.bench.workload import DATA_DIR, load_corpus, sample_requests
+
+@dataclass
+class BenchContext:
+    """Everything a scenario needs from the command line."""
+
+    options: EngineOptions
+    num_prompts: int
+    input_len: tuple[int, int]
+    output_len: tuple[int, int]
+    max_concurrency: int | None
+    seed: int
+    json_path: str | None
+    plot_path: str | None
+    trace_path: str | None
+    data_dir: str | None
+    progress: bool
+    compare_transformers: bool = False
+    hf_batch_size: int | None = None
+    hf_dtype: str = "float32"
+    warmup: bool = True
+    echo: Callable[[str], None] = click.echo
+
+    def needed_model_len(self) -> int:
+        """Longest prompt plus longest output, rounded up to a whole KV block."""
+        need = self.input_len[1] + self.output_len[1]
+        bs = self.options.block_size
+        return -(-need // bs) * bs
+
+
+def _prepare(ctx: BenchContext, llm_factory=build_llm):
+    """Build the engine and the workload; return (llm, engine, corpus_ids, requests)."""
+    if ctx.options.max_model_len is None:
+        ctx.options.max_model_len = ctx.needed_model_len()
+    warning = busy_warning()
+    if warning:
+        ctx.echo(warning)
+    ctx.echo(f"building engine: {ctx.options.llm_kwargs()}")
+    llm = llm_factory(ctx.options)
+    engine = llm.llm_engine
+    if ctx.trace_path:
+        engine.metrics.trace = True  # EngineMetrics checks the flag when it records and writes
+    tokenizer = llm.get_tokenizer()
+    corpus_ids = tokenizer.encode(load_corpus(ctx.data_dir))
+    requests = sample_requests(corpus_ids, ctx.num_prompts, ctx.input_len, ctx.output_len, ctx.seed)
+    if ctx.warmup:
+        warm_up(engine, corpus_ids)
+    return llm, engine, corpus_ids, requests
+
+
+def _finish(ctx: BenchContext, scenario: str, runs: list[RunResult], engine=None, *,
+            extra: dict | None = None, sweep: dict | None = None, settings: list[dict] | None = None) -> dict:
+    """Print, and write the JSON / plot / trace files the flags asked for; return the report."""
+    report = {
+        "scenario": scenario,
+        "workload": {"num_prompts": ctx.num_prompts, "input_len": list(ctx.input_len),
+                     "output_len": list(ctx.output_len), "max_concurrency": ctx.max_concurrency,
+                     "seed": ctx.seed, "data_dir": str(ctx.data_dir or DATA_DIR)},
+        "engine_settings": settings if settings is not None else [dataclasses.asdict(ctx.options)],
+        "environment": environment(),
+        "runs": [r.to_dict() for r in runs],
+    }
+    if sweep is not None:
+        report["sweep"] = sweep
+    if extra:
+        report.update(extra)
+    if ctx.json_path:
+        write_json(ctx.json_path, report)
+        ctx.echo(f"wrote {ctx.json_path}")
+    if ctx.plot_path:
+        plot_report(ctx.plot_path, runs, sweep)
+        ctx.echo(f"wrote {ctx.plot_path}")
+    if ctx.trace_path and engine is not None:
+        engine.metrics.write_trace(ctx.trace_path)
+        ctx.echo(f"wrote {ctx.trace_path} (open in https://ui.perfetto.dev)")
+    return report
+
+
+def _maybe_compare(ctx: BenchContext, ours: RunResult, requests) -> tuple[list[RunResult], dict | None]:
+    if not ctx.compare_transformers:
+        return [], None
+    batch = ctx.hf_batch_size or ctx.max_concurrency or min(ctx.options.max_num_seqs, HF_DEFAULT_BATCH)
+    theirs = run_transformers(ctx.options.model, requests, batch_size=batch, progress=ctx.progress,
+                              device=ctx.options.device, dtype=ctx.hf_dtype)
+    ctx.echo(format_run(theirs))
+    cmp = compare(ours, theirs)
+    ctx.echo(f"refengine / transformers: output throughput x{_fmt(cmp['output_throughput_ratio'])}, "
+             f"total token throughput x{_fmt(cmp['total_token_throughput_ratio'])}; "
+             f"median TTFT transformers/refengine x{_fmt(cmp['median_ttft_ratio_theirs_over_ours'])}, "
+             f"median TPOT transformers/refengine x{_fmt(cmp['median_tpot_ratio_theirs_over_ours'])}; "
+             f"identical greedy outputs: {cmp['greedy_exact_match']}/{cmp['num_requests']}")
+    return [theirs], cmp
+
+
+def run_simple(ctx: BenchContext, scenario: str, llm_factory=build_llm) -> dict:
+    """One workload, one engine (``throughput``, ``chat``, ``generation``), optional comparison."""
+    if ctx.max_concurrency:
+        ctx.options.max_num_seqs = max(ctx.options.max_num_seqs, ctx.max_concurrency)
+    llm, engine, _, requests = _prepare(ctx, llm_factory)
+    ours = run_engine(engine, requests, max_concurrency=ctx.max_concurrency, progress=ctx.progress)
+    ctx.echo(format_run(ours))
+    theirs, cmp = _maybe_compare(ctx, ours, requests)
+    return _finish(ctx, scenario, [ours] + theirs, engine, extra={"comparison": cmp} if cmp else None)
+
+
+def run_long_context(ctx: BenchContext, llm_factory=build_llm) -> dict:
+    """The same long-prompt workload with chunked prefill on, then off (a fresh engine each)."""
+    if ctx.max_concurrency:
+        ctx.options.max_num_seqs = max(ctx.options.max_num_seqs, ctx.max_concurrency)
+    runs, settings, requests = [], [], None
+    for chunked in (True, False):
+        ctx.options.enable_chunked_prefill = chunked
+        llm, engine, _, requests = _prepare(ctx, llm_factory)
+        settings.append(ctx.options.llm_kwargs())
+        run = run_engine(engine, requests, max_concurrency=ctx.max_concurrency, progress=ctx.progress,
+                         label=f"refengine chunked_prefill={'on' if chunked else 'off'}")
+        ctx.echo(format_run(run))
+        runs.append(run)
+        if ctx.trace_path:  # one trace per mode: NAME.chunked-on.json, NAME.chunked-off.json
+            base, ext = os.path.splitext(ctx.trace_path)
+            path = f"{base}.chunked-{'on' if chunked else 'off'}{ext or '.json'}"
+            engine.metrics.write_trace(path)
+            ctx.echo(f"wrote {path}")
+        del llm, engine  # free the first model before loading the second
+        gc.collect()
+    on, off = runs
+    ttft_on, ttft_off = on.latencies()["ttft"], off.latencies()["ttft"]
+    itl_on, itl_off = on.latencies()["itl"], off.latencies()["itl"]
+    ctx.echo(format_table(
+        ["chunked prefill", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "output tok/s"],
+        [["on", ttft_on["median_ms"], ttft_on["p99_ms"], itl_on["median_ms"], itl_on["p99_ms"], on.output_throughput],
+         ["off", ttft_off["median_ms"], ttft_off["p99_ms"], itl_off["median_ms"], itl_off["p99_ms"], off.output_throughput]]))
+    theirs, cmp = _maybe_compare(ctx, on, requests)
+    return _finish(ctx, "long-context", runs + theirs, None, settings=settings,
+                   extra={"comparison": cmp} if cmp else None)
+
+
+def run_sweep(ctx: BenchContext, latency_metric: str, min_gain: float, llm_factory=build_llm) -> dict:
+    """The same workload at concurrency 1, 2, 4, ... ``max_concurrency`` on one engine."""
+    top = ctx.max_concurrency or ctx.num_prompts
+    levels = concurrency_levels(top)
+    ctx.options.max_num_seqs = max(ctx.options.max_num_seqs, top)
+    llm, engine, _, requests = _prepare(ctx, llm_factory)
+    runs = []
+    for c in levels:
+        reqs = [dataclasses.replace(r, request_id=f"c{c}-{r.request_id}") for r in requests]
+        run = run_engine(engine, reqs, max_concurrency=c, progress=ctx.progress, label=f"concurrency {c}")
+        runs.append(run)
+        ctx.echo(f"concurrency {c}: {run.output_throughput:.2f} output tok/s, "
+                 f"median TTFT {_fmt(run.latencies()['ttft']['median_ms'])} ms, "
+                 f"median TPOT {_fmt(run.latencies()['tpot']['median_ms'])} ms")
+    sweep = sweep_table(runs, latency_metric, min_gain)
+    ctx.echo(format_table(
+        ["concurrency", "output tok/s", "req/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"],
+        [[c, t, rq, a, b, d, e] for c, t, rq, a, b, d, e in zip(
+            sweep["concurrency"], sweep["output_throughput"], sweep["request_throughput"],
+            sweep["median_ttft_ms"], sweep["p99_ttft_ms"], sweep["median_tpot_ms"], sweep["p99_tpot_ms"])]))
+    knee = sweep["knee_concurrency"]
+    ctx.echo(f"knee: concurrency {knee} (beyond it output throughput grows < {min_gain:.0%} "
+             f"while median {latency_metric.upper()} climbs)" if knee is not None
+             else f"no knee up to concurrency {top}: throughput still grows >= {min_gain:.0%} per step")
+    return _finish(ctx, "sweep", runs, engine, sweep=sweep)
+
