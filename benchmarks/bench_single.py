@@ -30,7 +30,8 @@ import click
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from refengine.bench.report import busy_warning, environment  # noqa: E402
-from refengine.bench.workload import default_model_dir, load_corpus  # noqa: E402
+from refengine.bench.workload import load_corpus  # noqa: E402
+from refengine.engine import resolve_model_dir  # noqa: E402
 
 
 def bench_refengine(model_dir: str, prompt_ids: list[int], decode_steps: int, repeats: int, device: str) -> dict:
@@ -104,7 +105,8 @@ def matching_prefix(a: list[int], b: list[int]) -> int:
 
 
 @click.command()
-@click.option("--model", default=default_model_dir, show_default="$REFENGINE_MODEL or weights/SmolLM2-135M-Instruct")
+@click.option("--model", default=lambda: str(resolve_model_dir(None)),
+              show_default="$REFENGINE_MODEL or weights/SmolLM2-135M-Instruct")
 @click.option("--prompt-len", type=int, default=512, show_default=True, help="Prefill length in tokens.")
 @click.option("--decode-steps", type=int, default=128, show_default=True, help="Decode steps after the first token.")
 @click.option("--repeats", type=int, default=1, show_default=True, help="Timed repeats (median reported).")

@@ -74,11 +74,15 @@ SAMPLING_KEYS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "m
                  "frequency_penalty", "repetition_penalty", "ignore_eos", "include_stop_str_in_output", "logprobs")
 
 
+def engine_kwargs(kw: dict) -> dict:
+    """The ``LLMEngine`` keyword arguments, ``model`` included, from the flags of :func:`engine_options`."""
+    return {**{k: kw[k] for k in ENGINE_KEYS}, "log_stats": not kw["disable_log_stats"]}
+
+
 def build_engine(kw: dict):
     from refengine.engine import LLMEngine
 
-    engine_kw = {k: kw[k] for k in ENGINE_KEYS if k != "model"}
-    return LLMEngine(kw["model"], log_stats=not kw["disable_log_stats"], **engine_kw)
+    return LLMEngine(**engine_kwargs(kw))
 
 
 def build_params(kw: dict) -> SamplingParams:
@@ -113,7 +117,23 @@ def fail(message: str):
     raise click.ClickException(message)
 
 
-@click.group()
+class _Main(click.Group):
+    """The top-level group. ``bench`` is imported when it is asked for: its commands are
+    built with this module's :func:`engine_options`, so importing it at load time would be
+    circular."""
+
+    def list_commands(self, ctx):
+        return sorted({*super().list_commands(ctx), "bench"})
+
+    def get_command(self, ctx, name):
+        if name == "bench" and name not in self.commands:
+            from refengine.bench import bench
+
+            self.add_command(bench)
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=_Main)
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]), help="Python logging level (stderr)")
 def main(log_level: str):
@@ -234,14 +254,6 @@ def convert_gguf_cmd(gguf_file, out_dir):
         fail(str(e))
     click.echo(f"wrote {path}")
 
-
-def _register_bench() -> None:
-    from refengine.bench import bench
-
-    main.add_command(bench)
-
-
-_register_bench()
 
 if __name__ == "__main__":
     main()

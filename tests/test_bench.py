@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from types import SimpleNamespace
 
+import click
 import pytest
 from click.testing import CliRunner
 
 from refengine.bench import bench
-from refengine.bench.driver import EngineOptions, RequestResult, RunResult, latency_summary, run_engine
+from refengine.bench.driver import RequestResult, RunResult, latency_summary, run_engine
 from refengine.bench.hf_baseline import compare, run_transformers
 from refengine.bench.report import format_table
-from refengine.bench.scenarios import BenchContext, run_long_context, run_simple, run_sweep
+from refengine.bench.scenarios import BenchContext, llm_kwargs, run_long_context, run_simple, run_sweep
 from refengine.bench.sweep import concurrency_levels, find_knee, sweep_table
 from refengine.bench.workload import BenchRequest, load_corpus, parse_len_range, sample_requests
+from refengine.cli import engine_kwargs, engine_options
+from refengine.engine import LLMEngine
 from refengine.metrics import EngineMetrics, RequestMetrics
 
 
@@ -63,8 +67,8 @@ class FakeEngine:
 
 
 class FakeLLM:
-    def __init__(self, options: EngineOptions):
-        self.options = options
+    def __init__(self, engine_kwargs: dict):
+        self.engine_kwargs = engine_kwargs
         self.llm_engine = FakeEngine()
 
     def get_tokenizer(self):
@@ -208,8 +212,38 @@ def test_run_engine_detects_lost_requests():
         run_engine(Lossy(), sample_requests([1, 2, 3], 2, (2, 2), (2, 2), seed=0), progress=False)
 
 
+def bench_engine_kwargs(command: str = "chat", **overrides) -> dict:
+    """The engine kwargs a bench command makes from its flags' defaults, then ``overrides``."""
+    cmd = bench.commands[command]
+    ctx = click.Context(cmd)
+    return {**engine_kwargs({p.name: p.get_default(ctx) for p in cmd.params}), **overrides}
+
+
+def test_bench_takes_the_engine_flags_and_defaults_of_generate():
+    flags = {p.name for p in engine_options(click.Command("x")).params}
+    for name, cmd in bench.commands.items():
+        assert flags <= {p.name for p in cmd.params}, name
+    kw = bench_engine_kwargs()
+    params = inspect.signature(LLMEngine.__init__).parameters
+    for name, value in kw.items():  # every default is LLMEngine's own
+        if name != "model":
+            assert value == params[name].default, name
+    assert kw["max_num_seqs"] == 256 and kw["max_num_batched_tokens"] is None
+
+
+def test_llm_kwargs_budget_without_chunking():
+    base = bench_engine_kwargs(max_model_len=1040, enable_chunked_prefill=False)
+    assert llm_kwargs({**base, "max_num_batched_tokens": 512})["max_num_batched_tokens"] == 1040
+    assert llm_kwargs({**base, "max_num_batched_tokens": 4096})["max_num_batched_tokens"] == 4096
+    assert llm_kwargs(base)["max_num_batched_tokens"] is None  # unset: the engine picks one that fits
+    chunked = {**base, "enable_chunked_prefill": True, "max_num_batched_tokens": 512}
+    assert llm_kwargs(chunked) == chunked
+
+
 def fake_ctx(tmp_path, **kw) -> BenchContext:
-    opts = dict(options=EngineOptions(model="unused"), num_prompts=4, input_len=(4, 8), output_len=(3, 5),
+    # an explicit token budget, so the long-context test sees it raised without chunking
+    opts = dict(engine_kwargs=bench_engine_kwargs(model="unused", max_num_batched_tokens=512), num_prompts=4,
+                input_len=(4, 8), output_len=(3, 5),
                 max_concurrency=None, seed=0, json_path=str(tmp_path / "r.json"),
                 plot_path=str(tmp_path / "r.png"), trace_path=None, data_dir=None, progress=False,
                 echo=lambda s: None)
@@ -232,9 +266,9 @@ def test_simple_scenario_writes_json_and_plot(tmp_path):
 def test_long_context_runs_both_modes(tmp_path):
     seen = []
 
-    def factory(options):
-        seen.append(options.llm_kwargs())
-        return FakeLLM(options)
+    def factory(engine_kwargs):
+        seen.append(dict(engine_kwargs))
+        return FakeLLM(engine_kwargs)
 
     doc = run_long_context(fake_ctx(tmp_path, max_concurrency=2), llm_factory=factory)
     assert [s["enable_chunked_prefill"] for s in seen] == [True, False]
@@ -262,6 +296,13 @@ def test_cli_help_and_bad_length():
     assert res.exit_code != 0 and "LO <= HI" in res.output
     res = runner.invoke(bench, ["chat", "--model", "/nonexistent/model"])
     assert res.exit_code != 0 and "not found" in res.output
+
+
+def test_cli_bad_engine_setting_is_one_line(tiny_llama_dir):
+    """An engine setting the engine refuses ends the command with its message, as in `generate`."""
+    res = CliRunner().invoke(bench, ["chat", "--model", str(tiny_llama_dir), "--dtype", "float16", "--disable-tqdm"])
+    assert res.exit_code == 1 and isinstance(res.exception, SystemExit)
+    assert res.output.strip().splitlines()[-1].startswith("Error: dtype='float16' is not supported on the CPU")
 
 
 # --- transformers comparison on a tiny random model ------------------------------------------

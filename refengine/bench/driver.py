@@ -20,6 +20,7 @@ from typing import Iterable, Sequence
 from refengine.bench.workload import BenchRequest, sample_requests
 from refengine.metrics import RequestMetrics, StepRecord, percentile
 
+
 PERCENTILES = (50, 90, 99)
 
 
@@ -147,7 +148,6 @@ class RunResult:
         }
 
 
-
 def run_engine(engine, requests: Sequence[BenchRequest], *, max_concurrency: int | None = None,
                label: str = "refengine", progress: bool = True, sampling_params_factory=None) -> RunResult:
     """Run ``requests`` through an ``LLMEngine``, closed loop, at most ``max_concurrency`` in flight.
@@ -211,32 +211,21 @@ def run_engine(engine, requests: Sequence[BenchRequest], *, max_concurrency: int
                      requests=[results[r.request_id] for r in requests], steps=steps)
 
 
-@dataclass
-class EngineOptions:
-    """The ``LLM(...)`` arguments a bench run uses (vLLM's knob names)."""
+def build_llm(engine_kwargs: dict):
+    """``refengine.LLM(**engine_kwargs)``: the engine a scenario measures.
 
-    model: str
-    device: str = "cpu"
-    block_size: int = 16
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    enable_chunked_prefill: bool = True
-    max_model_len: int | None = None
-    num_kv_blocks: int | None = None
+    Args:
+        engine_kwargs: ``LLMEngine`` keyword arguments, ``model`` included, as
+            :func:`refengine.cli.engine_kwargs` makes them from the engine flags (so the
+            bench runs with the engine's own defaults).
 
-    def llm_kwargs(self) -> dict:
-        kw = dataclasses.asdict(self)
-        if not self.enable_chunked_prefill and self.max_model_len is not None:
-            # Without chunking a whole prompt must fit in one step's token budget.
-            kw["max_num_batched_tokens"] = max(self.max_num_batched_tokens, self.max_model_len)
-        return kw
-
-
-def build_llm(options: EngineOptions):
-    """Build ``refengine.LLM`` from ``options`` (stats logging off: the bench prints its own)."""
+    Raises:
+        whatever ``LLMEngine`` raises for bad settings (``ValueError``, ``FileNotFoundError``,
+        ``RuntimeError``).
+    """
     from refengine import LLM
 
-    return LLM(**options.llm_kwargs(), log_stats=False)
+    return LLM(**engine_kwargs)
 
 
 def warm_up(engine, corpus_ids: Sequence[int], progress: bool = False) -> None:

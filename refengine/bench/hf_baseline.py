@@ -21,6 +21,7 @@ from refengine.metrics import RequestMetrics
 # transformers pads each batch to its longest prompt and output, so a user batches modestly.
 HF_DEFAULT_BATCH = 32
 
+
 def run_transformers(model_dir: str, requests: Sequence[BenchRequest], *, batch_size: int,
                      progress: bool = True, label: str = "transformers", device: str = "cpu",
                      dtype: str = "float32") -> RunResult:

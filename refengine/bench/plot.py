@@ -7,6 +7,7 @@ from typing import Sequence
 
 from refengine.bench.driver import RunResult
 
+
 def plot_report(path: str | os.PathLike, runs: Sequence[RunResult], sweep: dict | None = None) -> None:
     """Save a PNG: throughput and latency vs concurrency (sweeps), and per-step timelines.
 

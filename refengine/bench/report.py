@@ -15,7 +15,9 @@ import numpy as np
 
 from refengine.bench.driver import PERCENTILES, RunResult
 
-def _fmt(v, digits: int = 2) -> str:
+
+def format_value(v, digits: int = 2) -> str:
+    """One table cell: floats with ``digits`` decimals, infinity as ``inf``, None as ``-``."""
     if v is None:
         return "-"
     if isinstance(v, float):
@@ -27,7 +29,7 @@ def _fmt(v, digits: int = 2) -> str:
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
     """A plain-text table, columns right-aligned, floats with two decimals, None as ``-``."""
-    cells = [[str(h) for h in headers]] + [[_fmt(v) for v in row] for row in rows]
+    cells = [[str(h) for h in headers]] + [[format_value(v) for v in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -43,9 +45,9 @@ def format_run(run: RunResult) -> str:
         f"duration (s):           {s['elapsed_s']:.2f}",
         f"prompt tokens:          {s['total_prompt_tokens']}",
         f"output tokens:          {s['total_output_tokens']}",
-        f"request throughput:     {_fmt(s['request_throughput'])} req/s",
-        f"output throughput:      {_fmt(s['output_throughput'])} tok/s",
-        f"total token throughput: {_fmt(s['total_token_throughput'])} tok/s",
+        f"request throughput:     {format_value(s['request_throughput'])} req/s",
+        f"output throughput:      {format_value(s['output_throughput'])} tok/s",
+        f"total token throughput: {format_value(s['total_token_throughput'])} tok/s",
     ]
     if s["requests_with_unexpected_output_len"]:
         head.append(f"WARNING: {len(s['requests_with_unexpected_output_len'])} requests produced "

@@ -6,6 +6,7 @@ from typing import Sequence
 
 from refengine.bench.driver import RunResult
 
+
 def concurrency_levels(max_concurrency: int) -> list[int]:
     """1, 2, 4, ... up to ``max_concurrency``, which is always included as the last level."""
     if max_concurrency < 1:

@@ -15,14 +15,8 @@ from typing import Sequence
 
 import numpy as np
 
-DEFAULT_MODEL = "weights/SmolLM2-135M-Instruct"
+
 DATA_DIR = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "data"
-
-
-def default_model_dir() -> str:
-    """``$REFENGINE_MODEL`` if set, else ``weights/SmolLM2-135M-Instruct``."""
-    return os.environ.get("REFENGINE_MODEL", DEFAULT_MODEL)
-
 
 
 @dataclass
