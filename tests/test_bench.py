@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import sys
 import time
 from types import SimpleNamespace
 
@@ -14,6 +15,7 @@ from click.testing import CliRunner
 from refengine.bench import bench
 from refengine.bench.driver import RequestResult, RunResult, latency_summary, run_engine
 from refengine.bench.hf_baseline import compare, run_transformers
+from refengine.bench.plot import plot_report
 from refengine.bench.report import format_table
 from refengine.bench.scenarios import BenchContext, llm_kwargs, run_long_context, run_simple, run_sweep
 from refengine.bench.sweep import concurrency_levels, find_knee, sweep_table
@@ -296,6 +298,17 @@ def test_cli_help_and_bad_length():
     assert res.exit_code != 0 and "LO <= HI" in res.output
     res = runner.invoke(bench, ["chat", "--model", "/nonexistent/model"])
     assert res.exit_code != 0 and "not found" in res.output
+
+
+def test_plot_without_matplotlib_is_one_line(tmp_path, monkeypatch):
+    """No matplotlib: --plot fails before any work with one line naming the extra; so does plot_report."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    res = CliRunner().invoke(bench, ["chat", "--model", str(tmp_path), "--plot", str(tmp_path / "p.png")])
+    assert res.exit_code == 1 and isinstance(res.exception, SystemExit)
+    assert res.output == "Error: plotting needs matplotlib, which is not installed: pip install 'refengine[plot]'\n"
+    with pytest.raises(ImportError, match=r"pip install 'refengine\[plot\]'"):
+        plot_report(tmp_path / "p.png", [])
+    assert not (tmp_path / "p.png").exists()
 
 
 def test_cli_bad_engine_setting_is_one_line(tiny_llama_dir):

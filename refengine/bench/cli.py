@@ -7,6 +7,7 @@ import os
 import click
 
 from refengine.bench.driver import build_llm
+from refengine.bench.plot import MISSING_MATPLOTLIB, matplotlib_available
 from refengine.bench.scenarios import BenchContext, run_long_context, run_simple, run_sweep
 from refengine.bench.workload import parse_len_range
 from refengine.cli import engine_kwargs, engine_options
@@ -61,13 +62,19 @@ def _options(*, num_prompts: int, input_len: str, output_len: str, max_concurren
 
 
 def _context(kw: dict) -> BenchContext:
-    """The scenario's context from the command's flags; a missing model directory is a usage error."""
+    """The scenario's context from the command's flags.
+
+    A missing model directory, or ``--plot`` without matplotlib, ends the command before
+    any work is done.
+    """
     from refengine.engine import resolve_model_dir
 
     engine_kw = engine_kwargs(kw)
     engine_kw["model"] = str(resolve_model_dir(engine_kw["model"]))
     if not os.path.isdir(engine_kw["model"]):
         raise click.UsageError(f"model directory {engine_kw['model']!r} not found (set --model or $REFENGINE_MODEL)")
+    if kw["plot_path"] and not matplotlib_available():
+        raise click.ClickException(MISSING_MATPLOTLIB)
     return BenchContext(engine_kwargs=engine_kw, num_prompts=kw["num_prompts"], input_len=_len_type(kw["input_len"]),
                         output_len=_len_type(kw["output_len"]), max_concurrency=kw["max_concurrency"],
                         seed=kw["seed"], json_path=kw["json_path"], plot_path=kw["plot_path"],

@@ -1,11 +1,23 @@
-"""PNG plots of bench results (matplotlib)."""
+"""PNG plots of bench results.
+
+matplotlib is an optional dependency (the ``plot`` extra), imported only here and only
+when a plot is drawn.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Sequence
 
 from refengine.bench.driver import RunResult
+
+MISSING_MATPLOTLIB = "plotting needs matplotlib, which is not installed: pip install 'refengine[plot]'"
+
+
+def matplotlib_available() -> bool:
+    """Whether matplotlib can be imported (checked without importing it)."""
+    return importlib.util.find_spec("matplotlib") is not None
 
 
 def plot_report(path: str | os.PathLike, runs: Sequence[RunResult], sweep: dict | None = None) -> None:
@@ -14,8 +26,14 @@ def plot_report(path: str | os.PathLike, runs: Sequence[RunResult], sweep: dict 
     A timeline shows, for each engine step of a refengine run, the prefill and the decode
     tokens it computed (stacked bars as wide as the step lasted), seconds from the run's
     first step. Runs without steps (transformers) get no timeline.
+
+    Raises:
+        ImportError: matplotlib is not installed (the message names the ``plot`` extra).
     """
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError(MISSING_MATPLOTLIB) from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
