@@ -1,7 +1,7 @@
 """Batch-1 speed, refengine vs transformers, in one run: a prefill and N decode steps.
 
 Both engines get the same prompt (the first ``--prompt-len`` tokens of the benchmark text
-in ``benchmarks/data``), run float32 on the CPU (or ``--device``), greedy:
+in ``refengine/bench/data``), run float32 on the CPU (or ``--device``), greedy:
 
 - prefill time: the prompt through the model up to the first token, seconds.
   refengine: TTFT of one request (``max_num_batched_tokens >= prompt_len``, so the prompt

@@ -24,7 +24,8 @@ from refengine.bench.hf_baseline import HF_DEFAULT_BATCH, compare, run_transform
 from refengine.bench.plot import plot_report
 from refengine.bench.report import busy_warning, environment, format_run, format_table, format_value, write_json
 from refengine.bench.sweep import concurrency_levels, sweep_table
-from refengine.bench.workload import DATA_DIR, load_corpus, sample_requests
+from refengine.bench.workload import load_corpus, sample_requests
+from refengine.resources import bench_data_dir
 
 
 @dataclass
@@ -113,7 +114,7 @@ def _finish(ctx: BenchContext, scenario: str, runs: list[RunResult], engine, set
         "scenario": scenario,
         "workload": {"num_prompts": ctx.num_prompts, "input_len": list(ctx.input_len),
                      "output_len": list(ctx.output_len), "max_concurrency": ctx.max_concurrency,
-                     "seed": ctx.seed, "data_dir": str(ctx.data_dir or DATA_DIR)},
+                     "seed": ctx.seed, "data_dir": str(ctx.data_dir or bench_data_dir())},
         "engine_settings": settings,
         "environment": environment(),
         "runs": [r.to_dict() for r in runs],

@@ -1,6 +1,6 @@
 """The benchmark workload: prompts cut from real text, with seeded lengths.
 
-Prompts are token windows cut from real text (``benchmarks/data/*.txt``, see its README):
+Prompts are token windows cut from real text (``refengine/bench/data/*.txt``, see its README):
 the text is tokenized once, then each request takes a seeded random window of the
 requested length. Requests use ``SamplingParams(temperature=0, ignore_eos=True,
 max_tokens=output_len)`` so every request produces exactly ``output_len`` tokens.
@@ -15,8 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-
-DATA_DIR = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "data"
+from refengine.resources import bench_data_dir
 
 
 @dataclass
@@ -55,12 +54,13 @@ def parse_len_range(value: str | int | tuple[int, int]) -> tuple[int, int]:
 
 
 def load_corpus(data_dir: str | os.PathLike | None = None) -> str:
-    """All ``*.txt`` files of ``data_dir`` (default ``benchmarks/data``), sorted by name, joined.
+    """All ``*.txt`` files of ``data_dir`` (default: the corpus shipped in ``refengine/bench/data``),
+    sorted by name, joined.
 
     Raises:
         FileNotFoundError: no ``.txt`` file there.
     """
-    d = pathlib.Path(data_dir) if data_dir is not None else DATA_DIR
+    d = pathlib.Path(data_dir) if data_dir is not None else bench_data_dir()
     files = sorted(d.glob("*.txt"))
     if not files:
         raise FileNotFoundError(f"no .txt files in {d} to cut benchmark prompts from")
