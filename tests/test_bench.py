@@ -369,10 +369,17 @@ def test_scenario_smoke_real_engine(tmp_path, smollm2_dir, scenario, extra):
         assert run["num_requests"] == n
         assert [r["output_len"] for r in run["requests"]] == [2] * n  # ignore_eos: exactly as asked
         assert run["output_throughput"] > 0 and run["steps"]
+    if scenario == "throughput":  # the engine's own defaults, as the engine resolved them
+        (settings,) = doc["engine_settings"]
+        assert settings["max_num_seqs"] == 256 and settings["max_num_batched_tokens"] is None
+        assert settings["resolved_config"]["max_num_batched_tokens"] == 2048
+        assert settings["max_model_len"] == settings["resolved_config"]["max_model_len"] == 16  # 6 + 2, one block
     if scenario == "long-context":
         on, off = doc["runs"]
         assert max(s["num_prefill_tokens"] for s in on["steps"]) <= 4  # chunked to the budget
         assert max(s["num_prefill_tokens"] for s in off["steps"]) >= 4
+        # without chunking the explicit budget is raised to max_model_len
+        assert [s["resolved_config"]["max_num_batched_tokens"] for s in doc["engine_settings"]] == [4, 16]
     if scenario == "sweep":
         assert doc["sweep"]["concurrency"] == [1, 2]
         assert (tmp_path / "r.png").exists() and json.loads((tmp_path / "t.json").read_text())["traceEvents"]
