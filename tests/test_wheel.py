@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from refengine import LLM, SamplingParams
+from refengine import LLM, SamplingParams, resources
 from refengine.attention.cuda import EMULATION_SUPPORT, KERNEL_SOURCES
 from refengine.bench.workload import load_corpus
 
@@ -87,6 +87,18 @@ def test_wheel_has_kernel_emulator_and_corpus_files(wheel):
     assert not [n for n in names if "/build/" in n or n.endswith((".so", ".o", ".pyc"))]
 
 
+def test_resources_in_the_checkout(monkeypatch, tmp_path):
+    assert resources.cuda_source_dir() == ROOT / "cuda"
+    assert resources.bench_data_dir() == ROOT / "refengine" / "bench" / "data"
+    monkeypatch.setenv("REFENGINE_CACHE_DIR", str(tmp_path / "c"))
+    assert resources.build_cache_dir() == tmp_path / "c"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("REFENGINE_CACHE_DIR", "")  # empty counts as unset
+    assert resources.build_cache_dir() == tmp_path / ".cache" / "refengine"
+    monkeypatch.delenv("REFENGINE_CACHE_DIR")
+    assert resources.build_cache_dir() == tmp_path / ".cache" / "refengine"
+
+
 def run_installed(site_dir: Path, model: Path, backend: str | None, cwd: Path) -> dict:
     """Greedy generation and resource lookups in a fresh interpreter that sees only the
     installed copy of refengine (cwd outside the checkout, a cache directory of its own)."""
@@ -132,9 +144,11 @@ def test_installed_wheel_runs_outside_the_checkout(site_dir, tiny_llama_dir, che
 
 
 def test_installed_wheel_runs_the_emulated_kernels(site_dir, tiny_llama_dir, checkout_tokens, tmp_path):
-    """The emulator is built from the wheel's sources into $REFENGINE_CACHE_DIR, never next to them."""
+    """Emulated CUDA kernels agree token for token with the default backend (both must equal the
+    checkout's NumPy run); the emulator is built from the wheel's sources into
+    $REFENGINE_CACHE_DIR, never next to them."""
     got = run_installed(site_dir, tiny_llama_dir, "cuda-emulated", tmp_path)
     assert Path(got["file"]).is_relative_to(site_dir)
-    assert got["tokens"] == checkout_tokens  # token for token as the default (NumPy) backend
+    assert got["tokens"] == checkout_tokens
     assert list((tmp_path / "cache").rglob("*.so")), "no emulator library in the cache directory"
     assert not [p for p in (site_dir / "refengine").rglob("*") if p.suffix in (".so", ".o")]
