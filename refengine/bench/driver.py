@@ -232,4 +232,3 @@ def warm_up(engine, corpus_ids: Sequence[int], progress: bool = False) -> None:
     """Two tiny requests through the engine so one-time costs stay out of the timed runs."""
     reqs = sample_requests(corpus_ids, 2, (8, 16), (4, 4), seed=12345, prefix=f"warmup{time.monotonic_ns()}")
     run_engine(engine, reqs, label="warmup", progress=progress)
-

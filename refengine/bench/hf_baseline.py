@@ -133,4 +133,3 @@ def compare(ours: RunResult, theirs: RunResult) -> dict:
         "greedy_exact_match": same,
         "num_requests": len(ours.requests),
     }
-

@@ -91,4 +91,3 @@ def plot_report(path: str | os.PathLike, runs: Sequence[RunResult], sweep: dict 
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-

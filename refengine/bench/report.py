@@ -107,4 +107,3 @@ def write_json(path: str | os.PathLike, report: dict) -> None:
         return o
 
     pathlib.Path(path).write_text(json.dumps(clean(report), indent=2), encoding="utf-8")
-

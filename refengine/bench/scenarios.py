@@ -222,4 +222,3 @@ def run_sweep(ctx: BenchContext, latency_metric: str, min_gain: float, llm_facto
              f"while median {latency_metric.upper()} climbs)" if knee is not None
              else f"no knee up to concurrency {top}: throughput still grows >= {min_gain:.0%} per step")
     return _finish(ctx, "sweep", runs, engine, settings, sweep=sweep)
-

@@ -62,4 +62,3 @@ def sweep_table(runs: Sequence[RunResult], latency_metric: str = "tpot", min_gai
         "knee_min_gain": min_gain,
         "knee_concurrency": find_knee(levels, thr, lat, min_gain),
     }
-

@@ -92,4 +92,3 @@ def sample_requests(corpus_token_ids: Sequence[int], num_prompts: int, input_len
         window = np.take(ids, np.arange(start, start + n_in), mode="wrap")
         out.append(BenchRequest(f"{prefix}-{i}", window.tolist(), n_out))
     return out
-
