@@ -1,7 +1,7 @@
 """Batch-1 speed, refengine vs transformers, in one run: a prefill and N decode steps.
 
 Both engines get the same prompt (the first ``--prompt-len`` tokens of the benchmark text
-in ``benchmarks/data``), run float32 on the CPU (or ``--device``), greedy:
+in ``refengine/bench/data``), run float32 on the CPU (or ``--device``), greedy:
 
 - prefill time: the prompt through the model up to the first token, seconds.
   refengine: TTFT of one request (``max_num_batched_tokens >= prompt_len``, so the prompt
@@ -29,7 +29,9 @@ import click
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from refengine.bench import busy_warning, default_model_dir, environment, load_corpus  # noqa: E402
+from refengine.bench.report import busy_warning, environment  # noqa: E402
+from refengine.bench.workload import load_corpus  # noqa: E402
+from refengine.engine_args import resolve_model_dir  # noqa: E402
 
 
 def bench_refengine(model_dir: str, prompt_ids: list[int], decode_steps: int, repeats: int, device: str) -> dict:
@@ -103,7 +105,8 @@ def matching_prefix(a: list[int], b: list[int]) -> int:
 
 
 @click.command()
-@click.option("--model", default=default_model_dir, show_default="$REFENGINE_MODEL or weights/SmolLM2-135M-Instruct")
+@click.option("--model", default=lambda: str(resolve_model_dir(None)),
+              show_default="$REFENGINE_MODEL or weights/SmolLM2-135M-Instruct")
 @click.option("--prompt-len", type=int, default=512, show_default=True, help="Prefill length in tokens.")
 @click.option("--decode-steps", type=int, default=128, show_default=True, help="Decode steps after the first token.")
 @click.option("--repeats", type=int, default=1, show_default=True, help="Timed repeats (median reported).")

@@ -94,7 +94,23 @@ def fail(message: str):
     raise click.ClickException(message)
 
 
-@click.group()
+class _Main(click.Group):
+    """The top-level group. ``bench`` is imported when it is asked for: its commands are
+    built with this module's :func:`engine_options`, so importing it at load time would be
+    circular."""
+
+    def list_commands(self, ctx):
+        return sorted({*super().list_commands(ctx), "bench"})
+
+    def get_command(self, ctx, name):
+        if name == "bench" and name not in self.commands:
+            from refengine.bench import bench
+
+            self.add_command(bench)
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=_Main)
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]), help="Python logging level (stderr)")
 def main(log_level: str):
@@ -215,14 +231,6 @@ def convert_gguf_cmd(gguf_file, out_dir):
         fail(str(e))
     click.echo(f"wrote {path}")
 
-
-def _register_bench() -> None:
-    from refengine.bench import bench
-
-    main.add_command(bench)
-
-
-_register_bench()
 
 if __name__ == "__main__":
     main()

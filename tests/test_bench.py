@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import inspect
 import json
+import sys
 import time
 from types import SimpleNamespace
 
+import click
 import pytest
 from click.testing import CliRunner
 
-from refengine import bench
-from refengine.bench import (BenchContext, BenchRequest, EngineOptions, RequestResult, RunResult,
-                             concurrency_levels, find_knee, format_table, latency_summary, load_corpus,
-                             parse_len_range, sample_requests, sweep_table)
+from refengine.bench import bench
+from refengine.bench.driver import RequestResult, RunResult, latency_summary, run_engine
+from refengine.bench.hf_baseline import compare, run_transformers
+from refengine.bench.plot import plot_report
+from refengine.bench.report import format_table
+from refengine.bench.scenarios import BenchContext, llm_kwargs, run_long_context, run_simple, run_sweep
+from refengine.bench.sweep import concurrency_levels, find_knee, sweep_table
+from refengine.bench.workload import BenchRequest, load_corpus, parse_len_range, sample_requests
+from refengine.cli import engine_kwargs, engine_options
+from refengine.engine import LLMEngine
 from refengine.metrics import EngineMetrics, RequestMetrics
 
 
@@ -60,8 +69,8 @@ class FakeEngine:
 
 
 class FakeLLM:
-    def __init__(self, options: EngineOptions):
-        self.options = options
+    def __init__(self, engine_kwargs: dict):
+        self.engine_kwargs = engine_kwargs
         self.llm_engine = FakeEngine()
 
     def get_tokenizer(self):
@@ -184,14 +193,14 @@ def test_format_table():
 def test_run_engine_respects_max_concurrency():
     engine = FakeEngine()
     reqs = sample_requests(list(range(300)), 7, (3, 9), (2, 5), seed=1)
-    run = bench.run_engine(engine, reqs, max_concurrency=3, progress=False)
+    run = run_engine(engine, reqs, max_concurrency=3, progress=False)
     assert engine.max_in_flight == 3
     assert [r.request_id for r in run.requests] == [r.request_id for r in reqs]
     assert [r.output_len for r in run.requests] == [r.output_len for r in reqs]
     assert all(r.ttft is not None and r.e2e_latency >= r.ttft for r in run.requests)
     assert run.steps and sum(s.num_prefill_tokens for s in run.steps) == sum(len(r.prompt_token_ids) for r in reqs)
     engine2 = FakeEngine()
-    bench.run_engine(engine2, reqs, max_concurrency=None, progress=False)
+    run_engine(engine2, reqs, max_concurrency=None, progress=False)
     assert engine2.max_in_flight == 7
 
 
@@ -202,11 +211,41 @@ def test_run_engine_detects_lost_requests():
             return []
 
     with pytest.raises(RuntimeError, match="never came back"):
-        bench.run_engine(Lossy(), sample_requests([1, 2, 3], 2, (2, 2), (2, 2), seed=0), progress=False)
+        run_engine(Lossy(), sample_requests([1, 2, 3], 2, (2, 2), (2, 2), seed=0), progress=False)
+
+
+def bench_engine_kwargs(command: str = "chat", **overrides) -> dict:
+    """The engine kwargs a bench command makes from its flags' defaults, then ``overrides``."""
+    cmd = bench.commands[command]
+    ctx = click.Context(cmd)
+    return {**engine_kwargs({p.name: p.get_default(ctx) for p in cmd.params}), **overrides}
+
+
+def test_bench_takes_the_engine_flags_and_defaults_of_generate():
+    flags = {p.name for p in engine_options(click.Command("x")).params}
+    for name, cmd in bench.commands.items():
+        assert flags <= {p.name for p in cmd.params}, name
+    kw = bench_engine_kwargs()
+    params = inspect.signature(LLMEngine.__init__).parameters
+    for name, value in kw.items():  # every default is LLMEngine's own
+        if name != "model":
+            assert value == params[name].default, name
+    assert kw["max_num_seqs"] == 256 and kw["max_num_batched_tokens"] is None
+
+
+def test_llm_kwargs_budget_without_chunking():
+    base = bench_engine_kwargs(max_model_len=1040, enable_chunked_prefill=False)
+    assert llm_kwargs({**base, "max_num_batched_tokens": 512})["max_num_batched_tokens"] == 1040
+    assert llm_kwargs({**base, "max_num_batched_tokens": 4096})["max_num_batched_tokens"] == 4096
+    assert llm_kwargs(base)["max_num_batched_tokens"] is None  # unset: the engine picks one that fits
+    chunked = {**base, "enable_chunked_prefill": True, "max_num_batched_tokens": 512}
+    assert llm_kwargs(chunked) == chunked
 
 
 def fake_ctx(tmp_path, **kw) -> BenchContext:
-    opts = dict(options=EngineOptions(model="unused"), num_prompts=4, input_len=(4, 8), output_len=(3, 5),
+    # an explicit token budget, so the long-context test sees it raised without chunking
+    opts = dict(engine_kwargs=bench_engine_kwargs(model="unused", max_num_batched_tokens=512), num_prompts=4,
+                input_len=(4, 8), output_len=(3, 5),
                 max_concurrency=None, seed=0, json_path=str(tmp_path / "r.json"),
                 plot_path=str(tmp_path / "r.png"), trace_path=None, data_dir=None, progress=False,
                 echo=lambda s: None)
@@ -215,7 +254,7 @@ def fake_ctx(tmp_path, **kw) -> BenchContext:
 
 
 def test_simple_scenario_writes_json_and_plot(tmp_path):
-    report = bench.run_simple(fake_ctx(tmp_path, max_concurrency=2), "chat", llm_factory=FakeLLM)
+    report = run_simple(fake_ctx(tmp_path, max_concurrency=2), "chat", llm_factory=FakeLLM)
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["scenario"] == "chat" and doc["workload"]["max_concurrency"] == 2
     assert doc["engine_settings"][0]["max_num_seqs"] >= 2
@@ -229,11 +268,11 @@ def test_simple_scenario_writes_json_and_plot(tmp_path):
 def test_long_context_runs_both_modes(tmp_path):
     seen = []
 
-    def factory(options):
-        seen.append(options.llm_kwargs())
-        return FakeLLM(options)
+    def factory(engine_kwargs):
+        seen.append(dict(engine_kwargs))
+        return FakeLLM(engine_kwargs)
 
-    doc = bench.run_long_context(fake_ctx(tmp_path, max_concurrency=2), llm_factory=factory)
+    doc = run_long_context(fake_ctx(tmp_path, max_concurrency=2), llm_factory=factory)
     assert [s["enable_chunked_prefill"] for s in seen] == [True, False]
     assert seen[1]["max_num_batched_tokens"] >= seen[1]["max_model_len"]  # whole prompt fits a step
     assert [r["label"] for r in doc["runs"]] == ["refengine chunked_prefill=on", "refengine chunked_prefill=off"]
@@ -241,7 +280,7 @@ def test_long_context_runs_both_modes(tmp_path):
 
 def test_sweep_scenario(tmp_path):
     lines = []
-    doc = bench.run_sweep(fake_ctx(tmp_path, num_prompts=8, max_concurrency=4, echo=lines.append),
+    doc = run_sweep(fake_ctx(tmp_path, num_prompts=8, max_concurrency=4, echo=lines.append),
                           "tpot", 0.10, llm_factory=FakeLLM)
     assert doc["sweep"]["concurrency"] == [1, 2, 4]
     assert [r["max_concurrency"] for r in doc["runs"]] == [1, 2, 4]
@@ -251,14 +290,32 @@ def test_sweep_scenario(tmp_path):
 
 def test_cli_help_and_bad_length():
     runner = CliRunner()
-    res = runner.invoke(bench.bench, ["--help"])
+    res = runner.invoke(bench, ["--help"])
     assert res.exit_code == 0
     for name in ("throughput", "chat", "generation", "long-context", "sweep"):
         assert name in res.output
-    res = runner.invoke(bench.bench, ["throughput", "--model", ".", "--input-len", "9-3"])
+    res = runner.invoke(bench, ["throughput", "--model", ".", "--input-len", "9-3"])
     assert res.exit_code != 0 and "LO <= HI" in res.output
-    res = runner.invoke(bench.bench, ["chat", "--model", "/nonexistent/model"])
+    res = runner.invoke(bench, ["chat", "--model", "/nonexistent/model"])
     assert res.exit_code != 0 and "not found" in res.output
+
+
+def test_plot_without_matplotlib_is_one_line(tmp_path, monkeypatch):
+    """No matplotlib: --plot fails before any work with one line naming the extra; so does plot_report."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    res = CliRunner().invoke(bench, ["chat", "--model", str(tmp_path), "--plot", str(tmp_path / "p.png")])
+    assert res.exit_code == 1 and isinstance(res.exception, SystemExit)
+    assert res.output == "Error: plotting needs matplotlib, which is not installed: pip install 'refengine[plot]'\n"
+    with pytest.raises(ImportError, match=r"pip install 'refengine\[plot\]'"):
+        plot_report(tmp_path / "p.png", [])
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_cli_bad_engine_setting_is_one_line(tiny_llama_dir):
+    """An engine setting the engine refuses ends the command with its message, as in `generate`."""
+    res = CliRunner().invoke(bench, ["chat", "--model", str(tiny_llama_dir), "--dtype", "float16", "--disable-tqdm"])
+    assert res.exit_code == 1 and isinstance(res.exception, SystemExit)
+    assert res.output.strip().splitlines()[-1].startswith("Error: dtype='float16' is not supported on the CPU")
 
 
 # --- transformers comparison on a tiny random model ------------------------------------------
@@ -273,15 +330,15 @@ def test_run_transformers_on_tiny_model(tmp_path):
                                    eos_token_id=1, pad_token_id=None, bos_token_id=None)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
     reqs = [BenchRequest("a", [3, 4, 5, 6, 7], 4), BenchRequest("b", [8, 9], 2), BenchRequest("c", [10, 11, 12], 3)]
-    run = bench.run_transformers(str(tmp_path), reqs, batch_size=2, progress=False)
+    run = run_transformers(str(tmp_path), reqs, batch_size=2, progress=False)
     assert [r.output_len for r in run.requests] == [4, 2, 3]
     assert [len(r.output_token_ids) for r in run.requests] == [4, 2, 3]
     for r in run.requests:
         assert r.ttft is not None and r.e2e_latency >= r.ttft and len(r.inter_token_latencies) == r.output_len - 1
     # Left padding must not change a row's greedy continuation: "b" alone gives the same tokens.
-    alone = bench.run_transformers(str(tmp_path), [reqs[1]], batch_size=1, progress=False)
+    alone = run_transformers(str(tmp_path), [reqs[1]], batch_size=1, progress=False)
     assert alone.requests[0].output_token_ids == run.requests[1].output_token_ids
-    cmp = bench.compare(run, run)
+    cmp = compare(run, run)
     assert cmp["output_throughput_ratio"] == pytest.approx(1.0) and cmp["greedy_exact_match"] == 3
 
 
@@ -304,7 +361,7 @@ def test_scenario_smoke_real_engine(tmp_path, smollm2_dir, scenario, extra):
     args = [scenario, *TINY, "--model", str(smollm2_dir), *extra, "--json", str(out)]
     if scenario == "sweep":
         args += ["--plot", str(tmp_path / "r.png"), "--trace", str(tmp_path / "t.json")]
-    res = CliRunner().invoke(bench.bench, args)
+    res = CliRunner().invoke(bench, args)
     assert res.exit_code == 0, res.output + repr(res.exception)
     doc = json.loads(out.read_text())
     n = doc["workload"]["num_prompts"]
@@ -312,10 +369,17 @@ def test_scenario_smoke_real_engine(tmp_path, smollm2_dir, scenario, extra):
         assert run["num_requests"] == n
         assert [r["output_len"] for r in run["requests"]] == [2] * n  # ignore_eos: exactly as asked
         assert run["output_throughput"] > 0 and run["steps"]
+    if scenario == "throughput":  # the engine's own defaults, as the engine resolved them
+        (settings,) = doc["engine_settings"]
+        assert settings["max_num_seqs"] == 256 and settings["max_num_batched_tokens"] is None
+        assert settings["resolved_config"]["max_num_batched_tokens"] == 2048
+        assert settings["max_model_len"] == settings["resolved_config"]["max_model_len"] == 16  # 6 + 2, one block
     if scenario == "long-context":
         on, off = doc["runs"]
         assert max(s["num_prefill_tokens"] for s in on["steps"]) <= 4  # chunked to the budget
         assert max(s["num_prefill_tokens"] for s in off["steps"]) >= 4
+        # without chunking the explicit budget is raised to max_model_len
+        assert [s["resolved_config"]["max_num_batched_tokens"] for s in doc["engine_settings"]] == [4, 16]
     if scenario == "sweep":
         assert doc["sweep"]["concurrency"] == [1, 2]
         assert (tmp_path / "r.png").exists() and json.loads((tmp_path / "t.json").read_text())["traceEvents"]

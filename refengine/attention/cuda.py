@@ -50,9 +50,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from refengine.attention import AttentionMetadata
+from refengine.resources import build_cache_dir, cuda_source_dir
 
-CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
-BUILD_DIR = CUDA_DIR / "build"
+CUDA_DIR = cuda_source_dir()
+BUILD_DIR = build_cache_dir() / "cuda-emulated"
 KERNEL_SOURCES = ("reshape_and_cache.cu", "flash_prefill.cu", "flash_prefill_mma.cu", "paged_decode.cu", "layers.cu",
                   "mma_check.cu")
 EMULATION_SUPPORT = ("cuda_emu.h", "common.cuh", "mma.cuh", "cp_async.cuh", "emu_runtime.cpp")

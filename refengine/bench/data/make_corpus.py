@@ -7,7 +7,7 @@ classes and functions. Only docstrings of at least 200 characters are kept (shor
 are mostly signatures). The output is deterministic for a given Python version; the
 committed file was made with CPython 3.11.
 
-    python benchmarks/data/make_corpus.py            # rewrites benchmarks/data/stdlib_docs.txt
+    python refengine/bench/data/make_corpus.py     # rewrites refengine/bench/data/stdlib_docs.txt
 """
 
 from __future__ import annotations
