@@ -166,3 +166,11 @@ class EngineConfig:
     @property
     def max_num_batched_tokens(self) -> int:
         return self.scheduler_config.max_num_batched_tokens
+
+    def summary(self) -> dict:
+        """The resolved settings as a JSON-ready dict (what benchmarks record)."""
+        return {"model_dir": str(self.model_dir), "architecture": self.model_config.architecture,
+                "device": self.device, "dtype": str(self.dtype), "attention_backend": self.attention_backend,
+                "layer_ops": self.layer_ops, "block_size": self.block_size, "num_kv_blocks": self.num_kv_blocks,
+                **{k: getattr(self.scheduler_config, k) for k in ("max_num_seqs", "max_num_batched_tokens",
+                                                                   "enable_chunked_prefill", "max_model_len")}}

@@ -102,6 +102,9 @@ class EngineArgs:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             _check_field(f, getattr(self, f.name))
+        budget, max_len = self.max_num_batched_tokens, self.max_model_len
+        if not self.enable_chunked_prefill and budget is not None and max_len is not None:
+            _check_budget(budget, max_len)
 
     # --- construction from keyword arguments and from the command line ----------------
     @classmethod
@@ -227,9 +230,8 @@ class EngineArgs:
         if budget is None:
             budget = DEFAULT_BATCHED_TOKENS if self.enable_chunked_prefill else max(
                 DEFAULT_BATCHED_TOKENS, max_model_len or mc.max_position_embeddings)
-        elif not self.enable_chunked_prefill and max_model_len is not None and budget < max_model_len:
-            raise ValueError(f"with enable_chunked_prefill=False, max_num_batched_tokens={budget} must be >= "
-                             f"max_model_len={max_model_len} so every prompt fits one step")
+        elif not self.enable_chunked_prefill and max_model_len is not None:
+            _check_budget(budget, max_model_len)
         return EngineConfig(
             model_dir=model_dir, model_config=mc, device=device, dtype=dtype, attention_backend=backend,
             layer_ops=LAYER_OPS_FOR_BACKEND[backend], block_size=self.block_size, num_kv_blocks=num_blocks,
@@ -250,6 +252,17 @@ class EngineArgs:
                              f"but the pool holds {num_blocks} ({pool_tokens} tokens); lower max_model_len or "
                              f"raise {memory}")
         return max_model_len
+
+
+def _check_budget(budget: int, max_model_len: int) -> None:
+    """Without chunked prefill a whole prompt must fit one step's token budget.
+
+    Raises:
+        ValueError: ``budget < max_model_len``, naming both.
+    """
+    if budget < max_model_len:
+        raise ValueError(f"with enable_chunked_prefill=False, max_num_batched_tokens={budget} must be >= "
+                         f"max_model_len={max_model_len} so every prompt fits one step")
 
 
 def _python_type(fld: dataclasses.Field) -> type:

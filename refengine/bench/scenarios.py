@@ -79,8 +79,8 @@ def _settings(kwargs: dict, engine) -> dict:
     """The kwargs an engine was built with and, for a real engine, the limits it resolved
     them to (``EngineConfig``: the token budget, ``max_model_len``, the KV pool size)."""
     config = getattr(engine, "config", None)
-    if dataclasses.is_dataclass(config):
-        return {**kwargs, "resolved_config": dataclasses.asdict(config)}
+    if hasattr(config, "summary"):
+        return {**kwargs, "resolved_config": config.summary()}
     return dict(kwargs)
 
 
