@@ -178,7 +178,7 @@ class LLMEngine:
             raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} is invalid: must be in (0, 1]")
         self.dtype = dtype = resolve_dtype(dtype, self.device)
         attention = get_attention_backend(backend)
-        ops = get_layer_ops("cuda", xp, kernels=attention) if self.device == "cuda" else get_layer_ops("numpy", xp)
+        ops = get_layer_ops("cuda", xp) if self.device == "cuda" else get_layer_ops("numpy", xp)
         self.model = LlamaModel(self.model_dir, attention, ops, xp=xp, dtype=dtype)
         per_block = KVCache.bytes_per_block(mc.num_hidden_layers, block_size, mc.num_key_value_heads,
                                             mc.head_dim, dtype.itemsize)
