@@ -39,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from refengine.attention import AttentionMetadata  # noqa: E402
+from refengine.attention import paged_metadata  # noqa: E402
 
 TIME_BUDGET_S = 270.0  # stop starting new benchmark points after this
 
@@ -81,13 +81,7 @@ def random_paged_batch(rng, seqs, num_heads, num_kv_heads, head_dim, block_size,
     for i, n in enumerate(blocks_per_seq):
         block_tables[i, :n] = physical[start:start + n]
         start += n
-    slots = []
-    for i, (seq_len, q_len) in enumerate(seqs):
-        for pos in range(seq_len - q_len, seq_len):
-            slots.append(block_tables[i, pos // block_size] * block_size + pos % block_size)
-    q_start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    meta = AttentionMetadata(q_start, seq_lens, block_tables, np.array(slots, np.int32), int(q_lens.max()),
-                             int(seq_lens.max()))
+    meta = paged_metadata(q_lens, seq_lens, block_tables, block_size)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = rng.standard_normal(shape, dtype=np.float32).astype(dtype)
     v_cache = rng.standard_normal(shape, dtype=np.float32).astype(dtype)
@@ -185,9 +179,10 @@ def check_mma_layout(cp, rng) -> list[tuple[str, bool, str]]:
     confirms on hardware the register layout that flash_prefill_mma and the emulator assume."""
     import ml_dtypes
 
-    from refengine.attention.cuda import CudaAttention, Launch
+    from refengine.kernels.build import SELF_TEST_SOURCES, cupy_kernels
+    from refengine.kernels.plans import Launch
 
-    backend = CudaAttention()
+    kernels = cupy_kernels(SELF_TEST_SOURCES)  # the self-tests are not in the production module
     results = []
     for tag, dtype in (("f16", np.float16), ("bf16", ml_dtypes.bfloat16)):
         a = rng.standard_normal((16, 16), dtype=np.float32).astype(dtype)
@@ -198,7 +193,7 @@ def check_mma_layout(cp, rng) -> list[tuple[str, bool, str]]:
             results.append((f"mma fragment layout {tag}", True, f"skipped: {exc}"))
             continue
         dd = cp.full((16, 8), np.nan, dtype=np.float32) if hasattr(cp, "full") else cp.empty((16, 8), np.float32)
-        backend._launch(Launch(f"mma_check_{tag}", (1, 1, 1), (32, 1, 1), 0, (da, db, dd)))
+        kernels.launch(Launch(f"mma_check_{tag}", (1, 1, 1), (32, 1, 1), 0, (da, db, dd)))
         got = cp.asnumpy(dd).astype(np.float64)
         expected = a.astype(np.float64) @ b.astype(np.float64)
         ok = bool(np.allclose(got, expected, rtol=1e-5, atol=1e-5))
@@ -207,7 +202,7 @@ def check_mma_layout(cp, rng) -> list[tuple[str, bool, str]]:
     # ldmatrix / ldmatrix.trans and cp.async zero fill (cuda/mma_check.cu), bit for bit.
     m = rng.standard_normal((4, 8, 8), dtype=np.float32).astype(np.float16)
     dout = cp.asarray(np.zeros(32 * 4 * 3, dtype=np.uint32))
-    backend._launch(Launch("ldmatrix_check_f16", (1, 1, 1), (32, 1, 1), 32 * 24 * 2, (cp.asarray(m), dout)))
+    kernels.launch(Launch("ldmatrix_check_f16", (1, 1, 1), (32, 1, 1), 32 * 24 * 2, (cp.asarray(m), dout)))
     wrong = int((cp.asnumpy(dout) != ldmatrix_expected(m)).sum())
     results.append(("ldmatrix + cp.async layout", wrong == 0, "bit-exact" if not wrong else f"{wrong} words differ"))
     return results
@@ -215,22 +210,22 @@ def check_mma_layout(cp, rng) -> list[tuple[str, bool, str]]:
 
 def check_layers(cp, rng) -> list[tuple[str, bool, str]]:
     """rms_norm, silu_and_mul, rotary_embedding on the GPU against float64 NumPy."""
-    from refengine.attention.cuda import CudaAttention
+    from refengine.ops.cuda import CudaLayerOps
 
-    backend = CudaAttention()
+    ops = CudaLayerOps()
     results = []
     for tag, dtype, tol in (("f16", np.float16, 2e-3), ("f32", np.float32, 2e-5)):
         x = rng.standard_normal((33, 576), dtype=np.float32).astype(dtype)
         w = rng.standard_normal(576, dtype=np.float32).astype(dtype)
         xd = x.astype(np.float64)
         expected = xd / np.sqrt((xd ** 2).mean(1, keepdims=True) + 1e-5) * w
-        got = cp.asnumpy(backend.rms_norm(cp.asarray(x), cp.asarray(w), 1e-5)).astype(np.float64)
+        got = cp.asnumpy(ops.rms_norm(cp.asarray(x), cp.asarray(w), 1e-5)).astype(np.float64)
         results.append((f"rms_norm {tag}", bool(np.allclose(got, expected, rtol=tol, atol=tol)),
                         f"max |err| {np.abs(got - expected).max():.2e}"))
         g = rng.standard_normal((33, 2 * 1536), dtype=np.float32).astype(dtype)
         gd = g.astype(np.float64)
         expected = gd[:, :1536] / (1 + np.exp(-gd[:, :1536])) * gd[:, 1536:]
-        got = cp.asnumpy(backend.silu_and_mul(cp.asarray(g))).astype(np.float64)
+        got = cp.asnumpy(ops.silu_and_mul(cp.asarray(g))).astype(np.float64)
         results.append((f"silu_and_mul {tag}", bool(np.allclose(got, expected, rtol=tol, atol=tol)),
                         f"max |err| {np.abs(got - expected).max():.2e}"))
         head_dim, positions = 64, rng.integers(0, 8192, 33).astype(np.int32)
@@ -240,7 +235,7 @@ def check_layers(cp, rng) -> list[tuple[str, bool, str]]:
         q = rng.standard_normal((33, 9, head_dim), dtype=np.float32).astype(dtype)
         k = rng.standard_normal((33, 3, head_dim), dtype=np.float32).astype(dtype)
         dq, dk = cp.asarray(q), cp.asarray(k)
-        backend.rotary_embedding(positions, dq, dk, cp.asarray(cos_sin))
+        ops.rotary_embedding(positions, dq, dk, cp.asarray(cos_sin))
         c = cos_sin[positions, :32][:, None].astype(np.float64)
         s = cos_sin[positions, 32:][:, None].astype(np.float64)
         qd = q.astype(np.float64)
@@ -371,8 +366,7 @@ def bench_decode(cp, quick: bool, deadline: float, batches=None, contexts=None) 
             num_blocks = batch * blocks_per_seq
             rng = np.random.default_rng(batch + ctx)
             block_tables = rng.permutation(num_blocks).astype(np.int32).reshape(batch, blocks_per_seq)
-            meta = AttentionMetadata(np.arange(batch + 1, dtype=np.int32), np.full(batch, ctx, np.int32),
-                                     block_tables, np.zeros(batch, np.int32), 1, ctx)
+            meta = paged_metadata(np.ones(batch, np.int32), np.full(batch, ctx, np.int32), block_tables, block_size)
             shape = (num_blocks, block_size, num_kv_heads, head_dim)
             k_cache = cp.random.standard_normal(shape, dtype=cp.float32).astype(cp.float16)
             v_cache = cp.random.standard_normal(shape, dtype=cp.float32).astype(cp.float16)

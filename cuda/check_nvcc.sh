@@ -5,8 +5,8 @@
 #
 # Usage: bash cuda/check_nvcc.sh [ARCH]      (ARCH defaults to sm_90)
 # Outputs: cuda/build/<kernel file>.cubin and cuda/build/<kernel file>.ptxas.log, plus
-#          cuda/build/all_kernels.ptx (every .cu in one translation unit, as CudaAttention
-#          compiles them).
+#          cuda/build/all_kernels.ptx (every .cu in one translation unit: the production
+#          module CudaAttention compiles is this minus the mma_check.cu self-tests).
 #
 # Dynamic shared memory (all our tiles) is chosen at launch, so ptxas reports 0 smem for
 # it; the sizes are documented in each kernel's header comment.
@@ -32,8 +32,9 @@ for src in "${sources[@]}"; do
     pids+=($!)
 done
 
-# CudaAttention hands NVRTC all kernel files as one translation unit: check that the
-# concatenation compiles too (front end + PTX only; the cubins above cover ptxas).
+# CudaAttention hands NVRTC its kernel files as one translation unit: check that the
+# concatenation (here with the self-tests too) compiles (front end + PTX only; the cubins
+# above cover ptxas).
 cat "${sources[@]}" >"$build/all_kernels.cu"
 nvcc -arch="$arch" -ptx -std=c++17 -I"$here" -o "$build/all_kernels.ptx" "$build/all_kernels.cu" \
     >"$build/all_kernels.log" 2>&1 &

@@ -115,7 +115,7 @@ class LLMEngine:
         if config.device == "cuda":
             import cupy as xp
         attention = get_attention_backend(config.attention_backend)
-        ops = get_layer_ops(config.layer_ops, xp, kernels=attention)
+        ops = get_layer_ops(config.layer_ops, xp)  # CUDA ops share the attention backend's compiled module
         self.model = load_model(model_dir, model_config, attention, ops, xp=xp, dtype=config.dtype)
         if config.num_kv_blocks is None:  # on a GPU the pool is what the weights and activations leave
             num_blocks = self._gpu_kv_blocks(config)

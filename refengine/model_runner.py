@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from refengine.attention import AttentionMetadata
+from refengine.attention import paged_metadata
 from refengine.kv_cache import KVCache
 from refengine.sequence import Sequence
 
@@ -29,33 +29,24 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int):
     """
     num_seqs = len(scheduled)
     q_lens = np.array([n for _, n in scheduled], dtype=np.int32)
-    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
-    np.cumsum(q_lens, out=query_start_loc[1:])
     max_blocks = max(len(seq.block_table) for seq, _ in scheduled)
     block_tables = np.full((num_seqs, max_blocks), -1, dtype=np.int32)
     seq_lens = np.empty(num_seqs, dtype=np.int32)
     input_ids, positions = [], []
     sample_rows, sample_seqs = [], []
+    rows = 0
     for i, (seq, n) in enumerate(scheduled):
         start = seq.num_computed_tokens
         block_tables[i, :len(seq.block_table)] = seq.block_table
         seq_lens[i] = start + n
         input_ids.append(seq.token_ids_slice(start, start + n))
         positions.append(np.arange(start, start + n))
+        rows += n
         if start + n == len(seq):
-            sample_rows.append(int(query_start_loc[i + 1]) - 1)
+            sample_rows.append(rows - 1)
             sample_seqs.append(seq)
     positions = np.concatenate(positions)
-    seq_index = np.repeat(np.arange(num_seqs), q_lens)
-    slot_mapping = (block_tables[seq_index, positions // block_size] * block_size + positions % block_size)
-    meta = AttentionMetadata(
-        query_start_loc=query_start_loc,
-        seq_lens=seq_lens,
-        block_tables=block_tables,
-        slot_mapping=slot_mapping.astype(np.int32),
-        max_query_len=int(q_lens.max()),
-        max_seq_len=int(seq_lens.max()),
-    )
+    meta = paged_metadata(q_lens, seq_lens, block_tables, block_size)
     ids = np.fromiter((t for chunk in input_ids for t in chunk), dtype=np.int64, count=int(q_lens.sum()))
     return ids, positions.astype(np.int64), meta, np.array(sample_rows, dtype=np.int64), sample_seqs
 

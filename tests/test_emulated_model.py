@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import fake_cupy
 
 from refengine import LLM, SamplingParams
 
@@ -33,12 +34,10 @@ def test_tiny_model_through_emulated_kernels(tiny_llama_dir):
 
 
 def fake_cupy_for_the_model():
-    """The stand-in CuPy of test_kernels.py (RawModule launches run the CPU emulator),
+    """The stand-in CuPy of helpers.py (RawModule launches run the CPU emulator),
     widened to the array functions the model uses, so the whole ``device="cuda"`` code
     path runs here: everything but NVRTC compilation and cuBLAS."""
     import types
-
-    from test_kernels import fake_cupy
 
     cp = fake_cupy()
     cp.__getattr__ = lambda name: getattr(np, name)  # PEP 562: the rest of the array API

@@ -12,12 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import BLOCK_SIZE, TOLERANCE, dense_reference, make_case
 
-from refengine.attention.cuda import CUDA_DIR, KERNEL_SOURCES, EmulatedCudaAttention
-try:  # tests/ is a plain directory (rootdir on sys.path) or a package
-    from test_kernels import BLOCK_SIZE, TOLERANCE, dense_reference, make_case
-except ImportError:
-    from tests.test_kernels import BLOCK_SIZE, TOLERANCE, dense_reference, make_case
+from refengine.attention.cuda import EmulatedCudaAttention
+from refengine.kernels.build import KERNEL_SOURCES, cuda_source_dir
 
 
 def broken_backend(tmp_path: Path, file: str, old: str, new: str, count: int = 1, **kwargs) -> EmulatedCudaAttention:
@@ -25,7 +23,7 @@ def broken_backend(tmp_path: Path, file: str, old: str, new: str, count: int = 1
     tmp_path.mkdir(parents=True, exist_ok=True)
     sources = []
     for name in KERNEL_SOURCES:
-        text = (CUDA_DIR / name).read_text()
+        text = (cuda_source_dir() / name).read_text()
         if name == file:
             assert text.count(old) == count, f"{old!r} occurs {text.count(old)} times in {file}"
             text = text.replace(old, new)

@@ -9,16 +9,7 @@ tables); every cache slot that no sequence owns, and one guard block on each sid
 the cache, hold NaN, so a kernel that reads a wrong slot produces NaN; the kernel's
 output is NaN before the launch, so a row it forgets to write stays NaN.
 
-Tolerances: float32 storage differs from the float64 reference only by float32
-accumulation and exp rounding over at most a few hundred keys: rtol=atol=2e-5 is
-generous. With float16/bfloat16 storage the reference is computed from the *same*
-rounded inputs, so the remaining error is the final rounding of the output to the
-storage type (half an ulp: 2^-11 relative for float16, 2^-8 for bfloat16) plus float32
-noise: rtol=atol=2e-3 (float16) and 1e-2 (bfloat16). The tensor-core kernel also rounds
-the probabilities to the storage type before P·V (as FlashAttention-2 does); those
-roundings are unbiased and averaged over the keys, so the same bounds hold (observed
-maxima: ~1e-3 for float16, ~9e-3 for bfloat16 on outputs of magnitude up to ~3). The NumPy
-twin runs in float32 on the upcast inputs and gets the same tolerances.
+Tolerances: see ``helpers.py``.
 
 Every test is deterministic (fixed seeds).
 """
@@ -26,22 +17,21 @@ Every test is deterministic (fixed seeds).
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import (BF16, BLOCK_SIZE, TOLERANCE, decode_batch, dense_reference, fake_cupy, heads_for,
+                     load_gpu_check, make_case, mixed_batch, run_and_check)
 
-from refengine.attention import AttentionMetadata
-from refengine.attention.cuda import EmulatedCudaAttention, build_emulation_library
-
-try:
-    from refengine.attention.numpy_ref import NumpyAttention
-except ImportError:  # the twin is written in parallel; the dense reference still runs
-    NumpyAttention = None
-
-BF16 = np.dtype(ml_dtypes.bfloat16)
-TOLERANCE = {np.dtype(np.float32): 2e-5, np.dtype(np.float16): 2e-3, BF16: 1e-2}
+from refengine.attention import AttentionMetadata, paged_metadata
+from refengine.attention.cuda import CudaAttention, EmulatedCudaAttention
+from refengine.kernels.build import (SELF_TEST_SOURCES, EmulatedKernels, build_emulation_library, cuda_source_dir,
+                                     emulated_launch)
+from refengine.kernels.plans import Launch
+from refengine.layers import RotaryEmbedding
+from refengine.ops import get_layer_ops
+from refengine.ops.cuda import CudaLayerOps
 
 
 @pytest.fixture(scope="module")
@@ -49,132 +39,15 @@ def backend() -> EmulatedCudaAttention:
     return EmulatedCudaAttention()
 
 
-@dataclass
-class Case:
-    q: np.ndarray  # [T, H, D] storage dtype
-    k_new: np.ndarray  # [T, KVH, D] this step's keys (to write through write_kv)
-    v_new: np.ndarray
-    k_cache: np.ndarray  # [num_blocks, bs, KVH, D], a view inside a NaN-guarded buffer
-    v_cache: np.ndarray
-    meta: AttentionMetadata
-    k_logical: list  # per sequence [seq_len, KVH, D] float64 (rounded to the storage dtype)
-    v_logical: list
-    q_lens: np.ndarray
-    scale: float
+@pytest.fixture(scope="module")
+def layer_ops() -> CudaLayerOps:
+    """The layer kernels on the emulator (the same launcher kind the attention backend uses)."""
+    return CudaLayerOps(EmulatedKernels())
 
 
-def make_case(rng, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, spare_blocks=3) -> Case:
-    """Build a batch. ``seqs`` is a list of ``(seq_len, q_len)``; the first
-    ``seq_len - q_len`` tokens of each are already in the cache, the rest are new."""
-    dtype = np.dtype(dtype)
-    seq_lens = np.array([s for s, _ in seqs], np.int32)
-    q_lens = np.array([q for _, q in seqs], np.int32)
-    blocks_per_seq = [-(-int(s) // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_seq) + spare_blocks
-    physical = rng.permutation(num_blocks)
-    max_blocks = max(blocks_per_seq) + 1  # one column of pure padding
-    block_tables = np.full((len(seqs), max_blocks), -1, np.int32)
-    start = 0
-    for i, n in enumerate(blocks_per_seq):
-        block_tables[i, :n] = physical[start:start + n]
-        start += n
-
-    # Guard blocks before and after the cache: out-of-range reads see NaN.
-    shape = (num_blocks + 2, block_size, num_kv_heads, head_dim)
-    k_buf = np.full(shape, np.nan, np.float32).astype(dtype)
-    v_buf = np.full(shape, np.nan, np.float32).astype(dtype)
-    k_cache, v_cache = k_buf[1:-1], v_buf[1:-1]
-
-    k_logical, v_logical, k_new, v_new, slots = [], [], [], [], []
-    for i, (seq_len, q_len) in enumerate(seqs):
-        k = rng.standard_normal((seq_len, num_kv_heads, head_dim)).astype(np.float32).astype(dtype)
-        v = rng.standard_normal((seq_len, num_kv_heads, head_dim)).astype(np.float32).astype(dtype)
-        k_logical.append(k.astype(np.float64))
-        v_logical.append(v.astype(np.float64))
-        for pos in range(seq_len):
-            block, offset = block_tables[i, pos // block_size], pos % block_size
-            if pos < seq_len - q_len:  # cached by an earlier step
-                k_cache[block, offset] = k[pos]
-                v_cache[block, offset] = v[pos]
-            else:
-                slots.append(block * block_size + offset)
-        k_new.append(k[seq_len - q_len:])
-        v_new.append(v[seq_len - q_len:])
-
-    num_tokens = int(q_lens.sum())
-    q = rng.standard_normal((num_tokens, num_heads, head_dim)).astype(np.float32).astype(dtype)
-    meta = AttentionMetadata(
-        query_start_loc=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
-        seq_lens=seq_lens,
-        block_tables=block_tables,
-        slot_mapping=np.array(slots, np.int32),
-        max_query_len=int(q_lens.max()),
-        max_seq_len=int(seq_lens.max()),
-    )
-    return Case(q, np.concatenate(k_new), np.concatenate(v_new), k_cache, v_cache, meta, k_logical, v_logical,
-                q_lens, 1.0 / np.sqrt(head_dim))
-
-
-def dense_reference(case: Case) -> np.ndarray:
-    """Causal softmax attention per sequence in float64 from the logical K/V."""
-    num_tokens, num_heads, head_dim = case.q.shape
-    num_kv_heads = case.k_logical[0].shape[1]
-    group = num_heads // num_kv_heads
-    out = np.zeros((num_tokens, num_heads, head_dim))
-    q_all = case.q.astype(np.float64)
-    for i, q_len in enumerate(case.q_lens):
-        start = case.meta.query_start_loc[i]
-        seq_len = case.meta.seq_lens[i]
-        positions = np.arange(seq_len - q_len, seq_len)
-        mask = np.arange(seq_len)[None, :] <= positions[:, None]  # [q_len, seq_len]
-        for h in range(num_heads):
-            kv = h // group
-            s = q_all[start:start + q_len, h] @ case.k_logical[i][:, kv].T * case.scale
-            s = np.where(mask, s, -np.inf)
-            p = np.exp(s - s.max(axis=1, keepdims=True))
-            p /= p.sum(axis=1, keepdims=True)
-            out[start:start + q_len, h] = p @ case.v_logical[i][:, kv]
-    return out
-
-
-def numpy_twin(case: Case) -> np.ndarray:
-    """The NumPy backend on float32 copies of the same cache (NaN slots replaced by a
-    finite value: the twin's decode path multiplies masked probabilities, which are
-    exactly 0, by whatever the padding slots hold, and 0 * NaN would be NaN)."""
-    k_cache = np.nan_to_num(case.k_cache.astype(np.float32), nan=1e4)
-    v_cache = np.nan_to_num(case.v_cache.astype(np.float32), nan=1e4)
-    return NumpyAttention().forward(case.q.astype(np.float32), k_cache, v_cache, case.meta, case.scale)
-
-
-def run_and_check(backend, case: Case, *, check_twin: bool = True) -> np.ndarray:
-    """write_kv then forward through the emulated kernels; compare with both references."""
-    backend.write_kv(case.k_cache, case.v_cache, case.k_new, case.v_new, case.meta)
-    out = backend.forward(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
-    assert out.dtype == case.q.dtype and out.shape == case.q.shape
-    got = out.astype(np.float64)
-    assert np.isfinite(got).all(), "kernel left NaN/inf in the output"
-    tol = TOLERANCE[case.q.dtype]
-    np.testing.assert_allclose(got, dense_reference(case), rtol=tol, atol=tol)
-    if check_twin and NumpyAttention is not None:
-        np.testing.assert_allclose(got, numpy_twin(case), rtol=tol, atol=tol)
-    return out
-
-
-BLOCK_SIZE = 16
-# Context lengths around block boundaries (1, bs-1, bs, bs+1) and one long one.
-EDGE_LENGTHS = [1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 300]
-
-
-def mixed_batch():
-    """Prefill-kernel batch: full prompts at block edges, chunked prefills (q_len <
-    seq_len) including a long context, and decode rows (q_len 1) in the same batch."""
-    return [(1, 1), (BLOCK_SIZE - 1, BLOCK_SIZE - 1), (BLOCK_SIZE, 5), (BLOCK_SIZE + 1, BLOCK_SIZE + 1),
-            (300, 40), (37, 1), (33, 33)]
-
-
-def heads_for(group: int) -> tuple[int, int]:
-    num_kv_heads = 2 if group <= 3 else 1
-    return num_kv_heads * group, num_kv_heads
+def self_test_library():
+    """The layout self-tests (cuda/mma_check.cu), built apart from the production module."""
+    return build_emulation_library([cuda_source_dir() / name for name in SELF_TEST_SOURCES])
 
 
 # --------------------------------------------------------------------------------------
@@ -253,10 +126,6 @@ def test_flash_prefill_head_dim_32_and_odd_block_size(backend):
 # --------------------------------------------------------------------------------------
 # paged decode (every sequence q_len == 1)
 # --------------------------------------------------------------------------------------
-
-def decode_batch():
-    return [(n, 1) for n in EDGE_LENGTHS] + [(100, 1)]
-
 
 @pytest.mark.parametrize("partition_size", [64, 512])
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -359,32 +228,32 @@ LAYER_DTYPES = pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16], 
 
 @LAYER_DTYPES
 @pytest.mark.parametrize("hidden", [64, 576, 1000])
-def test_rms_norm(backend, dtype, hidden):
+def test_rms_norm(layer_ops, dtype, hidden):
     rng = np.random.default_rng(hidden)
     x = (rng.standard_normal((5, hidden)) * 3).astype(np.float32).astype(dtype)
     weight = rng.standard_normal(hidden).astype(np.float32).astype(dtype)
     xd = x.astype(np.float64)
     expected = xd / np.sqrt((xd ** 2).mean(axis=1, keepdims=True) + 1e-5) * weight.astype(np.float64)
-    got = backend.rms_norm(x, weight, 1e-5)
+    got = layer_ops.rms_norm(x, weight, 1e-5)
     assert got.dtype == x.dtype
     tol = TOLERANCE[np.dtype(dtype)]
     np.testing.assert_allclose(got.astype(np.float64), expected, rtol=tol, atol=tol)
 
 
 @LAYER_DTYPES
-def test_silu_and_mul(backend, dtype):
+def test_silu_and_mul(layer_ops, dtype):
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((7, 2 * 300)) * 4).astype(np.float32).astype(dtype)
     xd = x.astype(np.float64)
     gate, up = xd[:, :300], xd[:, 300:]
     expected = gate / (1 + np.exp(-gate)) * up
     tol = TOLERANCE[np.dtype(dtype)]
-    np.testing.assert_allclose(backend.silu_and_mul(x).astype(np.float64), expected, rtol=tol, atol=tol)
+    np.testing.assert_allclose(layer_ops.silu_and_mul(x).astype(np.float64), expected, rtol=tol, atol=tol)
 
 
 @LAYER_DTYPES
 @pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (128, 128), (64, 32)])
-def test_rotary_embedding(backend, dtype, head_dim, rotary_dim):
+def test_rotary_embedding(layer_ops, dtype, head_dim, rotary_dim):
     rng = np.random.default_rng(head_dim + rotary_dim)
     num_tokens, num_heads, num_kv_heads, max_pos = 9, 6, 2, 4096
     inv_freq = 1.0 / (10000.0 ** (np.arange(0, rotary_dim, 2) / rotary_dim))
@@ -405,7 +274,7 @@ def test_rotary_embedding(backend, dtype, head_dim, rotary_dim):
         return x
 
     expected_q, expected_k = reference(q), reference(k)
-    backend.rotary_embedding(positions, q, k, cos_sin, rotary_dim)
+    layer_ops.rotary_embedding(positions, q, k, cos_sin, rotary_dim)
     tol = TOLERANCE[np.dtype(dtype)]
     np.testing.assert_allclose(q.astype(np.float64), expected_q, rtol=tol, atol=tol)
     np.testing.assert_allclose(k.astype(np.float64), expected_k, rtol=tol, atol=tol)
@@ -424,65 +293,9 @@ def test_misaligned_cache_is_rejected(backend):
 # The CuPy backend's code path, on a stand-in CuPy that runs the emulator
 # --------------------------------------------------------------------------------------
 
-def fake_cupy():
-    """A minimal stand-in for the parts of CuPy that CudaAttention and gpu_check use:
-    arrays are NumPy arrays (a subclass with ``.data.ptr``), RawModule kernels launch on
-    the CPU emulator, events read the wall clock. Only NVRTC compilation is not covered
-    here (tests/test_nvrtc.py compiles the same module with the real NVRTC)."""
-    import time
-    import types
-
-    from refengine.attention.cuda import Launch, emulated_launch
-
-    class ndarray(np.ndarray):
-        @property
-        def data(self):
-            return types.SimpleNamespace(ptr=np.asarray(self).ctypes.data)
-
-    class RawModule:
-        def __init__(self, code, options=()):
-            assert "extern \"C\" __global__" in code
-            self.lib = build_emulation_library()
-
-        def get_function(self, name):
-            def launch(grid, block, args, shared_mem=0):
-                plain = tuple(np.asarray(a) if isinstance(a, np.ndarray) else a for a in args)
-                emulated_launch(self.lib, Launch(name, tuple(grid), tuple(block), shared_mem, plain))
-            return launch
-
-    class Event:
-        def record(self):
-            self.t = time.perf_counter()
-
-        def synchronize(self):
-            pass
-
-    cp = types.ModuleType("cupy")
-    cp.__version__ = "stand-in"
-    cp.ndarray = ndarray
-    cp.asarray = lambda x, dtype=None: np.array(x, dtype=dtype).view(ndarray)
-    cp.empty = lambda shape, dtype=np.float32: np.full(shape, np.nan, np.float32).astype(dtype).view(ndarray)
-    cp.ascontiguousarray = lambda x: np.ascontiguousarray(x).view(ndarray)
-    cp.asnumpy = lambda x: np.array(np.asarray(x))
-    cp.float16, cp.float32 = np.float16, np.float32
-    cp.random = types.SimpleNamespace(
-        standard_normal=lambda shape, dtype=np.float32: np.random.default_rng(0).standard_normal(shape).astype(
-            dtype).view(ndarray))
-    cp.get_default_memory_pool = lambda: types.SimpleNamespace(free_all_blocks=lambda: None)
-    cp.RawModule = RawModule
-    cp.cuda = types.SimpleNamespace(
-        runtime=types.SimpleNamespace(getDeviceCount=lambda: 1,
-                                      getDeviceProperties=lambda i: {"name": b"stand-in", "multiProcessorCount": 1}),
-        Device=lambda: types.SimpleNamespace(id=0), get_cuda_path=lambda: None, Event=Event,
-        get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3)
-    return cp
-
-
 def test_cuda_backend_code_path(monkeypatch):
     """CudaAttention (the CuPy backend) end to end on the stand-in CuPy."""
     import sys
-
-    from refengine.attention.cuda import CudaAttention
 
     cp = fake_cupy()
     monkeypatch.setitem(sys.modules, "cupy", cp)
@@ -500,18 +313,6 @@ def test_cuda_backend_code_path(monkeypatch):
         backend.write_kv(k_cache, v_cache, cp.asarray(decode.k_new), cp.asarray(decode.v_new), decode.meta)
         out = cp.asnumpy(backend.forward(cp.asarray(decode.q), k_cache, v_cache, decode.meta, decode.scale))
         np.testing.assert_allclose(out.astype(np.float64), dense_reference(decode), rtol=tol, atol=tol)
-
-
-def load_gpu_check():
-    """benchmarks/gpu_check.py as a module (benchmarks/ is not a package)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
-    spec = importlib.util.spec_from_file_location("gpu_check", path)
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
-    return gpu_check
 
 
 def test_gpu_check_script_runs(monkeypatch, capsys):
@@ -536,14 +337,12 @@ def test_gpu_check_script_runs(monkeypatch, capsys):
 def test_mma_fragment_layout(dtype):
     """mma_check.cu builds fragments from the PTX layout formulas written out on their own;
     the emulated instruction (mma.cuh) must then compute exactly A·B."""
-    from refengine.attention.cuda import Launch, emulated_launch
-
     rng = np.random.default_rng(0)
     a = rng.standard_normal((16, 16)).astype(np.float32).astype(dtype)
     b = rng.standard_normal((16, 8)).astype(np.float32).astype(dtype)
     d = np.full((16, 8), np.nan, np.float32)
     tag = "f16" if np.dtype(dtype) == np.float16 else "bf16"
-    emulated_launch(build_emulation_library(), Launch(f"mma_check_{tag}", (1, 1, 1), (32, 1, 1), 0, (a, b, d)))
+    emulated_launch(self_test_library(), Launch(f"mma_check_{tag}", (1, 1, 1), (32, 1, 1), 0, (a, b, d)))
     expected = a.astype(np.float64) @ b.astype(np.float64)  # products of 16-bit values are exact in float32
     np.testing.assert_allclose(d, expected, rtol=1e-5, atol=1e-5)  # float32 sums of 16 terms
 
@@ -552,12 +351,9 @@ def test_ldmatrix_fragment_layout_and_cp_async_zero_fill():
     """The emulated ldmatrix / ldmatrix.trans (mma.cuh) against the PTX layout as
     gpu_check.ldmatrix_expected writes it out; ``make gpu-check`` runs the same kernel on the
     GPU against the same expectation, which ties the emulation to the hardware."""
-    from refengine.attention.cuda import Launch, emulated_launch
-
     m = np.random.default_rng(0).standard_normal((4, 8, 8)).astype(np.float16)
     out = np.full(32 * 4 * 3, 0xDEADBEEF, np.uint32)
-    emulated_launch(build_emulation_library(), Launch("ldmatrix_check_f16", (1, 1, 1), (32, 1, 1), 32 * 24 * 2,
-                                                      (m, out)))
+    emulated_launch(self_test_library(), Launch("ldmatrix_check_f16", (1, 1, 1), (32, 1, 1), 32 * 24 * 2, (m, out)))
     np.testing.assert_array_equal(out, load_gpu_check().ldmatrix_expected(m))
 
 
@@ -575,3 +371,107 @@ def test_gpu_check_benchmarks_run(monkeypatch):
     decode = gpu_check.bench_decode(cp, True, float("inf"), batches=(2,), contexts=(64,))
     assert [(r["batch"], r["ctx"]) for r in decode] == [(2, 64)]
     assert decode[0]["best_partition"] in (128, 256, 512, 1024) and decode[0]["best_gbps"] > 0
+
+
+# --------------------------------------------------------------------------------------
+# Metadata: built from lengths, placed on the device once per step; one module per device
+# --------------------------------------------------------------------------------------
+
+def test_paged_metadata_matches_the_contract():
+    """The new tokens are the last q_len positions of each sequence, placed through its block table."""
+    block_tables = np.array([[4, 0, 6], [2, 5, -1], [3, -1, -1]], np.int32)
+    meta = paged_metadata(np.array([3, 1, 5]), np.array([19, 9, 5]), block_tables, block_size=8)
+    np.testing.assert_array_equal(meta.query_start_loc, [0, 3, 4, 9])
+    # positions 16-18 in block 6; position 8 in block 5; positions 0-4 in block 3
+    np.testing.assert_array_equal(meta.slot_mapping, [48, 49, 50, 40, 24, 25, 26, 27, 28])
+    np.testing.assert_array_equal(meta.seq_lens, [19, 9, 5])
+    assert all(a.dtype == np.int32 for a in (meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                            meta.slot_mapping))
+    assert (meta.max_query_len, meta.max_seq_len, meta.num_seqs, meta.num_tokens) == (5, 19, 3, 9)
+
+    with pytest.raises(ValueError, match=r"\[0, seq_lens\]"):
+        paged_metadata(np.array([6]), np.array([5]), block_tables[:1], 8)
+    with pytest.raises(ValueError, match="cannot hold"):
+        paged_metadata(np.array([1]), np.array([25]), block_tables[:1], 8)
+    with pytest.raises(ValueError, match="must be"):
+        paged_metadata(np.array([1, 1]), np.array([5]), block_tables[:1], 8)
+
+
+class CountingKernels(EmulatedKernels):
+    """The emulator, counting host-to-device copies of int32 arrays."""
+
+    def __init__(self):
+        super().__init__()
+        self.uploads = 0
+
+    def int32(self, host):
+        self.uploads += 1
+        return super().int32(host)
+
+
+def test_metadata_is_placed_once_per_step():
+    """prepare(meta) copies the four int32 arrays once; every layer's write_kv/forward reuses
+    them; a new metadata object (the next step) is copied again, even unprepared."""
+    backend = EmulatedCudaAttention(decode_partition_size=64)
+    backend.kernels = counting = CountingKernels()
+    rng = np.random.default_rng(3)
+    case = make_case(rng, mixed_batch(), 4, 2, 64, BLOCK_SIZE, np.float32)
+    backend.prepare(case.meta)
+    assert counting.uploads == 4
+    for _ in range(3):  # three "layers"
+        run_and_check(backend, case, check_twin=False)
+    assert counting.uploads == 4
+    decode = make_case(rng, decode_batch(), 4, 2, 64, BLOCK_SIZE, np.float32)
+    run_and_check(backend, decode, check_twin=False)
+    assert counting.uploads == 8
+
+
+def test_rope_positions_are_placed_once_per_step():
+    """device_positions copies the positions once; rope with them equals rope with the host
+    array bit for bit; out-of-range positions raise on either path."""
+    ops = CudaLayerOps(CountingKernels())
+    rng = np.random.default_rng(0)
+    positions = rng.integers(0, 64, 5)
+    rope = RotaryEmbedding(32, 64, 10000.0, None, xp=np)
+    cos_sin = np.ascontiguousarray(np.concatenate([rope.cos, rope.sin], axis=1))
+    q = rng.standard_normal((5, 4, 32)).astype(np.float32)
+    k = rng.standard_normal((5, 2, 32)).astype(np.float32)
+    placed = ops.device_positions(positions)
+    assert ops.kernels.uploads == 1
+    got = [ops.rope(q.copy(), k.copy(), placed, rope) for _ in range(2)]
+    assert ops.kernels.uploads == 1
+    want_q, want_k = q.copy(), k.copy()
+    ops.rotary_embedding(positions, want_q, want_k, cos_sin)
+    for got_q, got_k in got:
+        assert got_q.tobytes() == want_q.tobytes() and got_k.tobytes() == want_k.tobytes()
+    tol = TOLERANCE[np.dtype(np.float32)]
+    np.testing.assert_allclose(want_q, rope(q, positions), rtol=tol, atol=tol)  # the NumPy reference
+    np.testing.assert_allclose(want_k, rope(k, positions), rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match=r"positions must be \[T\] in \[0, 64\)"):
+        ops.rope(q.copy(), k.copy(), ops.device_positions(positions + 60), rope)
+    with pytest.raises(ValueError, match=r"positions must be \[T\] in \[0, 64\)"):
+        ops.rotary_embedding(positions - 60, q.copy(), k.copy(), cos_sin)
+
+
+def test_self_tests_are_not_in_the_production_module():
+    production = set(build_emulation_library().refengine_emu_list_kernels().decode().split())
+    self_test = set(self_test_library().refengine_emu_list_kernels().decode().split())
+    assert self_test == {"mma_check_f16", "mma_check_bf16", "ldmatrix_check_f16"}
+    assert not production & self_test
+    assert len(production) == 45
+
+
+def test_attention_and_layer_ops_share_one_module(monkeypatch):
+    """On a GPU the attention backend and the layer operations launch from one compiled
+    module per device (NVRTC runs once)."""
+    import sys
+
+    cp = fake_cupy()
+    compiled = []
+    raw_module = cp.RawModule
+    cp.RawModule = lambda code, options=(): compiled.append(code) or raw_module(code, options)
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    attention = CudaAttention()
+    ops = get_layer_ops("cuda", cp)
+    assert ops.kernels is attention.kernels is CudaAttention(decode_partition_size=64).kernels
+    assert len(compiled) == 1

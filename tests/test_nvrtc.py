@@ -1,16 +1,18 @@
 """The GPU backend's compile step, run here without a GPU.
 
-On a GPU, :class:`refengine.attention.cuda.CudaAttention` hands every kernel file, as one
-translation unit, to NVRTC through ``cupy.RawModule``. NVRTC is not nvcc: it has no host
+On a GPU, :class:`refengine.kernels.build.CupyKernels` hands every production kernel file
+(:data:`~refengine.kernels.build.KERNEL_SOURCES`), as one translation unit, to NVRTC
+through ``cupy.RawModule``; ``benchmarks/gpu_check.py`` compiles the layout self-tests
+(:data:`~refengine.kernels.build.SELF_TEST_SOURCES`) as a module of their own. NVRTC is not nvcc: it has no host
 headers, its own preprocessor defaults, and no ``cuda_fp16.h`` of its own, so the
 ``check_nvcc.sh`` step does not prove this one works. NVRTC itself needs no GPU, so this
 test loads the library from the ``nvidia-cuda-nvrtc`` wheel (a test extra) with ctypes
 and compiles exactly :func:`nvrtc_program`'s source and options, plus the options CuPy
 adds on its own (``cupy/cuda/compiler.py``: ``-arch=sm_<cc>`` to get a cubin,
 ``--device-as-default-execution-space``, ``-ftz=true``), for the H100/H200's sm_90. It
-asserts that the module holds exactly the kernels the CPU emulator's build of the same
-sources registers (so CI tests on the CPU the set the GPU gets), that ptxas
-spills no registers in any of them, and that the compiler has no warning to give.
+asserts, for each module, that it holds exactly the kernels the CPU emulator's build of the
+same sources registers (so CI tests on the CPU the set the GPU gets), that ptxas spills no
+registers in any of them, and that the compiler has no warning to give.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from refengine.attention.cuda import build_emulation_library, nvrtc_program
+from refengine.kernels.build import (KERNEL_SOURCES, SELF_TEST_SOURCES, build_emulation_library, cuda_source_dir,
+                                     nvrtc_program)
 
 ARCH = "sm_90"
 CUPY_OPTIONS = (f"-arch={ARCH}", "--device-as-default-execution-space", "-ftz=true")
@@ -83,8 +86,12 @@ class Nvrtc:
             self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-@pytest.fixture(scope="module")
-def compiled():
+MODULES = {"production": KERNEL_SOURCES, "self-test": SELF_TEST_SOURCES}
+
+
+@pytest.fixture(scope="module", params=list(MODULES))
+def compiled(request):
+    """``(sources, NVRTC version, succeeded, log, cubin bytes)`` of one module."""
     path = _find_nvrtc()
     if path is None:
         pytest.skip("NVRTC not installed (pip install -e '.[test]' brings nvidia-cuda-nvrtc)")
@@ -92,9 +99,10 @@ def compiled():
     if not (include / "cuda_bf16.h").exists():
         pytest.skip(f"no cuda_bf16.h under {include} (pip install nvidia-cuda-runtime)")
     nvrtc = Nvrtc(path)
-    code, options = nvrtc_program(include)
+    sources = MODULES[request.param]
+    code, options = nvrtc_program(include, sources)
     ok, log, cubin_bytes = nvrtc.compile(code, options + CUPY_OPTIONS + ("--ptxas-options=-v",))
-    return nvrtc.version(), ok, log, cubin_bytes
+    return sources, nvrtc.version(), ok, log, cubin_bytes
 
 
 def _entries(log: str) -> dict[str, str]:
@@ -104,17 +112,18 @@ def _entries(log: str) -> dict[str, str]:
 
 
 def test_nvrtc_compiles_every_kernel_for_sm90(compiled):
-    version, ok, log, cubin_bytes = compiled
+    sources, version, ok, log, cubin_bytes = compiled
     assert ok, f"NVRTC {version} failed:\n{log}"
     assert cubin_bytes > 0
     assert "warning" not in log.lower(), log
-    emulated = build_emulation_library().refengine_emu_list_kernels().decode().split()
-    assert len(emulated) == 48
+    lib = build_emulation_library([cuda_source_dir() / name for name in sources])
+    emulated = lib.refengine_emu_list_kernels().decode().split()
+    assert len(emulated) == {KERNEL_SOURCES: 45, SELF_TEST_SOURCES: 3}[sources]
     assert sorted(_entries(log)) == sorted(emulated)
 
 
 def test_nvrtc_build_spills_no_registers(compiled):
-    _, ok, log, _ = compiled
+    _, _, ok, log, _ = compiled
     assert ok, log
     entries = _entries(log)
     spilled = {}

@@ -57,6 +57,59 @@ class AttentionMetadata:
         return int(self.slot_mapping.shape[0])
 
 
+def paged_metadata(q_lens: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
+                   block_size: int) -> AttentionMetadata:
+    """The metadata of a batch whose sequence ``i`` brings its last ``q_lens[i]`` tokens.
+
+    Sequence ``i``'s new tokens are positions ``seq_lens[i] - q_lens[i] .. seq_lens[i] - 1``
+    (the earlier ones are already cached); they take query rows in batch order, and token
+    at position ``p`` goes to slot ``block_tables[i, p // block_size] * block_size + p % block_size``.
+
+    Args:
+        q_lens: ``[B]`` int, new tokens per sequence (``0 <= q_lens[i] <= seq_lens[i]``).
+        seq_lens: ``[B]`` int, context length after this step (cached + new).
+        block_tables: ``[B, max_blocks]`` int physical block ids covering each context
+            (``-1`` padding past a sequence's last block).
+        block_size: tokens per KV block.
+    Returns:
+        :class:`AttentionMetadata` with int32 ``query_start_loc [B + 1]``, ``seq_lens [B]``,
+        ``block_tables [B, max_blocks]`` and ``slot_mapping [sum(q_lens)]``; ``max_query_len``
+        and ``max_seq_len`` (0 for an empty batch).
+    Raises:
+        ValueError: the arrays disagree in length, a ``q_lens`` entry is outside
+            ``[0, seq_lens]``, or a block table is too short for its context.
+    """
+    q_lens = np.asarray(q_lens, dtype=np.int64)
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    block_tables = np.asarray(block_tables)
+    num_seqs = q_lens.shape[0]
+    if q_lens.shape != (num_seqs,) or seq_lens.shape != (num_seqs,) or block_tables.ndim != 2 \
+            or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"q_lens {q_lens.shape}, seq_lens {seq_lens.shape} and block_tables "
+                         f"{block_tables.shape} must be [B], [B] and [B, max_blocks]")
+    if ((q_lens < 0) | (q_lens > seq_lens)).any():
+        raise ValueError("every q_lens entry must lie in [0, seq_lens]")
+    if num_seqs and int(seq_lens.max()) > block_tables.shape[1] * block_size:
+        raise ValueError(f"block_tables of {block_tables.shape[1]} blocks of {block_size} cannot hold "
+                         f"a context of {int(seq_lens.max())} tokens")
+    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=query_start_loc[1:])
+    seq_index = np.repeat(np.arange(num_seqs), q_lens)
+    # position of each new token: its row within the sequence, shifted past the cached tokens
+    positions = (np.arange(int(query_start_loc[-1])) - query_start_loc[seq_index]
+                 + (seq_lens - q_lens)[seq_index])
+    slot_mapping = block_tables[seq_index, positions // block_size].astype(np.int64) * block_size \
+        + positions % block_size
+    return AttentionMetadata(
+        query_start_loc=query_start_loc.astype(np.int32),
+        seq_lens=seq_lens.astype(np.int32),
+        block_tables=block_tables.astype(np.int32, copy=False),
+        slot_mapping=slot_mapping.astype(np.int32),
+        max_query_len=int(q_lens.max()) if num_seqs else 0,
+        max_seq_len=int(seq_lens.max()) if num_seqs else 0,
+    )
+
+
 class AttentionBackend(Protocol):
     """What the model needs from an attention implementation."""
 

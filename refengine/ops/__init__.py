@@ -47,7 +47,8 @@ class LayerOps(Protocol):
 def get_layer_ops(name: str, xp=np, kernels: Any = None) -> LayerOps:
     """Build the layer operations called ``name`` (one of :data:`LAYER_OPS`).
 
-    ``kernels`` is the CUDA kernel launcher ``"cuda"`` shares with the attention backend.
+    ``kernels`` is the launcher of ``"cuda"`` (a :class:`refengine.kernels.build.KernelModule`);
+    by default the current device's CuPy module, the one the CUDA attention backend uses.
 
     Raises:
         ValueError: ``name`` is not known.

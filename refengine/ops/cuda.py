@@ -1,13 +1,31 @@
-"""Layer operations as CUDA kernels (``cuda/layers.cu``), on CuPy arrays.
+"""Layer operations as CUDA kernels (``cuda/layers.cu``), on CuPy arrays (or NumPy arrays
+on the CPU emulator).
 
 The NumPy versions in :mod:`refengine.layers` are their reference.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from refengine.kernels.build import KernelModule, cupy_kernels
+from refengine.kernels.plans import LAYER_THREADS, RMS_NORM_SHARED_BYTES, Launch, dtype_tag
+
+
+@dataclass
+class DevicePositions:
+    """One step's token positions, copied to the device once for every layer's RoPE.
+
+    Attributes:
+        host: ``[T]`` int host array (for the range check, which needs no device sync).
+        device: ``[T]`` int32 copy the kernel reads.
+    """
+
+    host: np.ndarray
+    device: Any
 
 
 class CudaLayerOps:
@@ -15,32 +33,108 @@ class CudaLayerOps:
     product through cuBLAS (CuPy's ``@``, float32 accumulation).
 
     Args:
-        kernels: the object that launches the compiled kernels (``rms_norm``,
-            ``silu_and_mul``, ``rotary_embedding``).
+        kernels: the launcher of the compiled module; default the current device's CuPy
+            module (:func:`refengine.kernels.build.cupy_kernels`), the one
+            :class:`refengine.attention.cuda.CudaAttention` uses too.
+    Raises:
+        ImportError: no ``kernels`` given and CuPy is not installed.
     """
 
     name = "cuda"
 
-    def __init__(self, kernels: Any):
-        self.kernels = kernels
+    def __init__(self, kernels: KernelModule | None = None):
+        self.kernels = cupy_kernels() if kernels is None else kernels
         self._cos_sin = None
 
-    def device_positions(self, positions: np.ndarray) -> np.ndarray:
-        return positions  # the RoPE kernel takes host positions
+    def device_positions(self, positions: np.ndarray) -> DevicePositions:
+        """``positions [T]`` (host ints) copied to the device as int32, once per step."""
+        positions = np.asarray(positions)
+        return DevicePositions(positions, self.kernels.int32(positions))
 
     def linear(self, x, w):
         return (x.astype(w.dtype, copy=False) @ w).astype(np.float32, copy=False)
 
-    def rms_norm(self, x, weight, eps: float):
-        return self.kernels.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).reshape(x.shape)
+    def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
+        """``x / sqrt(mean(x**2, -1) + eps) * weight`` with float32 statistics (HF LlamaRMSNorm).
 
-    def rope(self, q, k, positions, rope):
+        Args:
+            x: ``[..., hidden]``; weight: ``[hidden]``, same dtype (float32, float16 or bfloat16).
+        Returns:
+            x's shape and dtype.
+        Raises:
+            ValueError: shapes disagree. TypeError: dtypes differ or are unsupported.
+        """
+        rows = x.reshape(-1, x.shape[-1])
+        if weight.shape != (rows.shape[1],):
+            raise ValueError(f"rms_norm wants x [..., hidden] and weight [hidden], got {tuple(x.shape)}, "
+                             f"{tuple(weight.shape)}")
+        if weight.dtype != x.dtype:
+            raise TypeError(f"weight dtype {weight.dtype} != x dtype {x.dtype}")
+        kern = self.kernels
+        out = kern.empty(tuple(rows.shape), x.dtype)
+        if rows.shape[0]:
+            kern.launch(Launch(f"rms_norm_{dtype_tag(x.dtype)}", (int(rows.shape[0]), 1, 1), (LAYER_THREADS, 1, 1),
+                               RMS_NORM_SHARED_BYTES, (out, kern.contiguous(rows), kern.contiguous(weight),
+                                                       np.int32(rows.shape[1]), np.float32(eps))))
+        return out.reshape(x.shape)
+
+    def rope(self, q, k, positions: DevicePositions, rope):
+        """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by ``positions`` with ``rope``'s tables."""
         xp = rope.xp
         if self._cos_sin is None:
             self._cos_sin = xp.ascontiguousarray(xp.concatenate([rope.cos, rope.sin], axis=1))
         q, k = xp.ascontiguousarray(q), xp.ascontiguousarray(k)
-        self.kernels.rotary_embedding(positions, q, k, self._cos_sin)  # in place
+        self.rotary_embedding(positions, q, k, self._cos_sin)  # in place
         return q, k
 
-    def silu_and_mul(self, x):
-        return self.kernels.silu_and_mul(x)
+    def silu_and_mul(self, x: Any) -> Any:
+        """SwiGLU activation: ``silu(x[:, :I]) * x[:, I:]`` for ``x [T, 2I]`` -> ``[T, I]``.
+
+        Raises:
+            ValueError: x is not 2-D with an even last dimension.
+        """
+        if x.ndim != 2 or x.shape[1] % 2:
+            raise ValueError(f"silu_and_mul wants x [T, 2 * intermediate], got {tuple(x.shape)}")
+        kern = self.kernels
+        inter = int(x.shape[1]) // 2
+        out = kern.empty((int(x.shape[0]), inter), x.dtype)
+        if x.shape[0]:
+            kern.launch(Launch(f"silu_and_mul_{dtype_tag(x.dtype)}", (int(x.shape[0]), 1, 1), (LAYER_THREADS, 1, 1),
+                               0, (out, kern.contiguous(x), np.int32(inter))))
+        return out
+
+    def rotary_embedding(self, positions: np.ndarray | DevicePositions, q: Any, k: Any, cos_sin_cache: Any,
+                         rotary_dim: int | None = None) -> None:
+        """Rotate ``q`` and ``k`` in place by their positions (HF Llama ``rotate_half`` pairing).
+
+        Args:
+            positions: ``[T]`` int host array, or :meth:`device_positions`'s copy of one.
+            q: ``[T, num_heads, head_dim]``; k: ``[T, num_kv_heads, head_dim]``; C-contiguous.
+            cos_sin_cache: float32 ``[max_position, rotary_dim]``: ``cos(p * inv_freq)`` in the
+                first ``rotary_dim / 2`` columns, the sines in the rest.
+            rotary_dim: rotated leading dimensions (default head_dim).
+        Raises:
+            ValueError: shapes disagree, a position is outside the cache, or q/k are not
+                C-contiguous.
+            TypeError: cos_sin_cache is not float32.
+        """
+        num_tokens, num_heads, head_dim = (int(s) for s in q.shape)
+        rotary_dim = head_dim if rotary_dim is None else int(rotary_dim)
+        if k.ndim != 3 or k.shape[0] != num_tokens or k.shape[2] != head_dim or k.dtype != q.dtype:
+            raise ValueError(f"k {tuple(k.shape)} {k.dtype} does not match q {tuple(q.shape)} {q.dtype}")
+        if rotary_dim % 2 or rotary_dim > head_dim or cos_sin_cache.shape[1] != rotary_dim:
+            raise ValueError(f"rotary_dim {rotary_dim} vs head_dim {head_dim} / cache {tuple(cos_sin_cache.shape)}")
+        if not (q.flags.c_contiguous and k.flags.c_contiguous):
+            raise ValueError("rotary_embedding works in place: q and k must be C-contiguous")
+        if np.dtype(cos_sin_cache.dtype) != np.float32:
+            raise TypeError("cos_sin_cache must be float32")
+        host = positions.host if isinstance(positions, DevicePositions) else np.asarray(positions)
+        if host.shape != (num_tokens,) or (num_tokens and not 0 <= host.min() <= host.max()
+                                           < cos_sin_cache.shape[0]):
+            raise ValueError(f"positions must be [T] in [0, {cos_sin_cache.shape[0]})")
+        if num_tokens:
+            kern = self.kernels
+            device = positions.device if isinstance(positions, DevicePositions) else kern.int32(host)
+            kern.launch(Launch(f"rotary_embedding_{dtype_tag(q.dtype)}", (num_tokens, 1, 1), (LAYER_THREADS, 1, 1),
+                               0, (q, k, device, kern.contiguous(cos_sin_cache), np.int32(num_heads),
+                                   np.int32(k.shape[1]), np.int32(head_dim), np.int32(rotary_dim))))

@@ -1,0 +1,187 @@
+"""Launch plans of the CUDA kernels: grid, block, dynamic shared memory and arguments.
+
+Pure functions of shapes and already-placed arrays (NumPy for the emulator, CuPy on a
+GPU): nothing here allocates, copies or launches. Each constant mirrors the kernel
+source named beside it; each file's header comment in ``cuda/`` gives the thread and
+shared-memory layout these numbers describe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+SUPPORTED_HEAD_DIMS = (32, 64, 128)
+
+# Launch geometry; each constant mirrors the kernel source named beside it.
+RESHAPE_THREADS = 128
+LAYER_THREADS = 256  # layers.cu: any multiple of 32
+RMS_NORM_SHARED_BYTES = 32 * 4  # layers.cu: layers::kMaxWarps floats, one partial sum per warp
+PREFILL_THREADS = 128  # flash_prefill.cu prefill::kNumThreads
+PREFILL_BLOCK_M = 32  # prefill::kBlockM (query rows per block)
+PREFILL_BLOCK_N = 32  # prefill::kBlockN (keys per shared-memory tile)
+MMA_BLOCK_M = 64  # flash_prefill_mma.cu prefill_mma::kBlockM
+MMA_BLOCK_N = 64  # prefill_mma::kBlockN
+MMA_PAD = 8  # prefill_mma::kPad
+PREFILL_KERNELS = ("auto", "simt", "mma")
+DECODE_THREADS = 128  # paged_decode.cu decode::kNumThreads
+DECODE_KEY_TILE = 32  # decode::kKeyTile
+DECODE_GROUP_TILE = 8  # decode::kGroupTile (query heads per block)
+DEFAULT_PARTITION_SIZE = 512  # context tokens per Flash-Decoding partition
+
+
+@dataclass
+class Launch:
+    """One kernel launch: name, grid, block, dynamic shared bytes and arguments.
+
+    ``args`` holds arrays (NumPy or CuPy) and ``np.int32`` / ``np.float32`` scalars, in the
+    kernel's parameter order.
+    """
+
+    kernel: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_bytes: int
+    args: tuple
+
+
+@dataclass
+class DeviceMetadata:
+    """The int32 arrays of :class:`refengine.attention.AttentionMetadata`, placed where the
+    kernels read them (device arrays on a GPU, C-contiguous NumPy arrays in emulation),
+    with the host-side sizes the launch plans need.
+
+    Attributes:
+        query_start_loc: ``[B + 1]`` int32.
+        seq_lens: ``[B]`` int32.
+        block_tables: ``[B, max_blocks]`` int32.
+        slot_mapping: ``[T]`` int32.
+        max_blocks: ``block_tables.shape[1]``.
+        max_query_len, max_seq_len: as in the host metadata.
+    """
+
+    query_start_loc: Any
+    seq_lens: Any
+    block_tables: Any
+    slot_mapping: Any
+    max_blocks: int
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+
+def dtype_tag(dtype: Any) -> str:
+    """Kernel-name suffix for a storage dtype: ``f32``, ``f16`` or ``bf16``.
+
+    Raises:
+        TypeError: any other dtype.
+    """
+    name = np.dtype(dtype).name
+    tags = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+    if name not in tags:
+        raise TypeError(f"CUDA attention kernels store float32, float16 or bfloat16, not {name}")
+    return tags[name]
+
+
+def prefill_shared_bytes(head_dim: int, itemsize: int) -> int:
+    """Dynamic shared memory of ``flash_prefill``: a K and a V tile of 32 keys."""
+    return 2 * PREFILL_BLOCK_N * head_dim * itemsize
+
+
+def prefill_mma_shared_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of ``flash_prefill_mma``: padded K and V tiles of 64 keys (2-byte T)."""
+    return 2 * MMA_BLOCK_N * (head_dim + MMA_PAD) * 2
+
+
+def decode_shared_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of ``paged_decode`` (float32; mirrors ``decode::shared_floats``)."""
+    floats = (DECODE_GROUP_TILE * head_dim + DECODE_KEY_TILE * (head_dim + 1) + DECODE_KEY_TILE * head_dim
+              + DECODE_GROUP_TILE * DECODE_KEY_TILE + 3 * DECODE_GROUP_TILE)
+    return 4 * floats
+
+
+def reshape_and_cache_launch(k: Any, v: Any, k_cache: Any, v_cache: Any, slot_mapping: Any) -> Launch:
+    """``reshape_and_cache``: one block per new token copies its K and V rows to their slot.
+
+    Args:
+        k, v: ``[T, num_kv_heads, head_dim]`` C-contiguous, in the cache dtype.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        slot_mapping: ``[T]`` int32 (placed arrays; a negative slot is skipped).
+    """
+    row = k_cache.shape[2:]
+    return Launch(f"reshape_and_cache_{dtype_tag(k_cache.dtype)}", (int(k.shape[0]), 1, 1), (RESHAPE_THREADS, 1, 1),
+                  0, (k, v, k_cache, v_cache, slot_mapping, np.int32(row[0] * row[1])))
+
+
+def flash_prefill_launch(q: Any, k_cache: Any, v_cache: Any, out: Any, meta: DeviceMetadata, scale: float,
+                         use_mma: bool) -> Launch:
+    """``flash_prefill`` (SIMT) or ``flash_prefill_mma`` (tensor cores): grid
+    ``(query tiles of the longest chunk, num_heads, num_seqs)``.
+
+    Args:
+        q, out: ``[T, num_heads, head_dim]``; k_cache, v_cache: ``[num_blocks, block_size,
+            num_kv_heads, head_dim]``; all C-contiguous, one storage dtype.
+        meta: the batch's placed metadata.
+        scale: softmax scale.
+        use_mma: the tensor-core kernel (16-bit storage only; the caller decides).
+    """
+    _, num_heads, head_dim = (int(s) for s in q.shape)
+    _, block_size, num_kv_heads, _ = (int(s) for s in k_cache.shape)
+    tag = dtype_tag(q.dtype)
+    args = (q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+            np.int32(meta.max_blocks), np.int32(num_heads), np.int32(num_kv_heads), np.int32(block_size),
+            np.float32(scale))
+    if use_mma:
+        q_tiles = -(-int(meta.max_query_len) // MMA_BLOCK_M)
+        return Launch(f"flash_prefill_mma_{tag}_hd{head_dim}", (q_tiles, num_heads, meta.num_seqs),
+                      (PREFILL_THREADS, 1, 1), prefill_mma_shared_bytes(head_dim), args)
+    q_tiles = -(-int(meta.max_query_len) // PREFILL_BLOCK_M)
+    return Launch(f"flash_prefill_{tag}_hd{head_dim}", (q_tiles, num_heads, meta.num_seqs), (PREFILL_THREADS, 1, 1),
+                  prefill_shared_bytes(head_dim, np.dtype(q.dtype).itemsize), args)
+
+
+def decode_partitions(max_seq_len: int, partition_size: int) -> int:
+    """Flash-Decoding partitions of the longest context (at least 1)."""
+    return max(1, -(-int(max_seq_len) // partition_size))
+
+
+def paged_decode_launches(q: Any, k_cache: Any, v_cache: Any, out: Any, partials: tuple[Any, Any, Any],
+                          meta: DeviceMetadata, scale: float, partition_size: int) -> list[Launch]:
+    """``paged_decode`` (grid ``(num_kv_heads * group chunks, num_seqs, partitions)``), then
+    ``paged_decode_reduce`` (grid ``(num_heads, num_seqs)``) when there is more than one
+    partition.
+
+    Args:
+        q, out: ``[B, num_heads, head_dim]`` (one query row per sequence).
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        partials: ``(partial_out [B, num_heads, P, head_dim], partial_max [B, num_heads, P],
+            partial_sum [B, num_heads, P])`` float32 for ``P`` = :func:`decode_partitions`
+            ``> 1``; with one partition any float32 arrays (not read: the kernel writes ``out``).
+        meta: the batch's placed metadata; scale: softmax scale.
+        partition_size: context tokens per partition (multiple of 32).
+    """
+    _, num_heads, head_dim = (int(s) for s in q.shape)
+    _, block_size, num_kv_heads, _ = (int(s) for s in k_cache.shape)
+    tag = dtype_tag(q.dtype)
+    partitions = decode_partitions(meta.max_seq_len, partition_size)
+    group_chunks = -(-(num_heads // num_kv_heads) // DECODE_GROUP_TILE)
+    partial_out, partial_max, partial_sum = partials
+    launches = [Launch(
+        f"paged_decode_{tag}_hd{head_dim}", (num_kv_heads * group_chunks, meta.num_seqs, partitions),
+        (DECODE_THREADS, 1, 1), decode_shared_bytes(head_dim),
+        (q, k_cache, v_cache, out, partial_out, partial_max, partial_sum, meta.query_start_loc, meta.seq_lens,
+         meta.block_tables, np.int32(meta.max_blocks), np.int32(num_heads), np.int32(num_kv_heads),
+         np.int32(block_size), np.float32(scale), np.int32(partition_size)),
+    )]
+    if partitions > 1:
+        launches.append(Launch(
+            f"paged_decode_reduce_{tag}_hd{head_dim}", (num_heads, meta.num_seqs, 1), (head_dim, 1, 1), 0,
+            (out, partial_out, partial_max, partial_sum, meta.query_start_loc, meta.seq_lens, np.int32(num_heads),
+             np.int32(partitions), np.int32(partition_size)),
+        ))
+    return launches

@@ -1,0 +1,229 @@
+"""Helpers shared by the kernel, emulation and model tests (imported as ``helpers``:
+pytest puts ``tests/`` on ``sys.path``, as it is not a package).
+
+* :func:`make_case`: a random paged batch with NaN-guarded caches;
+* :func:`dense_reference`, :func:`numpy_twin`, :func:`run_and_check`: the references an
+  attention backend's output is compared with, at :data:`TOLERANCE`;
+* :func:`fake_cupy`: a stand-in CuPy whose ``RawModule`` runs the CPU emulator;
+* :func:`load_gpu_check`: ``benchmarks/gpu_check.py`` as a module.
+
+Tolerances: float32 storage differs from the float64 reference only by float32
+accumulation and exp rounding over at most a few hundred keys: rtol=atol=2e-5 is
+generous. With float16/bfloat16 storage the reference is computed from the *same*
+rounded inputs, so the remaining error is the final rounding of the output to the
+storage type (half an ulp: 2^-11 relative for float16, 2^-8 for bfloat16) plus float32
+noise: rtol=atol=2e-3 (float16) and 1e-2 (bfloat16). The tensor-core kernel also rounds
+the probabilities to the storage type before P·V (as FlashAttention-2 does); those
+roundings are unbiased and averaged over the keys, so the same bounds hold (observed
+maxima: ~1e-3 for float16, ~9e-3 for bfloat16 on outputs of magnitude up to ~3). The NumPy
+twin runs in float32 on the upcast inputs and gets the same tolerances.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from refengine.attention import AttentionMetadata, paged_metadata
+from refengine.attention.numpy_ref import NumpyAttention
+
+ROOT = Path(__file__).resolve().parents[1]
+BF16 = np.dtype(ml_dtypes.bfloat16)
+TOLERANCE = {np.dtype(np.float32): 2e-5, np.dtype(np.float16): 2e-3, BF16: 1e-2}
+
+BLOCK_SIZE = 16
+# Context lengths around block boundaries (1, bs-1, bs, bs+1) and one long one.
+EDGE_LENGTHS = [1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 300]
+
+
+@dataclass
+class Case:
+    q: np.ndarray  # [T, H, D] storage dtype
+    k_new: np.ndarray  # [T, KVH, D] this step's keys (to write through write_kv)
+    v_new: np.ndarray
+    k_cache: np.ndarray  # [num_blocks, bs, KVH, D], a view inside a NaN-guarded buffer
+    v_cache: np.ndarray
+    meta: AttentionMetadata
+    k_logical: list  # per sequence [seq_len, KVH, D] float64 (rounded to the storage dtype)
+    v_logical: list
+    q_lens: np.ndarray
+    scale: float
+
+
+def make_case(rng, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, spare_blocks=3) -> Case:
+    """Build a batch. ``seqs`` is a list of ``(seq_len, q_len)``; the first
+    ``seq_len - q_len`` tokens of each are already in the cache, the rest are new."""
+    dtype = np.dtype(dtype)
+    seq_lens = np.array([s for s, _ in seqs], np.int32)
+    q_lens = np.array([q for _, q in seqs], np.int32)
+    blocks_per_seq = [-(-int(s) // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    physical = rng.permutation(num_blocks)
+    max_blocks = max(blocks_per_seq) + 1  # one column of pure padding
+    block_tables = np.full((len(seqs), max_blocks), -1, np.int32)
+    start = 0
+    for i, n in enumerate(blocks_per_seq):
+        block_tables[i, :n] = physical[start:start + n]
+        start += n
+
+    # Guard blocks before and after the cache: out-of-range reads see NaN.
+    shape = (num_blocks + 2, block_size, num_kv_heads, head_dim)
+    k_buf = np.full(shape, np.nan, np.float32).astype(dtype)
+    v_buf = np.full(shape, np.nan, np.float32).astype(dtype)
+    k_cache, v_cache = k_buf[1:-1], v_buf[1:-1]
+
+    k_logical, v_logical, k_new, v_new = [], [], [], []
+    for i, (seq_len, q_len) in enumerate(seqs):
+        k = rng.standard_normal((seq_len, num_kv_heads, head_dim)).astype(np.float32).astype(dtype)
+        v = rng.standard_normal((seq_len, num_kv_heads, head_dim)).astype(np.float32).astype(dtype)
+        k_logical.append(k.astype(np.float64))
+        v_logical.append(v.astype(np.float64))
+        for pos in range(seq_len - q_len):  # cached by an earlier step
+            block, offset = block_tables[i, pos // block_size], pos % block_size
+            k_cache[block, offset] = k[pos]
+            v_cache[block, offset] = v[pos]
+        k_new.append(k[seq_len - q_len:])
+        v_new.append(v[seq_len - q_len:])
+
+    num_tokens = int(q_lens.sum())
+    q = rng.standard_normal((num_tokens, num_heads, head_dim)).astype(np.float32).astype(dtype)
+    meta = paged_metadata(q_lens, seq_lens, block_tables, block_size)
+    return Case(q, np.concatenate(k_new), np.concatenate(v_new), k_cache, v_cache, meta, k_logical, v_logical,
+                q_lens, 1.0 / np.sqrt(head_dim))
+
+
+def mixed_batch():
+    """Prefill-kernel batch: full prompts at block edges, chunked prefills (q_len <
+    seq_len) including a long context, and decode rows (q_len 1) in the same batch."""
+    return [(1, 1), (BLOCK_SIZE - 1, BLOCK_SIZE - 1), (BLOCK_SIZE, 5), (BLOCK_SIZE + 1, BLOCK_SIZE + 1),
+            (300, 40), (37, 1), (33, 33)]
+
+
+def decode_batch():
+    """Decode-kernel batch: one new token per sequence, contexts at block edges."""
+    return [(n, 1) for n in EDGE_LENGTHS] + [(100, 1)]
+
+
+def heads_for(group: int) -> tuple[int, int]:
+    """``(num_heads, num_kv_heads)`` with ``group`` query heads per KV head."""
+    num_kv_heads = 2 if group <= 3 else 1
+    return num_kv_heads * group, num_kv_heads
+
+
+def dense_reference(case: Case) -> np.ndarray:
+    """Causal softmax attention per sequence in float64 from the logical K/V."""
+    num_tokens, num_heads, head_dim = case.q.shape
+    num_kv_heads = case.k_logical[0].shape[1]
+    group = num_heads // num_kv_heads
+    out = np.zeros((num_tokens, num_heads, head_dim))
+    q_all = case.q.astype(np.float64)
+    for i, q_len in enumerate(case.q_lens):
+        start = case.meta.query_start_loc[i]
+        seq_len = case.meta.seq_lens[i]
+        positions = np.arange(seq_len - q_len, seq_len)
+        mask = np.arange(seq_len)[None, :] <= positions[:, None]  # [q_len, seq_len]
+        for h in range(num_heads):
+            kv = h // group
+            s = q_all[start:start + q_len, h] @ case.k_logical[i][:, kv].T * case.scale
+            s = np.where(mask, s, -np.inf)
+            p = np.exp(s - s.max(axis=1, keepdims=True))
+            p /= p.sum(axis=1, keepdims=True)
+            out[start:start + q_len, h] = p @ case.v_logical[i][:, kv]
+    return out
+
+
+def numpy_twin(case: Case) -> np.ndarray:
+    """The NumPy backend on float32 copies of the same cache (NaN slots replaced by a
+    finite value: the twin's decode path multiplies masked probabilities, which are
+    exactly 0, by whatever the padding slots hold, and 0 * NaN would be NaN)."""
+    k_cache = np.nan_to_num(case.k_cache.astype(np.float32), nan=1e4)
+    v_cache = np.nan_to_num(case.v_cache.astype(np.float32), nan=1e4)
+    return NumpyAttention().forward(case.q.astype(np.float32), k_cache, v_cache, case.meta, case.scale)
+
+
+def run_and_check(backend, case: Case, *, check_twin: bool = True) -> np.ndarray:
+    """write_kv then forward through the emulated kernels; compare with both references."""
+    backend.write_kv(case.k_cache, case.v_cache, case.k_new, case.v_new, case.meta)
+    out = backend.forward(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert out.dtype == case.q.dtype and out.shape == case.q.shape
+    got = out.astype(np.float64)
+    assert np.isfinite(got).all(), "kernel left NaN/inf in the output"
+    tol = TOLERANCE[case.q.dtype]
+    np.testing.assert_allclose(got, dense_reference(case), rtol=tol, atol=tol)
+    if check_twin:
+        np.testing.assert_allclose(got, numpy_twin(case), rtol=tol, atol=tol)
+    return out
+
+
+def fake_cupy():
+    """A minimal stand-in for the parts of CuPy that CudaAttention and gpu_check use:
+    arrays are NumPy arrays (a subclass with ``.data.ptr``), RawModule kernels launch on
+    the CPU emulator (built from exactly the kernel files the module's code concatenates),
+    events read the wall clock. Only NVRTC compilation is not covered here
+    (tests/test_nvrtc.py compiles the same modules with the real NVRTC)."""
+    import time
+    import types
+
+    from refengine.kernels.build import (KERNEL_SOURCES, SELF_TEST_SOURCES, build_emulation_library,
+                                         cuda_source_dir, emulated_launch, nvrtc_program)
+    from refengine.kernels.plans import Launch
+
+    class ndarray(np.ndarray):
+        @property
+        def data(self):
+            return types.SimpleNamespace(ptr=np.asarray(self).ctypes.data)
+
+    class RawModule:
+        def __init__(self, code, options=()):
+            for sources in (KERNEL_SOURCES, SELF_TEST_SOURCES):
+                if (code, tuple(options)) == nvrtc_program(None, sources):
+                    break
+            else:
+                raise AssertionError("RawModule got a program nvrtc_program does not make")
+            self.lib = build_emulation_library([cuda_source_dir() / name for name in sources])
+
+        def get_function(self, name):
+            def launch(grid, block, args, shared_mem=0):
+                plain = tuple(np.asarray(a) if isinstance(a, np.ndarray) else a for a in args)
+                emulated_launch(self.lib, Launch(name, tuple(grid), tuple(block), shared_mem, plain))
+            return launch
+
+    class Event:
+        def record(self):
+            self.t = time.perf_counter()
+
+        def synchronize(self):
+            pass
+
+    cp = types.ModuleType("cupy")
+    cp.__version__ = "stand-in"
+    cp.ndarray = ndarray
+    cp.asarray = lambda x, dtype=None: np.array(x, dtype=dtype).view(ndarray)
+    cp.empty = lambda shape, dtype=np.float32: np.full(shape, np.nan, np.float32).astype(dtype).view(ndarray)
+    cp.ascontiguousarray = lambda x: np.ascontiguousarray(x).view(ndarray)
+    cp.asnumpy = lambda x: np.array(np.asarray(x))
+    cp.float16, cp.float32 = np.float16, np.float32
+    cp.random = types.SimpleNamespace(
+        standard_normal=lambda shape, dtype=np.float32: np.random.default_rng(0).standard_normal(shape).astype(
+            dtype).view(ndarray))
+    cp.get_default_memory_pool = lambda: types.SimpleNamespace(free_all_blocks=lambda: None)
+    cp.RawModule = RawModule
+    cp.cuda = types.SimpleNamespace(
+        runtime=types.SimpleNamespace(getDeviceCount=lambda: 1,
+                                      getDeviceProperties=lambda i: {"name": b"stand-in", "multiProcessorCount": 1}),
+        Device=lambda: types.SimpleNamespace(id=0), get_cuda_path=lambda: None, Event=Event,
+        get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3)
+    return cp
+
+
+def load_gpu_check():
+    """benchmarks/gpu_check.py as a module (benchmarks/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    return gpu_check
