@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from refengine import LLM, SamplingParams, resources
-from refengine.attention.cuda import EMULATION_SUPPORT, KERNEL_SOURCES
+from refengine.kernels.build import EMULATION_SUPPORT, KERNEL_SOURCES, SELF_TEST_SOURCES
 from refengine.bench.workload import load_corpus
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,7 +75,7 @@ def test_wheel_has_kernel_emulator_and_corpus_files(wheel):
     cuda = [p.name for p in sorted((ROOT / "cuda").iterdir())
             if p.suffix in (".cu", ".cuh") or p.name in ("cuda_emu.h", "emu_runtime.cpp", "README.md")]
     # the checkout's files and every file the CUDA backend reads
-    for name in {*cuda, *KERNEL_SOURCES, *EMULATION_SUPPORT}:
+    for name in {*cuda, *KERNEL_SOURCES, *SELF_TEST_SOURCES, *EMULATION_SUPPORT}:
         assert f"refengine/cuda_src/{name}" in names, name
     assert len(cuda) >= 12 and {"flash_prefill.cu", "paged_decode.cu", "emu_runtime.cpp"} <= set(cuda)
     corpus = [p.name for p in sorted((ROOT / "refengine" / "bench" / "data").glob("*.txt"))]
