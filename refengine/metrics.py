@@ -234,6 +234,7 @@ class EngineMetrics:
     ``refengine:time_to_first_token_seconds``               histogram  TTFT per request
     ``refengine:inter_token_latency_seconds``               histogram  gap between consecutive output tokens
     ``refengine:e2e_request_latency_seconds``               histogram  arrival to finish per request
+    ``refengine:request_time_per_output_token_seconds``     histogram  TPOT per request (first token excluded)
     ``refengine:request_queue_time_seconds``                histogram  arrival to first scheduled
     ``refengine:request_prefill_time_seconds``              histogram  first scheduled to first token
     ``refengine:request_decode_time_seconds``               histogram  first token to finish
@@ -298,6 +299,10 @@ class EngineMetrics:
         self.e2e_hist = Histogram(
             "refengine:e2e_request_latency_seconds", "Histogram of end-to-end request latency in seconds.",
             buckets=REQUEST_LATENCY_BUCKETS_S, registry=r)
+        self.tpot_hist = Histogram(
+            "refengine:request_time_per_output_token_seconds",
+            "Histogram of time per output token (first token excluded) per request, seconds.",
+            buckets=ITL_BUCKETS_S, registry=r)
         self.queue_hist = Histogram(
             "refengine:request_queue_time_seconds", "Histogram of time spent waiting before first scheduled, seconds.",
             buckets=TTFT_BUCKETS_S, registry=r)
@@ -392,7 +397,7 @@ class EngineMetrics:
         self.request_success.labels(finished_reason=finish_reason).inc()
         self.prompt_tokens_hist.observe(m.num_prompt_tokens)
         self.generation_tokens_hist.observe(m.num_output_tokens)
-        for hist, value in ((self.e2e_hist, m.e2e_latency), (self.queue_hist, m.queue_time),
+        for hist, value in ((self.e2e_hist, m.e2e_latency), (self.tpot_hist, m.tpot), (self.queue_hist, m.queue_time),
                             (self.prefill_hist, m.prefill_time), (self.decode_hist, m.decode_time)):
             if value is not None:
                 hist.observe(value)
