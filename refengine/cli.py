@@ -243,5 +243,14 @@ def _register_bench() -> None:
 
 _register_bench()
 
+
+def _register_serve() -> None:
+    from refengine.server.cli import make_serve_command
+
+    main.add_command(make_serve_command(engine_options, build_engine))
+
+
+_register_serve()
+
 if __name__ == "__main__":
     main()
