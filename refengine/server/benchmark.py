@@ -300,7 +300,8 @@ def format_block(run: dict, percentiles: list[float]) -> str:
              row("Peak concurrent requests:", run["peak_concurrency"])]
     if run["goodput_slo_ms"]:
         lines.append(row("Request goodput (req/s):", run["request_goodput"]))
-    sections = [("ttft_ms", "TTFT", "Time to First Token"), ("tpot_ms", "TPOT", "Time per Output Token (excl. 1st token)"),
+    sections = [("ttft_ms", "TTFT", "Time to First Token"),
+                ("tpot_ms", "TPOT", "Time per Output Token (excl. 1st token)"),
                 ("itl_ms", "ITL", "Inter-token Latency"), ("e2el_ms", "E2EL", "End-to-end Latency")]
     for key, short, title in sections:
         stats = run[key]
@@ -434,9 +435,11 @@ def run_benchmark(base_url: str, opts: dict) -> dict:
     cfg = RunConfig(base_url=base_url, endpoint=opts["endpoint"], model=model, headers=headers,
                     output_len=opts["output_len"], burstiness=opts["burstiness"],
                     max_concurrency=opts["max_concurrency"], seed=opts["seed"], timeout_s=opts["timeout"])
-    warm = asyncio.run(run_at_rate(RunConfig(**{**asdict(cfg), "output_len": 2}), prompts[:1], math.inf))[0][0]
-    if not warm.success:
-        raise click.ClickException(f"the warm-up request failed: {warm.error}")
+    if opts["num_warmups"]:  # not counted; also fails fast on a misconfigured server
+        warm_cfg = RunConfig(**{**asdict(cfg), "output_len": 2})
+        warm = asyncio.run(run_at_rate(warm_cfg, prompts[:opts["num_warmups"]], math.inf))[0]
+        if not all(r.success for r in warm):
+            raise click.ClickException(f"a warm-up request failed: {next(r.error for r in warm if not r.success)}")
     runs = []
     for rate in opts["rates"]:
         records, duration, peak = asyncio.run(run_at_rate(cfg, prompts, rate))
@@ -461,7 +464,8 @@ def run_benchmark(base_url: str, opts: dict) -> dict:
               help="chat (short in, short out), generation (short in, long out), "
                    "long-document (long in, short out); explicit flags override it")
 @click.option("--num-prompts", type=click.IntRange(min=1), default=None, help=f"default {DEFAULTS['num_prompts']}")
-@click.option("--input-len", type=click.IntRange(min=1), default=None, help=f"prompt tokens, default {DEFAULTS['input_len']}")
+@click.option("--input-len", type=click.IntRange(min=1), default=None,
+              help=f"prompt tokens, default {DEFAULTS['input_len']}")
 @click.option("--output-len", type=click.IntRange(min=1), default=None,
               help=f"generated tokens, default {DEFAULTS['output_len']}")
 @click.option("--request-rate", default="inf", show_default=True,
@@ -473,6 +477,8 @@ def run_benchmark(base_url: str, opts: dict) -> dict:
 @click.option("--percentiles", default="50,90,99", show_default=True, help="comma-separated, 0-100")
 @click.option("--goodput", multiple=True, metavar="KEY:MS",
               help="service-level limit, repeatable: ttft:500 tpot:50 e2el:10000")
+@click.option("--num-warmups", type=click.IntRange(min=0), default=1, show_default=True,
+              help="requests sent (2 tokens each) before measuring")
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="seconds per request")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the report here")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
@@ -482,7 +488,7 @@ def run_benchmark(base_url: str, opts: dict) -> dict:
 @click.option("--launch-timeout", type=float, default=600.0, show_default=True,
               help="seconds to wait for the launched server to be healthy")
 def serve_bench(base_url, endpoint, model, api_key, preset, num_prompts, input_len, output_len, request_rate,
-                burstiness, max_concurrency, seed, percentiles, goodput, timeout, json_path, plot_path,
+                burstiness, max_concurrency, seed, percentiles, goodput, num_warmups, timeout, json_path, plot_path,
                 launch_server, server_args, launch_timeout):
     """Load an OpenAI-compatible server over HTTP; print vLLM's serving benchmark block."""
     try:
@@ -501,7 +507,7 @@ def serve_bench(base_url, endpoint, model, api_key, preset, num_prompts, input_l
             "num_prompts": num_prompts or sizes["num_prompts"], "input_len": input_len or sizes["input_len"],
             "output_len": output_len or sizes["output_len"], "rates": parse_rates(request_rate),
             "burstiness": burstiness, "max_concurrency": max_concurrency, "seed": seed, "percentiles": qs,
-            "slo_ms": parse_goodput(goodput), "timeout": timeout}
+            "slo_ms": parse_goodput(goodput), "num_warmups": num_warmups, "timeout": timeout}
     if launch_server:
         with LaunchedServer(server_args, launch_timeout) as url:
             report = run_benchmark(url, opts)
