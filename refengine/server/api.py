@@ -453,14 +453,14 @@ class OpenAIServing:
                         prompt_token_ids=prompts[tag] if req.return_token_ids and first else None,
                         token_ids=list(new) if req.return_token_ids else None)
                     yield sse(CompletionResponse(id=request_id, model=self.model_name, choices=[choice]))
-            usage = self.usage(prompts, finals)
-            record.output_tokens = usage.completion_tokens
             if req.include_usage:
-                yield sse(CompletionResponse(id=request_id, model=self.model_name, choices=[], usage=usage))
+                yield sse(CompletionResponse(id=request_id, model=self.model_name, choices=[],
+                                             usage=self.usage(prompts, finals)))
         except EngineStepError as e:
             yield sse(ErrorResponse(error=ErrorInfo(message=str(e), type="server_error")))
         finally:
             stream.close()
+            record.output_tokens = self.usage(prompts, finals).completion_tokens  # also when cut short
         yield sse("[DONE]")
 
     # --- /v1/chat/completions -------------------------------------------------------------
@@ -523,14 +523,13 @@ class OpenAIServing:
                         index=c.index, delta=DeltaMessage(content=c.delta_text), logprobs=logprobs,
                         finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                         token_ids=list(new) if req.return_token_ids else None)])
-            usage = self.usage([prompt], {0: final} if final else {})
-            record.output_tokens = usage.completion_tokens
             if req.include_usage:
-                yield chunk([], usage=usage)
+                yield chunk([], usage=self.usage([prompt], {0: final}))
         except EngineStepError as e:
             yield sse(ErrorResponse(error=ErrorInfo(message=str(e), type="server_error")))
         finally:
             stream.close()
+            record.output_tokens = self.usage([prompt], {0: final} if final else {}).completion_tokens
         yield sse("[DONE]")
 
     # --- the small endpoints --------------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from refengine.sampling_params import SamplingParams
@@ -152,7 +153,9 @@ class AsyncEngine:
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         stream = RequestStream(self, ids)
         added = asyncio.get_running_loop().create_future()
-        self._ops.append(("add", stream, prompts, params, added))
+        # stamped now, so the engine's TTFT and queue time include the wait for the running step
+        arrival = time.monotonic()
+        self._ops.append(("add", stream, prompts, params, arrival, added))
         self._pending_seqs += new_seqs
         self._wakeup.set()
         await added  # a handler cancelled here cancels the future: the add is then skipped
@@ -199,14 +202,14 @@ class AsyncEngine:
                 engine.abort(op[1])
                 self._streams.pop(op[1], None)
                 continue
-            _, stream, prompts, params, added = op
+            _, stream, prompts, params, arrival, added = op
             self._pending_seqs -= len(prompts) * params.n
             if added.cancelled():
                 continue
             done = []
             try:
                 for rid, token_ids in zip(stream.request_ids, prompts):
-                    engine.add_request(rid, token_ids, params)
+                    engine.add_request(rid, token_ids, params, arrival_time=arrival)
                     done.append(rid)
             except ValueError as e:
                 for rid in done:
