@@ -13,11 +13,11 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[plot]'
+	$(BIN)/python -m pip install -q -e '.[plot,serve]'
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
-	$(BIN)/python -m pip install -q -e '.[test,plot]'
+	$(BIN)/python -m pip install -q -e '.[test,plot,serve]'
 	touch $@
 
 install: $(VENV)/.installed

@@ -232,5 +232,13 @@ def convert_gguf_cmd(gguf_file, out_dir):
     click.echo(f"wrote {path}")
 
 
+def _register_serve() -> None:
+    from refengine.server.cli import make_serve_command
+
+    main.add_command(make_serve_command(engine_options, build_engine))
+
+
+_register_serve()
+
 if __name__ == "__main__":
     main()

@@ -242,8 +242,8 @@ class EngineMetrics:
     ``refengine:kv_cache_usage_perc``                       gauge      KV blocks in use, fraction 0-1
     ``refengine:time_to_first_token_seconds``               histogram  TTFT per request
     ``refengine:inter_token_latency_seconds``               histogram  gap between consecutive output tokens
-    ``refengine:time_per_output_token_seconds``             histogram  TPOT per finished request
     ``refengine:e2e_request_latency_seconds``               histogram  arrival to finish per request
+    ``refengine:request_time_per_output_token_seconds``     histogram  TPOT per request (first token excluded)
     ``refengine:request_queue_time_seconds``                histogram  arrival to first scheduled
     ``refengine:request_prefill_time_seconds``              histogram  first scheduled to first token
     ``refengine:request_decode_time_seconds``               histogram  first token to finish
@@ -305,12 +305,13 @@ class EngineMetrics:
         self.itl_hist = Histogram(
             "refengine:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
             buckets=ITL_BUCKETS_S, registry=r)
-        self.tpot_hist = Histogram(
-            "refengine:time_per_output_token_seconds", "Histogram of time per output token (TPOT) per request, seconds.",
-            buckets=ITL_BUCKETS_S, registry=r)
         self.e2e_hist = Histogram(
             "refengine:e2e_request_latency_seconds", "Histogram of end-to-end request latency in seconds.",
             buckets=REQUEST_LATENCY_BUCKETS_S, registry=r)
+        self.tpot_hist = Histogram(
+            "refengine:request_time_per_output_token_seconds",
+            "Histogram of time per output token (first token excluded) per request, seconds.",
+            buckets=ITL_BUCKETS_S, registry=r)
         self.queue_hist = Histogram(
             "refengine:request_queue_time_seconds", "Histogram of time spent waiting before first scheduled, seconds.",
             buckets=TTFT_BUCKETS_S, registry=r)

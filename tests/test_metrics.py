@@ -113,6 +113,7 @@ def test_exposition_names_types_and_values():
         "refengine:time_to_first_token_seconds": "histogram",
         "refengine:inter_token_latency_seconds": "histogram",
         "refengine:e2e_request_latency_seconds": "histogram",
+        "refengine:request_time_per_output_token_seconds": "histogram",
         "refengine:request_prompt_tokens": "histogram",
         "refengine:request_generation_tokens": "histogram",
     }
@@ -144,6 +145,9 @@ def test_exposition_names_types_and_values():
     assert s[("refengine:request_prompt_tokens_sum", ())] == 14
     assert s[("refengine:request_generation_tokens_sum", ())] == 8
     assert s[("refengine:request_queue_time_seconds_sum", ())] == pytest.approx(1.0)
+    # TPOT per request: (12.0 - 11.0) / 3 tokens after the first, twice
+    assert s[("refengine:request_time_per_output_token_seconds_count", ())] == 2
+    assert s[("refengine:request_time_per_output_token_seconds_sum", ())] == pytest.approx(2 / 3)
 
 
 def test_two_engines_do_not_clash():

@@ -136,8 +136,8 @@ def test_n_completions_all_count_in_metrics(tiny_llama_dir, caplog):
 
     assert sample("refengine:request_generation_tokens_sum") == 15
     assert sample("refengine:inter_token_latency_seconds_count") == 12
-    assert sample("refengine:time_per_output_token_seconds_count") == 1
-    assert sample("refengine:time_per_output_token_seconds_sum") == pytest.approx(m.tpot)
+    assert sample("refengine:request_time_per_output_token_seconds_count") == 1
+    assert sample("refengine:request_time_per_output_token_seconds_sum") == pytest.approx(m.tpot)
     assert sample("refengine:generation_tokens_total") == 15
     finished = [r.getMessage() for r in caplog.records if "finished:" in r.getMessage()]
     assert len(finished) == 1 and "output_tokens=15 " in finished[0]

@@ -141,3 +141,13 @@ def long_context_cmd(**kw):
 def sweep_cmd(latency_metric, min_gain, **kw):
     """One workload at concurrency 1, 2, 4 .. N: throughput and latency curves, and the knee."""
     run_sweep(_context(kw), latency_metric, min_gain, _build_llm)
+
+
+def _register_serve_bench() -> None:
+    """``bench serve``: the HTTP benchmark lives with the server (refengine/server/benchmark.py)."""
+    from refengine.server.benchmark import serve_bench
+
+    bench.add_command(serve_bench, "serve")
+
+
+_register_serve_bench()
