@@ -20,7 +20,6 @@ One step::
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from refengine.attention import get_attention_backend
+from refengine.config import read_generation_config
 from refengine.detokenizer import IncrementalDetokenizer
 from refengine.engine_args import EngineArgs
 from refengine.kv_cache import BlockManager, KVCache, cdiv
@@ -62,6 +62,46 @@ def as_token_ids(prompt) -> list[int]:
         if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
             raise ValueError(f"prompt token ids must be integers, got {t!r} ({type(t).__name__})")
     return [int(t) for t in items]
+
+
+def _load_tokenizer(model_dir, vocab_size: int):
+    """The model's tokenizer, or None without ``tokenizer.json`` (token-id prompts only,
+    e.g. tiny test models).
+
+    Raises:
+        ValueError: a broken tokenizer file (see ``Tokenizer.from_pretrained``), or a
+            tokenizer with more tokens than the model's vocabulary.
+    """
+    if not (model_dir / "tokenizer.json").is_file():
+        return None
+    from refengine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"{model_dir / 'tokenizer.json'} has {tokenizer.vocab_size} tokens but config.json's "
+                         f"'vocab_size' is {vocab_size}: the tokenizer does not belong to this model")
+    return tokenizer
+
+
+def _eos_token_ids(model_dir, model_config, tokenizer) -> set[int]:
+    """Every id that ends generation: config.json's and generation_config.json's
+    ``eos_token_id`` (an id or a list) and the tokenizer's EOS.
+
+    Raises:
+        ValueError: an id outside the vocabulary; the message names the file.
+    """
+    ids: set[int] = set()
+    gen = read_generation_config(model_dir)
+    for source, value in (("config.json", model_config.eos_token_id),
+                          ("generation_config.json", gen.get("eos_token_id"))):
+        for t in [value] if isinstance(value, int) else value or []:
+            if t >= model_config.vocab_size:
+                raise ValueError(f"{model_dir / source}: 'eos_token_id' {t} is outside the vocabulary "
+                                 f"[0, {model_config.vocab_size})")
+            ids.add(t)
+    if tokenizer is not None:
+        ids.update(tokenizer.eos_token_ids)
+    return ids
 
 
 @dataclass
@@ -111,6 +151,9 @@ class LLMEngine:
     def _init(self, args: EngineArgs) -> None:
         model_dir, model_config = args.model_config()
         config = args.create_engine_config(model_dir, model_config)  # every check before allocating
+        # The small files next, so a broken one fails before the weights are read.
+        self.tokenizer = _load_tokenizer(model_dir, model_config.vocab_size)
+        self.eos_token_ids = _eos_token_ids(model_dir, model_config, self.tokenizer)
         xp = np
         if config.device == "cuda":
             import cupy as xp
@@ -126,8 +169,6 @@ class LLMEngine:
                                 mc.num_key_value_heads, mc.head_dim, dtype=config.dtype, xp=xp)
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
         self.runner = ModelRunner(self.model, self.kv_cache)
-        self.tokenizer = self._load_tokenizer()
-        self.eos_token_ids = self._eos_token_ids()
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager,
                                    StopChecker(self.eos_token_ids, config.max_model_len))
         self.sampler = Sampler(eos_token_id=sorted(self.eos_token_ids))
@@ -185,31 +226,6 @@ class LLMEngine:
         logger.info("KV cache: %d blocks (%.2f GiB); activation peak %.2f GiB", budget // per_block,
                     budget / 2**30, activation_peak / 2**30)
         return int(budget // per_block)
-
-    def _load_tokenizer(self):
-        if not (self.model_dir / "tokenizer.json").is_file():
-            return None  # token-id prompts only (e.g. tiny test models)
-        from refengine.tokenizer import Tokenizer
-
-        return Tokenizer.from_pretrained(self.model_dir)
-
-    def _eos_token_ids(self) -> set[int]:
-        ids: set[int] = set()
-
-        def add(value):
-            if isinstance(value, int):
-                ids.add(value)
-            elif isinstance(value, list):
-                ids.update(v for v in value if isinstance(v, int))
-
-        add(self.model_config.eos_token_id)
-        gen = self.model_dir / "generation_config.json"
-        if gen.is_file():
-            with open(gen) as f:
-                add(json.load(f).get("eos_token_id"))
-        if self.tokenizer is not None:
-            add(sorted(self.tokenizer.eos_token_ids))
-        return ids
 
     # --- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,

@@ -8,13 +8,13 @@ and so ``safetensors.numpy``, the ``bfloat16`` type).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import ml_dtypes  # noqa: F401  (registers numpy's bfloat16 for safetensors)
 import numpy as np
 from safetensors import safe_open
 
+from refengine.config import read_json_object
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -23,11 +23,14 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     Raises:
         FileNotFoundError: no ``model.safetensors`` nor ``model.safetensors.index.json``,
             or a shard the index names is missing.
+        ValueError: an index that is not JSON or has no ``weight_map``.
     """
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
+        weight_map = read_json_object(index).get("weight_map")
+        if not (isinstance(weight_map, dict) and weight_map and all(isinstance(v, str) for v in weight_map.values())):
+            raise ValueError(f"{index}: 'weight_map' must be an object of tensor name -> shard file name")
+        shards = sorted(set(weight_map.values()))
         files = [model_dir / s for s in shards]
         for path in files:
             if not path.is_file():

@@ -27,6 +27,8 @@ from typing import Any
 
 import tokenizers
 
+from refengine.config import read_generation_config, read_json_object
+
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
@@ -42,6 +44,7 @@ class Tokenizer:
         tokenizer: tokenizers.Tokenizer,
         tokenizer_config: dict | None = None,
         generation_config: dict | None = None,
+        config_source: str = "tokenizer_config.json",
     ):
         """Wrap an already built ``tokenizers.Tokenizer``.
 
@@ -49,9 +52,11 @@ class Tokenizer:
             tokenizer: the Rust tokenizer (from ``tokenizer.json``).
             tokenizer_config: parsed ``tokenizer_config.json`` (may be empty).
             generation_config: parsed ``generation_config.json`` (may be empty).
+            config_source: where ``tokenizer_config`` came from, for error messages.
 
         Raises:
-            ValueError: a special token named in ``tokenizer_config`` is not in the vocabulary.
+            ValueError: a special token named in ``tokenizer_config`` is not a string or not
+                in the vocabulary; a chat template that is not a string.
         """
         self._tok = tokenizer
         self.config = dict(tokenizer_config or {})
@@ -65,11 +70,13 @@ class Tokenizer:
                 value = value.get("content")
             if value is None:
                 continue
+            if not isinstance(value, str):
+                raise ValueError(f"{config_source}: {key!r} must be a string, got {value!r}")
             if self._tok.token_to_id(value) is None:
-                raise ValueError(f"tokenizer_config {key} {value!r} is not in the vocabulary")
+                raise ValueError(f"{config_source}: {key} {value!r} is not in the vocabulary")
             self.special_tokens[key] = value
 
-        self.chat_template: str | None = self.config.get("chat_template")
+        self.chat_template: str | None = _chat_template(self.config.get("chat_template"), config_source)
         self.add_bos_token = bool(self.config.get("add_bos_token", False))
         self.add_eos_token = bool(self.config.get("add_eos_token", False))
         self.model_max_length: int | None = self.config.get("model_max_length")
@@ -81,18 +88,21 @@ class Tokenizer:
 
         Raises:
             FileNotFoundError: ``model_dir/tokenizer.json`` does not exist.
-            ValueError: a special token named in the config is not in the vocabulary.
+            ValueError: a file that ``tokenizers`` cannot read (e.g. ``{}``) or that is not
+                a JSON object, a special token named in the config that is not in the
+                vocabulary, a chat template that is not a string; the message names the file.
         """
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer file not found: {str(path)!r}")
-        tok = tokenizers.Tokenizer.from_file(str(path))
-        return cls(
-            tok,
-            _read_json(model_dir / "tokenizer_config.json"),
-            _read_json(model_dir / "generation_config.json"),
-        )
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:  # the Rust library raises a bare Exception ("Model missing" ...)
+            raise ValueError(f"{path}: not a tokenizer file that the tokenizers library can read: {e}") from None
+        config_path = model_dir / "tokenizer_config.json"
+        return cls(tok, read_json_object(config_path) if config_path.is_file() else {},
+                   read_generation_config(model_dir), config_source=str(config_path))
 
     # --- text <-> ids -----------------------------------------------------------------
 
@@ -234,10 +244,17 @@ class Tokenizer:
         return f"Tokenizer(vocab_size={self.vocab_size}, special_tokens={self.special_tokens})"
 
 
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    return json.loads(path.read_text(encoding="utf-8"))
+def _chat_template(value, source: str) -> str | None:
+    """``tokenizer_config.json``'s ``chat_template``: a string, or a list of named templates
+    (``[{"name": "default", "template": ...}, ...]``) of which the default one is used."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        if isinstance(named.get("default"), str):
+            return named["default"]
+    raise ValueError(f"{source}: 'chat_template' must be a string or a list of named templates "
+                     f"with a 'default' one, got {type(value).__name__}")
 
 
 def _as_list(value: int | list[int] | None) -> list[int]:
