@@ -276,6 +276,7 @@ class EngineConfig:
             before a GPU engine has measured its memory). bytes_per_block: one block
             across all layers, keys and values.
         gpu_memory_utilization: share of GPU memory the engine may use.
+        max_logprobs: most ``SamplingParams.logprobs`` a request may ask for.
         log_stats: log per-request lines and periodic stats. trace: record step events.
         scheduler_config: the scheduler's limits (``max_model_len`` and the token budget).
     """
@@ -290,6 +291,7 @@ class EngineConfig:
     num_kv_blocks: int | None
     bytes_per_block: int
     gpu_memory_utilization: float
+    max_logprobs: int
     log_stats: bool
     trace: bool
     scheduler_config: SchedulerConfig

@@ -21,6 +21,7 @@ One step::
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from refengine.sampling_params import SamplingParams
 from refengine.scheduler import Scheduler
 from refengine.sequence import CompletionOutput, RequestOutput, Sequence, SequenceStatus
 from refengine.stop import StopChecker
+from refengine.text import check_unicode
 
 logger = logging.getLogger("refengine")
 
@@ -51,17 +53,21 @@ def as_token_ids(prompt) -> list[int]:
     """A prompt given as token ids -> ``list[int]``.
 
     Raises:
-        ValueError: ``prompt`` is not a sequence of integers (Python or NumPy ints; bools
-            and floats are refused rather than truncated).
+        ValueError: ``prompt`` is not a list, tuple or 1-D NumPy array of integers (Python
+            or NumPy ints; bools and floats are refused rather than truncated, and so are
+            ``bytes``, which would otherwise read as a list of byte values).
     """
-    try:
-        items = list(prompt)
-    except TypeError:
-        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}") from None
-    for t in items:
+    if isinstance(prompt, (bytes, bytearray, memoryview)):
+        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__} "
+                         "(decode it first, e.g. prompt.decode('utf-8'))")
+    if isinstance(prompt, np.ndarray) and prompt.ndim == 1:
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple)):
+        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    for t in prompt:
         if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
             raise ValueError(f"prompt token ids must be integers, got {t!r} ({type(t).__name__})")
-    return [int(t) for t in items]
+    return [int(t) for t in prompt]
 
 
 def _load_tokenizer(model_dir, vocab_size: int):
@@ -237,17 +243,30 @@ class LLMEngine:
             prompt: text (tokenized with the special tokens the tokenizer config adds, e.g. a
                 BOS for Llama, none for SmolLM2, as vLLM does) or a list of token ids (used as is).
             sampling_params: defaults to ``SamplingParams()``.
+            arrival_time: ``time.monotonic()`` seconds (default: now).
         Raises:
-            ValueError: a duplicate id, an empty prompt, token ids outside the vocabulary,
-                a prompt of ``max_model_len`` tokens or more, or one that needs more KV
-                blocks than the whole pool; nothing is queued and no block is taken.
+            ValueError: a request id that is not a str or is in use; a prompt that is not a
+                str or a list of token ids (``bytes`` included), holds a lone surrogate
+                (the position is named), is empty, has ids outside the vocabulary, or has
+                ``max_model_len`` tokens or more; ``sampling_params`` that is not a
+                ``SamplingParams``, asks for more ``logprobs`` than ``max_logprobs``, for
+                more completions ``n`` than ``max_num_seqs``, or names stop token ids
+                outside the vocabulary. Nothing is queued and no block is taken.
         """
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams or None, got {type(sampling_params).__name__}")
         params = sampling_params or SamplingParams()
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a str, got {request_id!r} ({type(request_id).__name__})")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+        if arrival_time is not None and not (isinstance(arrival_time, (int, float)) and math.isfinite(arrival_time)):
+            raise ValueError(f"arrival_time={arrival_time!r} is invalid: must be None or finite seconds")
+        self._check_params(params)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{self.model_dir} has no tokenizer.json: pass prompts as token ids")
+            check_unicode(prompt, "the prompt")
             # special tokens as the tokenizer config says (a BOS for Llama, none for SmolLM2), as vLLM does
             text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
@@ -264,6 +283,20 @@ class LLMEngine:
                                             RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids)))
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """What a request's ``SamplingParams`` may ask of this engine (see :meth:`add_request`)."""
+        cfg = self.config
+        if params.logprobs is not None and params.logprobs > cfg.max_logprobs:
+            raise ValueError(f"SamplingParams.logprobs={params.logprobs} is more than this engine's "
+                             f"max_logprobs={cfg.max_logprobs} (an engine option)")
+        if params.n > cfg.scheduler_config.max_num_seqs:
+            raise ValueError(f"SamplingParams.n={params.n} is more than max_num_seqs={cfg.scheduler_config.max_num_seqs}: "
+                             "a request's completions must be able to run in one step")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"SamplingParams.stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab})")
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         n, limit = len(token_ids), self.config.max_model_len
@@ -450,7 +483,7 @@ class LLM:
         """
         if isinstance(prompts, np.ndarray):
             prompts = prompts.tolist()
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+        if isinstance(prompts, (str, bytes, bytearray)) or (isinstance(prompts, (list, tuple)) and prompts
                                         and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         prompts = list(prompts)

@@ -93,6 +93,8 @@ class EngineArgs:
         "bytes for the KV pool on the CPU (allocated lazily)", minimum=1))
     gpu_memory_utilization: float = field(default=0.9, metadata=_option(
         "share of GPU memory the engine may use, in (0, 1]", positive=True, maximum=1.0))
+    max_logprobs: int = field(default=20, metadata=_option(
+        "most log-probabilities a request may ask for per token (SamplingParams.logprobs)", minimum=0))
     log_stats: bool = field(default=True, metadata=_option(
         "no per-request and periodic stats logging", flag="--disable-log-stats"))
     trace: bool = field(default=False, metadata=_option(
@@ -120,7 +122,9 @@ class EngineArgs:
         if unknown:
             raise ValueError(f"unknown engine option(s) {', '.join(map(repr, unknown))}; "
                              f"engine options are: {', '.join(sorted(known))}")
-        return cls(model=None if model is None else str(model), **kwargs)
+        if isinstance(model, os.PathLike):
+            model = os.fspath(model)
+        return cls(model=model, **kwargs)
 
     @classmethod
     def cli_options(cls, f):
@@ -190,7 +194,7 @@ class EngineArgs:
                 check runs.
         Raises:
             ValueError: a device/backend mismatch, a dtype the device cannot run, a pool
-                smaller than one block, ``max_model_len`` beyond the model's context, the
+                smaller than one block or (on the CPU) larger than the machine's memory, ``max_model_len`` beyond the model's context, the
                 pool or the sliding window, or a token budget that cannot hold a prompt
                 without chunked prefill; the message names the values.
             RuntimeError: ``device="cuda"`` without a usable CuPy and GPU.
@@ -212,6 +216,13 @@ class EngineArgs:
             num_blocks = self.kv_cache_memory // per_block
         elif num_blocks is None:
             num_blocks = num_gpu_blocks
+        memory = _physical_memory() if device == "cpu" else None
+        if memory and num_blocks * per_block > memory:  # np.zeros would fail, or the OS kill us later
+            which = (f"num_kv_blocks={self.num_kv_blocks}" if self.num_kv_blocks is not None
+                     else f"kv_cache_memory={self.kv_cache_memory}")
+            raise ValueError(f"{which} makes a KV pool of {num_blocks * per_block / 2**30:.1f} GiB "
+                             f"({num_blocks} blocks of {per_block} bytes), more than this machine's "
+                             f"{memory / 2**30:.1f} GiB of memory")
         max_model_len = self.max_model_len
         if max_model_len is not None and max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's context "
@@ -236,7 +247,7 @@ class EngineArgs:
             model_dir=model_dir, model_config=mc, device=device, dtype=dtype, attention_backend=backend,
             layer_ops=LAYER_OPS_FOR_BACKEND[backend], block_size=self.block_size, num_kv_blocks=num_blocks,
             bytes_per_block=per_block, gpu_memory_utilization=self.gpu_memory_utilization,
-            log_stats=self.log_stats, trace=self.trace,
+            max_logprobs=self.max_logprobs, log_stats=self.log_stats, trace=self.trace,
             scheduler_config=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
                                              enable_chunked_prefill=self.enable_chunked_prefill,
                                              max_model_len=max_model_len))
@@ -271,6 +282,29 @@ def _python_type(fld: dataclasses.Field) -> type:
     return {"int": int, "float": float, "bool": bool, "str": str}[name]
 
 
+def _allowed(fld: dataclasses.Field) -> str:
+    """What a field accepts, in words (``"an integer >= 1 or None"``), for error messages."""
+    meta, want = fld.metadata, _python_type(fld)
+    if meta["choices"]:
+        text = "one of " + ", ".join(map(repr, meta["choices"]))
+    elif want is bool:
+        text = "True or False"
+    elif want is str:
+        text = "a non-empty str"
+    else:
+        kind = "an integer" if want is int else "a finite number"
+        low, high = meta["minimum"], meta["maximum"]
+        if meta["positive"]:
+            text = f"{kind} in (0, {high}]" if high is not None else f"{kind} > 0"
+        elif low is not None and high is not None:
+            text = f"{kind} in [{low}, {high}]"
+        elif low is not None:
+            text = f"{kind} >= {low}"
+        else:
+            text = kind
+    return text + (" or None" if "None" in str(fld.type) else "")
+
+
 def _check_field(fld: dataclasses.Field, value) -> None:
     """Type and range of one field's value.
 
@@ -282,27 +316,31 @@ def _check_field(fld: dataclasses.Field, value) -> None:
         return
     want = _python_type(fld)
     ok = isinstance(value, want) and not (want is not bool and isinstance(value, bool))
-    if want is float and isinstance(value, int) and not isinstance(value, bool):
+    if want is float and isinstance(value, (int, np.integer, np.floating)) and not isinstance(value, bool):
         ok = True
     if want is int and isinstance(value, np.integer):
         ok = True
+    if want is bool and isinstance(value, np.bool_):
+        ok = True
     if not ok:
-        raise ValueError(f"{name}={value!r} is invalid: must be {want.__name__}"
-                         f"{' or None' if 'None' in str(fld.type) else ''}, got {type(value).__name__}")
+        raise ValueError(f"{name}={value!r} is invalid: must be {_allowed(fld)}, got {type(value).__name__}")
     if meta["choices"] and value not in meta["choices"]:
         raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, meta['choices']))}")
+    if want is str and not value:
+        raise ValueError(f"{name}={value!r} is invalid: must be {_allowed(fld)}")
     if want in (int, float):
-        if want is float and not math.isfinite(value):
-            raise ValueError(f"{name}={value!r} is invalid: must be a finite number")
         low, high = meta["minimum"], meta["maximum"]
-        if meta["positive"] and not value > 0:
-            raise ValueError(f"{name}={value!r} is invalid: must be > 0" + (f" and <= {high}" if high else ""))
-        if low is not None and value < low:
-            raise ValueError(f"{name}={value!r} is invalid: must be an integer >= {low}" if want is int
-                             else f"{name}={value!r} is invalid: must be >= {low}")
-        if high is not None and value > high:
-            raise ValueError(f"{name}={value!r} is invalid: must be in (0, {high}]" if meta["positive"]
-                             else f"{name}={value!r} is invalid: must be <= {high}")
+        if ((want is float and not math.isfinite(value)) or (meta["positive"] and not value > 0)
+                or (low is not None and value < low) or (high is not None and value > high)):
+            raise ValueError(f"{name}={value!r} is invalid: must be {_allowed(fld)}")
+
+
+def _physical_memory() -> int | None:
+    """Bytes of RAM on this machine (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def resolve_device(device: str) -> str:

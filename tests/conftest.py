@@ -57,3 +57,33 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny-llama")
     tf.LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tok_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    """The tiny Llama with a character-level tokenizer (ids 0-2: ``<unk>``, ``<s>``, ``</s>``
+    (EOS); then printable ASCII and ``é€``), for tests of text prompts that need no real
+    model. Its decode of a concatenation is the concatenation of decodes, as byte-level
+    BPE's is, so ``text == decode(token_ids)`` holds exactly."""
+    import json
+    import os
+
+    import tokenizers
+
+    path = tmp_path_factory.mktemp("tiny-llama-tok")
+    for f in tiny_llama_dir.iterdir():
+        if f.name == "model.safetensors":
+            os.symlink(f, path / f.name)
+        else:
+            (path / f.name).write_bytes(f.read_bytes())
+    symbols = ["<unk>", "<s>", "</s>", *map(chr, range(32, 127)), "é", "€"]
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({s: i for i, s in enumerate(symbols)}, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex("."), behavior="isolated")
+    tok.decoder = tokenizers.decoders.Fuse()  # concatenates, no spaces between tokens
+    tok.add_special_tokens(symbols[:3])
+    tok.save(str(path / "tokenizer.json"))
+    chat = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+            "{% if add_generation_prompt %}assistant {% endif %}")
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>",
+                                                            "chat_template": chat}))
+    return path

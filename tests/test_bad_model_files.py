@@ -10,25 +10,19 @@ import re
 from pathlib import Path
 
 import pytest
-import tokenizers
 
 from refengine.engine import LLMEngine
 
 
 @pytest.fixture
-def model_dir(tiny_llama_dir, tmp_path) -> Path:
-    """A copy of the tiny Llama (weights linked, small files copied) with a small word-level
-    tokenizer, so every model file is present and can be broken one at a time."""
-    for f in tiny_llama_dir.iterdir():
-        if f.name == "model.safetensors":
-            os.symlink(f, tmp_path / f.name)
+def model_dir(tiny_llama_tok_dir, tmp_path) -> Path:
+    """A fresh copy of the tiny Llama with its word-level tokenizer (weights linked, small
+    files copied), so every model file is present and can be broken one at a time."""
+    for f in tiny_llama_tok_dir.iterdir():
+        if f.is_symlink():
+            os.symlink(os.readlink(f), tmp_path / f.name)
         else:
             (tmp_path / f.name).write_bytes(f.read_bytes())
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 50)}}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>"}))
     return tmp_path
 
 
@@ -137,9 +131,9 @@ def test_broken_model_files(model_dir, nothing_big_allocated, name, content, mes
 
 def test_a_tokenizer_bigger_than_the_vocabulary(model_dir, nothing_big_allocated):
     cfg = json.loads((model_dir / "config.json").read_text())
-    cfg["vocab_size"] = 40  # the tokenizer has 50 tokens
+    cfg["vocab_size"] = 90  # the tokenizer has 100 tokens
     (model_dir / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"tokenizer.json has 50 tokens but config.json's 'vocab_size' is 40"):
+    with pytest.raises(ValueError, match=r"tokenizer.json has 100 tokens but config.json's 'vocab_size' is 90"):
         LLMEngine(model_dir, log_stats=False)
 
 
@@ -163,8 +157,9 @@ def test_broken_shard_index(model_dir):
 def test_the_intact_copy_loads_and_runs(model_dir):
     """The fixture itself is sound: what fails above fails for the edit alone."""
     engine = LLMEngine(model_dir, log_stats=False, block_size=4, num_kv_blocks=8)
-    assert engine.eos_token_ids == {2} and engine.tokenizer.vocab_size == 50
-    engine.add_request("a", "w3 w4 w5", None)
+    assert engine.eos_token_ids == {2} and engine.tokenizer.vocab_size == 100
+    assert engine.tokenizer.decode(engine.tokenizer.encode("héllo €1")) == "héllo €1"
+    engine.add_request("a", "hello", None)
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.block_manager.num_free_blocks == 8

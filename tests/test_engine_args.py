@@ -24,7 +24,7 @@ BAD_COMBINATIONS = [
     ({"block_size": 0}, ["--block-size", "0"], r"block_size=0 is invalid: must be an integer >= 1"),
     ({"kv_cache_memory": 100}, ["--kv-cache-memory", "100"], r"kv_cache_memory=100 bytes holds no KV block"),
     ({"gpu_memory_utilization": 1.5}, ["--gpu-memory-utilization", "1.5"],
-     r"gpu_memory_utilization=1.5 is invalid: must be in \(0, 1.0\]"),
+     r"gpu_memory_utilization=1.5 is invalid: must be a finite number in \(0, 1.0\]"),
     ({"max_model_len": 100_000}, ["--max-model-len", "100000"],
      r"max_model_len=100000 exceeds the model's context \(max_position_embeddings=256"),
 ]
@@ -42,10 +42,11 @@ def test_unknown_option_is_named():
 
 
 def test_wrong_types_are_refused_before_loading():
-    for kwargs, message in [({"block_size": True}, "block_size=True is invalid: must be int, got bool"),
-                            ({"max_num_seqs": 2.5}, "max_num_seqs=2.5 is invalid: must be int"),
+    for kwargs, message in [({"block_size": True}, "block_size=True is invalid: must be an integer >= 1, got bool"),
+                            ({"max_num_seqs": 2.5}, "max_num_seqs=2.5 is invalid: must be an integer >= 1, got float"),
                             ({"device": "tpu"}, "device='tpu' is not one of 'cpu', 'cuda', 'auto'"),
-                            ({"gpu_memory_utilization": float("nan")}, "must be a finite number")]:
+                            ({"gpu_memory_utilization": float("nan")},
+                             r"gpu_memory_utilization=nan is invalid: must be a finite number in \(0, 1.0\]")]:
         with pytest.raises(ValueError, match=message):
             EngineArgs(**kwargs)
 
