@@ -126,6 +126,17 @@ class IncrementalDetokenizer:
                     break
         return longest
 
+    def checkpoint(self) -> tuple:
+        """The whole state, for :meth:`rollback` (O(1): tokens are only appended)."""
+        return (len(self._tokens), self._prefix_offset, self._read_offset, self._prefix_text, self.text,
+                self._emitted, self.finished)
+
+    def rollback(self, checkpoint: tuple) -> None:
+        """Return to the state :meth:`checkpoint` saw (a failed step is undone)."""
+        (num_tokens, self._prefix_offset, self._read_offset, self._prefix_text, self.text,
+         self._emitted, self.finished) = checkpoint
+        del self._tokens[num_tokens:]
+
     def get_delta(self) -> str:
         """Text added since the previous ``get_delta``/``finish`` that is safe to stream.
 

@@ -343,8 +343,12 @@ class LLMEngine:
             included, with ``finished=True``); ``[]`` when nothing was scheduled. Requests
             in the middle of a chunked prefill do not appear.
         Raises:
-            Whatever the model or sampler raises; the step's chunks are then not counted as
-            computed, so the next step redoes them (the engine stays consistent).
+            Whatever the model, the sampler or the stop rules (the detokenizer) raise. The
+            step is then undone: no token is appended, the chunks are not counted as
+            computed and each request's random generator is wound back, so the next step
+            redoes it exactly (``text == decode(token_ids)`` holds and every KV block stays
+            accounted for). Once the step is applied nothing after it raises: an error
+            while recording metrics is logged and the outputs are still returned.
         """
         t0 = time.monotonic()
         sched = self.scheduler.schedule()
@@ -357,41 +361,53 @@ class LLMEngine:
             if n == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens == len(seq) - 1:
                 num_decode += 1
         logits, sample_seqs = self.runner.execute(sched.scheduled)
-        out = self.sampler(logits, sample_seqs) if sample_seqs else None
-        # Only now, with every sampled token in hand, is the step applied (in one place).
-        sampled = [(seq, int(out.token_ids[i]), out.logprobs[i] if out.logprobs is not None else None)
-                   for i, seq in enumerate(sample_seqs)]
-        results = self.scheduler.postprocess(sched.scheduled, sampled)
+        rng_states = [seq.generator.bit_generator.state for seq in sample_seqs]
+        try:
+            out = self.sampler(logits, sample_seqs) if sample_seqs else None
+            # Only now, with every sampled token in hand, is the step applied (in one place, atomically).
+            sampled = [(seq, int(out.token_ids[i]), out.logprobs[i] if out.logprobs is not None else None)
+                       for i, seq in enumerate(sample_seqs)]
+            results = self.scheduler.postprocess(sched.scheduled, sampled)
+        except BaseException:
+            for seq, state in zip(sample_seqs, rng_states):  # so a seeded request redraws the same tokens
+                seq.generator.bit_generator.state = state
+            raise
+        # The step is applied; what follows only reports it, and finished requests leave first.
+        advanced = {seq.request_id: self.requests[seq.request_id] for seq, _ in results}
+        finished = [req for req in advanced.values() if req.finished]
+        for req in finished:
+            del self.requests[req.request_id]
+        try:
+            self._record_step(t0, sched, num_decode, results, advanced, finished)
+        except Exception:
+            logger.exception("recording the metrics of a step failed; the step's results stand")
+        return [self._make_output(req) for req in advanced.values()]
+
+    def _record_step(self, t0: float, sched, num_decode: int, results, advanced: dict, finished: list) -> None:
+        """The metrics and log lines of an applied step."""
         now = time.monotonic()
-        advanced: dict[str, Request] = {}
         for seq, _ in results:
-            req = self.requests[seq.request_id]
+            req = advanced[seq.request_id]
             first = req.metrics.first_token_time is None
             gap = req.metrics.on_token(now, seq.index)
             if first:
                 self.metrics.record_first_token(req.metrics.ttft)
             elif gap is not None:
                 self.metrics.record_token_latency(gap)
-            advanced[req.request_id] = req
-        outputs = [self._make_output(req) for req in advanced.values()]
         now = time.monotonic()
-        for req in advanced.values():
-            if req.finished:
-                del self.requests[req.request_id]
-                req.metrics.on_finished(now)
-                reason = req.seqs[0].finish_reason
-                self.metrics.record_finished(req.metrics, reason, req.request_id)
-                if self.config.log_stats:
-                    self._log_finished(req)
+        for req in finished:
+            req.metrics.on_finished(now)
+            self.metrics.record_finished(req.metrics, req.seqs[0].finish_reason, req.request_id)
+            if self.config.log_stats:
+                self._log_finished(req)
         self.metrics.record_step(step_start=t0, step_duration=now - t0,
                                  num_prefill_tokens=sched.num_tokens - num_decode, num_decode_tokens=num_decode,
-                                 num_generated_tokens=len(sampled), num_seqs=len(sched.scheduled),
+                                 num_generated_tokens=len(results), num_seqs=len(sched.scheduled),
                                  num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                                  kv_cache_usage=self.block_manager.usage, num_preemptions=len(sched.preempted))
         if self.config.log_stats and now - self._last_stats_log >= STATS_INTERVAL_S:
             self._last_stats_log = now
             logger.info(EngineMetrics.format_log_line(self.metrics.stats_since_last_log()))
-        return outputs
 
     def _make_output(self, req: Request) -> RequestOutput:
         """Format the request's state as a ``RequestOutput`` (changes nothing but the

@@ -138,6 +138,12 @@ class Scheduler:
                     ) -> list[tuple[Sequence, StopDecision | None]]:
         """Apply a step's results: the only place a step changes sequences.
 
+        All or nothing: the sampled tokens are appended and the stop rules run first (the
+        part that can fail, e.g. inside the detokenizer); if that raises, every sequence is
+        rolled back to its state before the call and the exception propagates, so the
+        step counts as not run and the next one redoes it. Only then do the chunks count
+        as computed and finished sequences leave the queues.
+
         Args:
             scheduled: what the step ran, ``(sequence, num_new_tokens)``: each chunk now
                 counts as computed.
@@ -147,17 +153,26 @@ class Scheduler:
             ``(sequence, decision)`` per sampled sequence; a sequence whose decision is not
             None has finished (``finish_reason``/``stop_reason`` set, blocks freed).
         """
+        checkpoints = []
+        decisions = []
+        try:
+            for seq, token, logprobs in sampled:
+                checkpoints.append((seq, seq.checkpoint()))
+                if logprobs is not None:
+                    seq.logprobs.append(logprobs)
+                if self.stop_checker is None:
+                    seq.output_token_ids.append(token)
+                    decisions.append(None)
+                else:
+                    decisions.append(self.stop_checker.append_and_check(seq, token))
+        except BaseException:
+            for seq, checkpoint in reversed(checkpoints):
+                seq.rollback(checkpoint)
+            raise
         for seq, n in scheduled:
             seq.num_computed_tokens += n
         results = []
-        for seq, token, logprobs in sampled:
-            if logprobs is not None:
-                seq.logprobs.append(logprobs)
-            if self.stop_checker is None:
-                seq.output_token_ids.append(token)
-                decision = None
-            else:
-                decision = self.stop_checker.append_and_check(seq, token)
+        for (seq, _, _), decision in zip(sampled, decisions):
             if decision is not None:
                 seq.finish_reason, seq.stop_reason = decision.finish_reason, decision.stop_reason
                 self.finish(seq)

@@ -81,6 +81,20 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
+    def checkpoint(self) -> tuple:
+        """The state a step's results change (outputs, logprobs, the detokenizer's text), for
+        :meth:`rollback`. O(1): lists only grow within a step, so their lengths suffice."""
+        detok = self.detokenizer.checkpoint() if self.detokenizer is not None else None
+        return len(self.output_token_ids), len(self.logprobs), detok
+
+    def rollback(self, checkpoint: tuple) -> None:
+        """Undo everything appended since :meth:`checkpoint` returned ``checkpoint``."""
+        num_outputs, num_logprobs, detok = checkpoint
+        del self.output_token_ids[num_outputs:]
+        del self.logprobs[num_logprobs:]
+        if detok is not None:
+            self.detokenizer.rollback(detok)
+
     def reset_for_recompute(self) -> None:
         """Preemption by recompute: drop the cache; prompt and outputs are kept."""
         self.status = SequenceStatus.WAITING
