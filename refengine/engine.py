@@ -262,7 +262,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
         if arrival_time is not None and not (isinstance(arrival_time, (int, float)) and math.isfinite(arrival_time)):
             raise ValueError(f"arrival_time={arrival_time!r} is invalid: must be None or finite seconds")
-        self._check_params(params)
+        self.check_sampling_params(params)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{self.model_dir} has no tokenizer.json: pass prompts as token ids")
@@ -284,8 +284,13 @@ class LLMEngine:
         for seq in seqs:
             self.scheduler.add(seq)
 
-    def _check_params(self, params: SamplingParams) -> None:
-        """What a request's ``SamplingParams`` may ask of this engine (see :meth:`add_request`)."""
+    def check_sampling_params(self, params: SamplingParams) -> None:
+        """Whether this engine can serve ``params`` (as :meth:`add_request` checks them).
+
+        Raises:
+            ValueError: more ``logprobs`` than ``max_logprobs``, more completions ``n`` than
+                ``max_num_seqs``, or stop token ids outside the vocabulary.
+        """
         cfg = self.config
         if params.logprobs is not None and params.logprobs > cfg.max_logprobs:
             raise ValueError(f"SamplingParams.logprobs={params.logprobs} is more than this engine's "
@@ -492,7 +497,7 @@ class LLM:
         Args:
             prompts: a string, a list of token ids, or a list of either.
             sampling_params: one for all prompts, or a list with one per prompt.
-            use_tqdm: show a progress bar.
+            use_tqdm: show a progress bar (on a terminal: none when stderr is redirected).
         Raises:
             ValueError: a bad prompt or a params list of the wrong length; no request is
                 left queued.
@@ -526,7 +531,7 @@ class LLM:
         if use_tqdm:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(ids), desc="Processed prompts", unit="req")
+            bar = tqdm(total=len(ids), desc="Processed prompts", unit="req", disable=None)  # None: TTY only
         try:
             while len(results) < len(ids) and any(rid in engine.requests for rid in ids):
                 for out in engine.step():

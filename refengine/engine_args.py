@@ -94,7 +94,7 @@ class EngineArgs:
     gpu_memory_utilization: float = field(default=0.9, metadata=_option(
         "share of GPU memory the engine may use, in (0, 1]", positive=True, maximum=1.0))
     max_logprobs: int = field(default=20, metadata=_option(
-        "most log-probabilities a request may ask for per token (SamplingParams.logprobs)", minimum=0))
+        "most log-probabilities a request may ask for per generated token (the logprobs sampling option)", minimum=0))
     log_stats: bool = field(default=True, metadata=_option(
         "no per-request and periodic stats logging", flag="--disable-log-stats"))
     trace: bool = field(default=False, metadata=_option(
@@ -139,7 +139,8 @@ class EngineArgs:
             name = fld.name.replace("_", "-")
             if fld.type in ("bool", bool):
                 if meta["flag"]:  # an inverted switch named as vLLM names it
-                    option = click.option(meta["flag"], f"cli_{fld.name}", is_flag=True, help=meta["help"])
+                    option = click.option(meta["flag"], f"cli_{fld.name}", is_flag=True, show_default="off",
+                                          help=meta["help"])
                 else:
                     option = click.option(f"--{name}/--no-{name}", f"cli_{fld.name}", default=fld.default,
                                           show_default=True, help=meta["help"])

@@ -15,23 +15,29 @@ from refengine.cli import main
 from refengine.engine_args import EngineArgs
 
 BAD_COMBINATIONS = [
-    # (Python keyword arguments, CLI flags, what the message must name)
+    # (Python keyword arguments, CLI flags, what the message must name in Python, and from the CLI)
     ({"device": "cpu", "attention_backend": "cuda"}, ["--device", "cpu", "--attention-backend", "cuda"],
-     r"attention_backend='cuda' runs on device='cuda', not on device='cpu'"),
+     r"attention_backend='cuda' runs on device='cuda', not on device='cpu'",
+     r"--attention-backend='cuda' runs on --device='cuda', not on --device='cpu'"),
     ({"enable_chunked_prefill": False, "max_num_batched_tokens": 32, "max_model_len": 64},
      ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "32", "--max-model-len", "64"],
-     r"enable_chunked_prefill=False, max_num_batched_tokens=32 must be >= max_model_len=64"),
-    ({"block_size": 0}, ["--block-size", "0"], r"block_size=0 is invalid: must be an integer >= 1"),
-    ({"kv_cache_memory": 100}, ["--kv-cache-memory", "100"], r"kv_cache_memory=100 bytes holds no KV block"),
+     r"enable_chunked_prefill=False, max_num_batched_tokens=32 must be >= max_model_len=64",
+     r"--no-enable-chunked-prefill, --max-num-batched-tokens=32 must be >= --max-model-len=64"),
+    ({"block_size": 0}, ["--block-size", "0"], r"block_size=0 is invalid: must be an integer >= 1",
+     r"--block-size=0 is invalid: must be an integer >= 1"),
+    ({"kv_cache_memory": 100}, ["--kv-cache-memory", "100"], r"kv_cache_memory=100 bytes holds no KV block",
+     r"--kv-cache-memory=100 bytes holds no KV block"),
     ({"gpu_memory_utilization": 1.5}, ["--gpu-memory-utilization", "1.5"],
-     r"gpu_memory_utilization=1.5 is invalid: must be a finite number in \(0, 1.0\]"),
+     r"gpu_memory_utilization=1.5 is invalid: must be a finite number in \(0, 1.0\]",
+     r"--gpu-memory-utilization=1.5 is invalid: must be a finite number in \(0, 1.0\]"),
     ({"max_model_len": 100_000}, ["--max-model-len", "100000"],
-     r"max_model_len=100000 exceeds the model's context \(max_position_embeddings=256"),
+     r"max_model_len=100000 exceeds the model's context \(max_position_embeddings=256",
+     r"--max-model-len=100000 exceeds the model's context \(max_position_embeddings=256"),
 ]
 
 
-@pytest.mark.parametrize("kwargs, flags, message", BAD_COMBINATIONS)
-def test_bad_values_and_pairs_from_python(tiny_llama_dir, kwargs, flags, message):
+@pytest.mark.parametrize("kwargs, flags, message, cli_message", BAD_COMBINATIONS)
+def test_bad_values_and_pairs_from_python(tiny_llama_dir, kwargs, flags, message, cli_message):
     with pytest.raises(ValueError, match=message):
         LLM(tiny_llama_dir, **kwargs)
 
@@ -55,12 +61,13 @@ COMMANDS = [["generate", "hi"], ["chat"], ["bench", "throughput", "--num-prompts
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
-@pytest.mark.parametrize("kwargs, flags, message", BAD_COMBINATIONS)
-def test_bad_values_and_pairs_from_every_cli_command(tiny_llama_dir, command, kwargs, flags, message):
+@pytest.mark.parametrize("kwargs, flags, message, cli_message", BAD_COMBINATIONS)
+def test_bad_values_and_pairs_from_every_cli_command(tiny_llama_dir, command, kwargs, flags, message, cli_message):
+    """The same errors, naming the flags as typed: one Error: line, exit status 2 (issue 11)."""
     res = CliRunner().invoke(main, command + ["--model", str(tiny_llama_dir), *flags])
-    assert res.exit_code != 0 and "Traceback" not in res.output, res.output
-    errors = [line for line in res.output.splitlines() if line.startswith("Error:")]
-    assert len(errors) == 1 and re.search(message, errors[0]), res.output
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    errors = res.stderr.splitlines()
+    assert len(errors) == 1 and errors[0].startswith("Error:") and re.search(cli_message, errors[0]), res.output
 
 
 def test_every_command_that_builds_an_engine_has_every_engine_flag():

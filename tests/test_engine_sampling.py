@@ -120,6 +120,6 @@ def test_cli_generate_json_and_chat(smollm2_dir):
 def test_cli_reports_bad_input_cleanly(smollm2_dir, tmp_path):
     runner = CliRunner()
     res = runner.invoke(main, ["generate", "--model", str(tmp_path / "missing"), "hi"])
-    assert res.exit_code == 1 and "does not exist" in res.output and "Traceback" not in res.output
+    assert res.exit_code == 2 and "does not exist" in res.output and "Traceback" not in res.output
     res = runner.invoke(main, ["generate", "--model", str(smollm2_dir), "--top-p", "1.5", "hi"])
-    assert res.exit_code == 1 and "SamplingParams.top_p=1.5 is invalid" in res.output
+    assert res.exit_code == 2 and res.stderr == "Error: --top-p=1.5 is invalid: must be in (0, 1]\n"

@@ -8,18 +8,33 @@ import os
 import click
 
 from refengine.bench.driver import build_llm
+from refengine.bench.hf_baseline import MISSING_TRANSFORMERS, transformers_available
 from refengine.bench.plot import MISSING_MATPLOTLIB, matplotlib_available
-from refengine.bench.scenarios import BenchContext, run_long_context, run_simple, run_sweep
+from refengine.bench.scenarios import BenchContext, llm_kwargs, run_long_context, run_simple, run_sweep
 from refengine.bench.workload import parse_len_range
-from refengine.cli import engine_options
+from refengine.cli import engine_options, fail, log_level_option
 from refengine.engine_args import EngineArgs, resolve_model_dir
 
 
-def _len_type(value):
-    try:
-        return parse_len_range(value)
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
+class LenRange(click.ParamType):
+    """A length flag: ``N`` or ``LO-HI`` (see :func:`parse_len_range`) -> ``(lo, hi)``."""
+
+    name = "N|LO-HI"
+
+    def convert(self, value, param, ctx):
+        try:
+            return parse_len_range(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+def _output_path(ctx, param, value):
+    """An output file's directory must exist, so a run is not lost at its very end."""
+    if value is not None:
+        parent = os.path.dirname(os.path.abspath(value))
+        if not os.path.isdir(parent):
+            raise click.BadParameter(f"the directory {parent!r} does not exist", ctx, param)
+    return value
 
 
 def _options(*, num_prompts: int, input_len: str, output_len: str, max_concurrency: int | None, compare: bool):
@@ -27,33 +42,37 @@ def _options(*, num_prompts: int, input_len: str, output_len: str, max_concurren
     engine flags of ``refengine generate`` (same names, same defaults)."""
     def deco(f):
         opts = [
-            click.option("--num-prompts", type=int, default=num_prompts, show_default=True,
+            click.option("--num-prompts", type=click.IntRange(min=1), default=num_prompts, show_default=True,
                          help="Number of requests."),
-            click.option("--input-len", default=input_len, show_default=True,
+            click.option("--input-len", type=LenRange(), default=input_len, show_default=True,
                          help="Prompt length in tokens: N, or LO-HI for seeded uniform lengths."),
-            click.option("--output-len", default=output_len, show_default=True,
+            click.option("--output-len", type=LenRange(), default=output_len, show_default=True,
                          help="Output length in tokens: N, or LO-HI (EOS ignored)."),
-            click.option("--max-concurrency", type=int, default=max_concurrency, show_default=True,
-                         help="Most requests in flight (unset: all submitted at once); "
-                              "--max-num-seqs is raised to it if lower."),
-            click.option("--seed", type=int, default=0, show_default=True, help="Workload seed."),
-            click.option("--dataset-dir", default=None, help="Directory of .txt files to cut prompts from "
-                         "(default: the corpus shipped with refengine.bench)."),
-            click.option("--json", "json_path", default=None, help="Write every figure and the engine settings here."),
-            click.option("--plot", "plot_path", default=None,
+            click.option("--max-concurrency", type=click.IntRange(min=1), default=max_concurrency,
+                         show_default="all submitted at once" if max_concurrency is None else True,
+                         help="Most requests in flight; --max-num-seqs is raised to it if lower."),
+            click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Workload seed."),
+            click.option("--dataset-dir", type=click.Path(exists=True, file_okay=False), default=None,
+                         show_default="the corpus shipped with refengine.bench",
+                         help="Directory of .txt files to cut prompts from."),
+            click.option("--json", "json_path", default=None, callback=_output_path, show_default="none",
+                         help="Write every figure and the engine settings here."),
+            click.option("--plot", "plot_path", default=None, callback=_output_path, show_default="none",
                          help="Write a PNG of the results here (needs matplotlib)."),
-            click.option("--trace", "trace_path", default=None,
+            click.option("--trace", "trace_path", default=None, callback=_output_path, show_default="none",
                          help="Write a Chrome trace (Perfetto) of the engine steps here."),
-            click.option("--disable-tqdm", is_flag=True, help="No progress bars."),
-            click.option("--no-warmup", is_flag=True, help="Skip the two warm-up requests."),
+            click.option("--disable-tqdm", is_flag=True, show_default="off",
+                         help="No progress bars (there are none anyway when stderr is not a terminal)."),
+            click.option("--no-warmup", is_flag=True, show_default="off", help="Skip the two warm-up requests."),
         ]
         if compare:
             opts += [
-                click.option("--compare-transformers", is_flag=True,
-                             help="Also run the requests through transformers generate (same run)."),
-                click.option("--hf-batch-size", type=int, default=None,
-                             help="transformers batch size (default: --max-concurrency, else "
-                                  "--max-num-seqs capped at 32)."),
+                click.option("--compare-transformers", is_flag=True, show_default="off",
+                             help="Also run the requests through transformers generate (same run; needs the "
+                                  "compare extra: torch and transformers)."),
+                click.option("--hf-batch-size", type=click.IntRange(min=1), default=None,
+                             show_default="--max-concurrency, else --max-num-seqs capped at 32",
+                             help="transformers batch size."),
                 click.option("--hf-dtype", type=click.Choice(["float32", "float16", "bfloat16"]),
                              default="float32", show_default=True, help="transformers weight dtype."),
             ]
@@ -64,38 +83,68 @@ def _options(*, num_prompts: int, input_len: str, output_len: str, max_concurren
 
 
 def _context(kw: dict) -> BenchContext:
-    """The scenario's context from the command's flags.
-
-    A missing model directory, or ``--plot`` without matplotlib, ends the command before
-    any work is done.
+    """The scenario's context from the command's flags, every one checked before the
+    model is loaded: the engine flags resolved against the model's config.json with the
+    scenario's own adjustments (see :mod:`refengine.bench.scenarios`), the workload's
+    longest request against the model's context and ``--max-model-len``, and the optional
+    libraries ``--plot`` and ``--compare-transformers`` need.
     """
     try:
-        engine_kw = dataclasses.asdict(EngineArgs.from_cli(kw))  # every engine flag checked here
+        args = EngineArgs.from_cli(kw)
     except ValueError as e:
-        raise click.ClickException(str(e)) from None
+        fail(str(e))
+    engine_kw = dataclasses.asdict(args)
     engine_kw["model"] = str(resolve_model_dir(engine_kw["model"]))
-    if not os.path.isdir(engine_kw["model"]):
-        raise click.UsageError(f"model directory {engine_kw['model']!r} not found (set --model or $REFENGINE_MODEL)")
     if kw["plot_path"] and not matplotlib_available():
-        raise click.ClickException(MISSING_MATPLOTLIB)
-    return BenchContext(engine_kwargs=engine_kw, num_prompts=kw["num_prompts"], input_len=_len_type(kw["input_len"]),
-                        output_len=_len_type(kw["output_len"]), max_concurrency=kw["max_concurrency"],
-                        seed=kw["seed"], json_path=kw["json_path"], plot_path=kw["plot_path"],
-                        trace_path=kw["trace_path"], data_dir=kw["dataset_dir"], progress=not kw["disable_tqdm"],
-                        compare_transformers=kw.get("compare_transformers", False),
-                        hf_batch_size=kw.get("hf_batch_size"), hf_dtype=kw.get("hf_dtype", "float32"),
-                        warmup=not kw["no_warmup"])
+        fail(MISSING_MATPLOTLIB, exit_code=1)
+    if kw.get("compare_transformers") and not transformers_available():
+        fail(MISSING_TRANSFORMERS, exit_code=1)
+    ctx = BenchContext(engine_kwargs=engine_kw, num_prompts=kw["num_prompts"], input_len=kw["input_len"],
+                       output_len=kw["output_len"], max_concurrency=kw["max_concurrency"],
+                       seed=kw["seed"], json_path=kw["json_path"], plot_path=kw["plot_path"],
+                       trace_path=kw["trace_path"], data_dir=kw["dataset_dir"], progress=not kw["disable_tqdm"],
+                       compare_transformers=kw.get("compare_transformers", False),
+                       hf_batch_size=kw.get("hf_batch_size"), hf_dtype=kw.get("hf_dtype", "float32"),
+                       warmup=not kw["no_warmup"])
+    _check_workload(ctx, args)
+    return ctx
+
+
+def _check_workload(ctx: BenchContext, args: EngineArgs) -> None:
+    """Fail now, with the flags named, if the engine cannot be built or cannot run the
+    workload's longest request (nothing big is loaded here: config.json is read and the
+    engine config resolved)."""
+    need = ctx.input_len[1] + ctx.output_len[1]
+    lengths = f"--input-len up to {ctx.input_len[1]} + --output-len up to {ctx.output_len[1]} = {need} tokens"
+    try:
+        model_dir, model_config = args.model_config()
+        context = model_config.max_position_embeddings
+        max_model_len = args.max_model_len or min(ctx.needed_model_len(), context)
+        resolved = llm_kwargs({**ctx.engine_kwargs, "max_model_len": max_model_len})
+        EngineArgs(**resolved).create_engine_config(model_dir, model_config)  # the engine flags first
+    except (ValueError, FileNotFoundError) as e:
+        fail(str(e))
+    except (RuntimeError, ImportError) as e:
+        fail(str(e), exit_code=1)
+    if need > context:
+        fail(f"the longest request ({lengths}) does not fit the model's context of {context} tokens "
+             f"(max_position_embeddings in {model_dir / 'config.json'})")
+    if args.max_model_len is not None and need > args.max_model_len:
+        fail(f"the longest request ({lengths}) does not fit --max-model-len={args.max_model_len}")
 
 
 def _build_llm(engine_kw: dict):
     """:func:`build_llm`, with bad engine settings ending the command with their message (as ``generate``)."""
     try:
         return build_llm(engine_kw)
-    except (ValueError, FileNotFoundError, RuntimeError, ImportError) as e:
-        raise click.ClickException(str(e)) from None
+    except (ValueError, FileNotFoundError) as e:
+        fail(str(e))
+    except (RuntimeError, ImportError) as e:
+        fail(str(e), exit_code=1)
 
 
 @click.group("bench")
+@log_level_option
 def bench():
     """Throughput and latency benchmarks (see `refengine bench SCENARIO --help`).
 
@@ -136,7 +185,7 @@ def long_context_cmd(**kw):
 @_options(num_prompts=16, input_len="128", output_len="64", max_concurrency=16, compare=False)
 @click.option("--latency-metric", type=click.Choice(["tpot", "ttft", "e2e", "itl"]), default="tpot",
               show_default=True, help="Latency whose climb marks the knee.")
-@click.option("--min-gain", type=float, default=0.10, show_default=True,
+@click.option("--min-gain", type=click.FloatRange(min=0, max=1), default=0.10, show_default=True,
               help="Relative throughput gain below which growth counts as stopped.")
 def sweep_cmd(latency_metric, min_gain, **kw):
     """One workload at concurrency 1, 2, 4 .. N: throughput and latency curves, and the knee."""

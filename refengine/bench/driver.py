@@ -159,7 +159,7 @@ def run_engine(engine, requests: Sequence[BenchRequest], *, max_concurrency: int
         requests: the workload; request ids must be unique within the engine.
         max_concurrency: most requests in flight; None adds them all before the first step.
         label: names the run in tables and plots.
-        progress: show a tqdm bar of finished requests.
+        progress: show a tqdm bar of finished requests (only when stderr is a terminal).
         sampling_params_factory: ``output_len -> SamplingParams``; default greedy, ignore_eos.
 
     Returns:
@@ -185,7 +185,7 @@ def run_engine(engine, requests: Sequence[BenchRequest], *, max_concurrency: int
     metrics = getattr(engine, "metrics", None)
     t_start_mono = time.monotonic()
     t_start = time.perf_counter()
-    with tqdm(total=len(requests), desc=label, unit="req", disable=not progress, leave=False) as bar:
+    with tqdm(total=len(requests), desc=label, unit="req", disable=None if progress else True, leave=False) as bar:
         while pending or in_flight:
             while pending and len(in_flight) < limit:
                 req = pending.popleft()

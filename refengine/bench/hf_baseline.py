@@ -11,6 +11,7 @@ when the batch starts and finish when ``generate`` returns.
 from __future__ import annotations
 
 import gc
+import importlib.util
 import time
 from typing import Sequence
 
@@ -20,6 +21,13 @@ from refengine.metrics import RequestMetrics
 
 # transformers pads each batch to its longest prompt and output, so a user batches modestly.
 HF_DEFAULT_BATCH = 32
+MISSING_TRANSFORMERS = ("--compare-transformers needs torch and transformers, which are not installed: "
+                        "pip install 'refengine[compare]'")
+
+
+def transformers_available() -> bool:
+    """Whether torch and transformers can be imported (checked without importing them)."""
+    return all(importlib.util.find_spec(name) is not None for name in ("torch", "transformers"))
 
 
 def run_transformers(model_dir: str, requests: Sequence[BenchRequest], *, batch_size: int,
@@ -77,7 +85,7 @@ def run_transformers(model_dir: str, requests: Sequence[BenchRequest], *, batch_
 
     results: list[RequestResult] = []
     t_start = time.perf_counter()
-    with tqdm(total=len(requests), desc=label, unit="req", disable=not progress, leave=False) as bar:
+    with tqdm(total=len(requests), desc=label, unit="req", disable=None if progress else True, leave=False) as bar:
         for i in range(0, len(requests), batch_size):
             batch = requests[i:i + batch_size]
             clock = StepClock()

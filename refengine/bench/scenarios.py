@@ -141,9 +141,9 @@ def _maybe_compare(ctx: BenchContext, ours: RunResult, requests) -> tuple[list[R
     batch = ctx.hf_batch_size or ctx.max_concurrency or min(ctx.engine_kwargs["max_num_seqs"], HF_DEFAULT_BATCH)
     device = ctx.engine_kwargs["device"]
     if device == "auto":  # torch needs a concrete device: the one the engine picked
-        from refengine.engine import resolve_device
+        from refengine.engine_args import resolve_device
 
-        device = resolve_device(device)[0]
+        device = resolve_device(device)
     theirs = run_transformers(str(ctx.engine_kwargs["model"]), requests, batch_size=batch, progress=ctx.progress,
                               device=device, dtype=ctx.hf_dtype)
     ctx.echo(format_run(theirs))
