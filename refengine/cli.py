@@ -182,16 +182,21 @@ SAMPLING_KEYS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "m
                  "frequency_penalty", "repetition_penalty", "ignore_eos", "include_stop_str_in_output", "logprobs")
 
 
-def build_engine(args: EngineArgs):
-    """The engine of a command's engine flags.
-
-    Raises:
-        ValueError: an invalid value or combination; FileNotFoundError: no model;
-        RuntimeError, ImportError: no usable device or library.
-    """
+def build_engine(kw: dict):
+    """The engine of a command's engine flags (taken out of ``kw``). A bad value ends the
+    command with its message and exit status 2; a missing device or library with 1."""
     from refengine.engine import LLMEngine
 
-    return LLMEngine.from_engine_args(args)
+    try:
+        args = EngineArgs.from_cli(kw)
+    except ValueError as e:
+        fail(str(e))
+    try:
+        return LLMEngine.from_engine_args(args)
+    except (ValueError, FileNotFoundError) as e:
+        fail(str(e))
+    except (RuntimeError, ImportError) as e:
+        fail(str(e), exit_code=1)
 
 
 def build_params(kw: dict) -> SamplingParams:
@@ -205,21 +210,19 @@ def build_params(kw: dict) -> SamplingParams:
 
 
 def setup(kw: dict):
-    """(engine, params, engine args) from the command's flags; every flag is checked
-    before the model is loaded, and a bad one ends the command with its message."""
+    """(engine, params, the --max-model-len given or None) from the command's flags; every
+    flag is checked before the model is loaded, and a bad one ends the command."""
     try:
         params = build_params(kw)
-        args = EngineArgs.from_cli(kw)
     except ValueError as e:
         fail(str(e))
+    max_model_len = kw["cli_max_model_len"]
+    engine = build_engine(kw)
     try:
-        engine = build_engine(args)
-        engine.check_sampling_params(params)
-        return engine, params, args
-    except (ValueError, FileNotFoundError) as e:
+        engine.check_sampling_params(params)  # what only the loaded engine knows (vocabulary, limits)
+    except ValueError as e:
         fail(str(e))
-    except (RuntimeError, ImportError) as e:
-        fail(str(e), exit_code=1)
+    return engine, params, max_model_len
 
 
 def require_tokenizer(engine):
@@ -234,7 +237,8 @@ def setup_logging(level: str) -> None:
     logging.getLogger().setLevel(getattr(logging, level.upper()))
 
 
-def length_note(engine, args: EngineArgs, params: SamplingParams, completion, num_prompt_tokens: int) -> str | None:
+def length_note(engine, max_model_len_flag: int | None, params: SamplingParams, completion,
+                num_prompt_tokens: int) -> str | None:
     """Why a completion was cut, naming the limit as a flag (None if it was not cut).
 
     ``finish_reason="length"`` is either ``--max-tokens`` or ``max_model_len`` (prompt plus
@@ -246,7 +250,7 @@ def length_note(engine, args: EngineArgs, params: SamplingParams, completion, nu
     if params.max_tokens is not None and len(completion.token_ids) >= params.max_tokens:
         return f"finish_reason=length: the answer reached --max-tokens={params.max_tokens}"
     limit = engine.config.max_model_len
-    if args.max_model_len is not None:
+    if max_model_len_flag is not None:
         which = "set by --max-model-len"
     elif limit < engine.model_config.max_position_embeddings:
         which = "what the KV pool holds: raise --kv-cache-memory or --num-kv-blocks"
@@ -327,7 +331,7 @@ def generate(prompts, chat, as_json, **kw):
     """
     if kw["logprobs"] is not None and not as_json:
         fail("--logprobs needs --json: log-probabilities are printed only in the JSON output")
-    engine, params, args = setup(kw)
+    engine, params, max_model_len_flag = setup(kw)
     tok = require_tokenizer(engine)
     for i, prompt in enumerate(prompts):
         try:
@@ -359,7 +363,7 @@ def generate(prompts, chat, as_json, **kw):
             }))
         elif not stream:
             click.echo(f"--- [{i}] {prompts[i]!r}\n{c.text}")
-        note = length_note(engine, args, params, c, len(out.prompt_token_ids))
+        note = length_note(engine, max_model_len_flag, params, c, len(out.prompt_token_ids))
         if note and not as_json:
             click.echo(f"[{note}]" if stream else f"[{i}: {note}]", err=True)
     click.echo(summary_line([finished[str(i)] for i in range(len(prompts))], elapsed), err=True)
@@ -378,7 +382,7 @@ def chat(system, **kw):
     """
     if kw["logprobs"] is not None:
         fail("--logprobs is not shown by chat: use `refengine generate --json --logprobs N`")
-    engine, params, args = setup(kw)
+    engine, params, max_model_len_flag = setup(kw)
     tok = require_tokenizer(engine)
     if hasattr(sys.stdin, "reconfigure"):  # undecodable bytes reach us as lone surrogates, not an exception
         sys.stdin.reconfigure(errors="surrogateescape")
@@ -428,7 +432,7 @@ def chat(system, **kw):
         click.echo()
         history.append({"role": "assistant", "content": "".join(answer)})
         if last is not None and last.finished:
-            note = length_note(engine, args, params, last.outputs[0], len(prompt_ids))
+            note = length_note(engine, max_model_len_flag, params, last.outputs[0], len(prompt_ids))
             if note and "max_model_len" in note:
                 note += "; the next turn will not fit: /reset clears the history"
             if note:

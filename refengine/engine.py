@@ -301,7 +301,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
-            raise ValueError(f"SamplingParams.stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab})")
+            raise ValueError(f"SamplingParams.stop_token_ids={params.stop_token_ids!r} is invalid: {bad[0]} is "
+                             f"outside the vocabulary [0, {vocab})")
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         n, limit = len(token_ids), self.config.max_model_len

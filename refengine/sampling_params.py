@@ -126,7 +126,7 @@ class SamplingParams:
         if any((not isinstance(s, str)) or s == "" for s in self._stop):
             raise bad("stop", self.stop, "a non-empty string or a list of non-empty strings")
         for s in self._stop:
-            check_unicode(s, f"SamplingParams.stop string {s!r}")
+            check_unicode(s, f"SamplingParams.stop={s!r}")
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise bad("stop_token_ids", self.stop_token_ids, "None or a list of integers >= 0")
         self.stop_token_ids = [int(t) if is_int(t) else t for t in self.stop_token_ids or []]

@@ -128,15 +128,15 @@ def test_bad_sampling_field(name, value):
         SamplingParams(**{name: value})
     message = str(e.value)
     if isinstance(value, str) and re.search(r"[\ud800-\udfff]", value) or value == ["\ud800"]:
-        assert re.match(rf"SamplingParams.stop string .* is not valid Unicode: lone surrogate U\+D[89A-F]\w\w "
-                        rf"at position \d", message), message
+        assert re.match(r"SamplingParams.stop='.*' is not valid Unicode: lone surrogate U\+D[89A-F]\w\w "
+                        r"at position \d", message), message
     else:
         assert message.startswith(f"SamplingParams.{name}="), message
         assert " is invalid: must be " in message, message
 
 
 def test_a_lone_surrogate_names_the_byte():
-    with pytest.raises(ValueError, match=r"stop string 'caf\\udce9' is not valid Unicode: lone surrogate U\+DCE9 at "
+    with pytest.raises(ValueError, match=r"SamplingParams.stop='caf\\udce9' is not valid Unicode: lone surrogate U\+DCE9 at "
                                          r"position 3: the byte 0xE9 is not UTF-8"):
         SamplingParams(stop="caf\udce9")
 
@@ -194,8 +194,8 @@ ADD_REQUEST_CASES = [
     ("r", [5], SamplingParams(logprobs=6), None, r"SamplingParams.logprobs=6 is more than this engine's "
                                                   r"max_logprobs=5"),
     ("r", [5], SamplingParams(n=5), None, r"SamplingParams.n=5 is more than max_num_seqs=4"),
-    ("r", [5], SamplingParams(stop_token_ids=[10**9]), None, r"SamplingParams.stop_token_ids: 1000000000 is "
-                                                             r"outside the vocabulary \[0, 211\)"),
+    ("r", [5], SamplingParams(stop_token_ids=[10**9]), None, r"SamplingParams.stop_token_ids=\[1000000000\] is "
+                                                             r"invalid: 1000000000 is outside the vocabulary \[0, 211\)"),
     ("r", [5], GOOD, NAN, r"arrival_time=nan is invalid: must be None or finite seconds"),
     ("r", [5], GOOD, "now", r"arrival_time='now' is invalid"),
 ]

@@ -20,7 +20,7 @@ from refengine.cli import main
 from refengine.engine_args import EngineArgs
 
 COMMANDS = [["generate", "hi"], ["chat"], ["bench", "throughput", "--num-prompts", "1", "--input-len", "8",
-                                           "--output-len", "8"]]
+                                           "--output-len", "8"], ["serve"]]
 
 
 @pytest.fixture

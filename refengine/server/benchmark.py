@@ -457,10 +457,11 @@ def run_benchmark(base_url: str, opts: dict) -> dict:
 @click.option("--base-url", default="http://127.0.0.1:8000", show_default=True,
               help="the server to load (ignored with --launch-server)")
 @click.option("--endpoint", type=click.Choice(["/v1/completions", "/v1/chat/completions"]),
-              default="/v1/completions", show_default=True)
+              default="/v1/completions", show_default=True, help="the OpenAI endpoint to load")
 @click.option("--model", default=None, help="model name to send (default: the server's first)")
-@click.option("--api-key", default=None, envvar="OPENAI_API_KEY", help="bearer key (or $OPENAI_API_KEY)")
-@click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None,
+@click.option("--api-key", default=None, envvar="OPENAI_API_KEY", show_default="none",
+              help="bearer key (or $OPENAI_API_KEY)")
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None, show_default="none",
               help="chat (short in, short out), generation (short in, long out), "
                    "long-document (long in, short out); explicit flags override it")
 @click.option("--num-prompts", type=click.IntRange(min=1), default=None, help=f"default {DEFAULTS['num_prompts']}")
@@ -472,19 +473,21 @@ def run_benchmark(base_url: str, opts: dict) -> dict:
               help="requests/s (Poisson), inf = all at once; a comma list sweeps (1,2,4,inf)")
 @click.option("--burstiness", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
               help="gamma shape of the arrival gaps: 1 Poisson, <1 burstier, >1 more regular")
-@click.option("--max-concurrency", type=click.IntRange(min=1), default=None, help="most requests in flight")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--max-concurrency", type=click.IntRange(min=1), default=None, show_default="no limit",
+              help="most requests in flight")
+@click.option("--seed", type=int, default=0, show_default=True, help="seed of the prompts and arrival times")
 @click.option("--percentiles", default="50,90,99", show_default=True, help="comma-separated, 0-100")
-@click.option("--goodput", multiple=True, metavar="KEY:MS",
+@click.option("--goodput", multiple=True, metavar="KEY:MS", show_default="none",
               help="service-level limit, repeatable: ttft:500 tpot:50 e2el:10000")
 @click.option("--num-warmups", type=click.IntRange(min=0), default=1, show_default=True,
               help="requests sent (2 tokens each) before measuring")
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="seconds per request")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the report here")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, show_default="none",
+              help="write the report here")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, show_default="none",
               help="PNG of TTFT / TPOT percentiles against the request rate")
-@click.option("--launch-server", is_flag=True, help="start `refengine serve` on a free loopback port for the run")
-@click.option("--server-args", default="", help="flags for the launched server, one string ('--model DIR ...')")
+@click.option("--launch-server", is_flag=True, show_default="off", help="start `refengine serve` on a free loopback port for the run")
+@click.option("--server-args", default="", show_default="none", help="flags for the launched server, one string ('--model DIR ...')")
 @click.option("--launch-timeout", type=float, default=600.0, show_default=True,
               help="seconds to wait for the launched server to be healthy")
 def serve_bench(base_url, endpoint, model, api_key, preset, num_prompts, input_len, output_len, request_rate,

@@ -32,20 +32,18 @@ def make_serve_command(engine_options, build_engine) -> click.Command:
     @engine_options
     @click.option("--host", default="127.0.0.1", show_default=True,
                   help="address to bind (0.0.0.0 exposes the server to the network)")
-    @click.option("--port", type=int, default=8000, show_default=True)
+    @click.option("--port", type=int, default=8000, show_default=True, help="TCP port to listen on")
     @click.option("--served-model-name", default=None,
                   help="the model name clients send (default: the model directory's name)")
-    @click.option("--api-key", default=None, envvar="REFENGINE_API_KEY",
+    @click.option("--api-key", default=None, envvar="REFENGINE_API_KEY", show_default="none",
                   help="require 'Authorization: Bearer KEY' on /v1/* (or $REFENGINE_API_KEY)")
     @click.option("--max-waiting-requests", type=click.IntRange(min=1), default=1024, show_default=True,
                   help="answer 503 while this many sequences wait to be scheduled")
     @click.option("--max-n", type=click.IntRange(min=1), default=16, show_default=True, help="largest n per request")
-    @click.option("--max-logprobs", type=click.IntRange(min=0), default=20, show_default=True,
-                  help="largest logprobs / top_logprobs")
     @click.option("--max-body-bytes", type=click.IntRange(min=1), default=4 * 1024 * 1024, show_default=True,
                   help="largest request body in bytes (413 above)")
-    @click.option("--disable-log-requests", is_flag=True, help="no access line per request")
-    def serve(host, port, served_model_name, api_key, max_waiting_requests, max_n, max_logprobs, max_body_bytes,
+    @click.option("--disable-log-requests", is_flag=True, show_default="off", help="no access line per request")
+    def serve(host, port, served_model_name, api_key, max_waiting_requests, max_n, max_body_bytes,
               disable_log_requests, **kw):
         """Serve the model over HTTP with OpenAI's API (completions, chat, models, tokenize, metrics)."""
         try:
@@ -62,7 +60,8 @@ def make_serve_command(engine_options, build_engine) -> click.Command:
         except (ValueError, FileNotFoundError, RuntimeError, ImportError) as e:
             fail(str(e))
         name = served_model_name or engine.model_dir.name
-        limits = ServerLimits(max_body_bytes=max_body_bytes, max_n=max_n, max_logprobs=max_logprobs,
+        # --max-logprobs is the engine option (EngineArgs.max_logprobs): one limit for both
+        limits = ServerLimits(max_body_bytes=max_body_bytes, max_n=max_n, max_logprobs=engine.config.max_logprobs,
                               max_waiting_requests=max_waiting_requests)
         app = create_app(engine, served_model_name=name, api_key=api_key, limits=limits,
                          log_requests=not disable_log_requests)
