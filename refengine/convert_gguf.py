@@ -336,10 +336,17 @@ def _tokenizer_config(meta: dict, config: dict) -> dict:
 
 @contextlib.contextmanager
 def _atomic(path: Path):
-    """Yield a temporary sibling of ``path``; rename it onto ``path`` if the body succeeds."""
+    """Yield a temporary sibling of ``path``; rename it onto ``path`` if the body succeeds.
+
+    The file gets the mode a new file gets here (0644 under the usual umask): some writers
+    (safetensors) create theirs 0600, which would hide the weights from other users.
+    """
     tmp = path.with_name(path.name + ".tmp")
     try:
         yield tmp
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

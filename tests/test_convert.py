@@ -95,6 +95,22 @@ def test_non_llama_architecture_is_named(tmp_path):
         convert_gguf(path, tmp_path / "out")
 
 
+def test_written_files_get_the_usual_mode(tmp_path):
+    """safetensors creates its file 0600; the converter's files get what a new file gets (0644
+    under umask 022), so model.safetensors is as readable as the JSON files beside it."""
+    from safetensors.numpy import save_file
+
+    from refengine.convert_gguf import _atomic, _write_json
+
+    with _atomic(tmp_path / "model.safetensors") as tmp:
+        save_file({"w": np.zeros(2, np.float32)}, str(tmp))
+    _write_json(tmp_path / "config.json", {})
+    (tmp_path / "plain").write_text("")
+    want = (tmp_path / "plain").stat().st_mode & 0o777
+    assert {f.name: f.stat().st_mode & 0o777 for f in tmp_path.iterdir()} == {
+        "model.safetensors": want, "config.json": want, "plain": want}
+
+
 # --- the real SmolLM2 GGUF ----------------------------------------------------------------
 
 
@@ -206,3 +222,4 @@ def test_converted_dir_matches_committed_weights_dir(converted, smollm2_dir):
     for name in ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json"):
         assert (converted / name).read_text() == (smollm2_dir / name).read_text(), name
     assert (converted / "model.safetensors").stat().st_size == (smollm2_dir / "model.safetensors").stat().st_size
+    assert len({f.stat().st_mode & 0o777 for f in converted.iterdir()}) == 1  # model.safetensors as readable
