@@ -9,7 +9,7 @@ their wait counts in their latency). A list of rates (``1,2,4,inf``) runs one be
 per rate on the same prompts, so TTFT and TPOT can be plotted against load.
 
 Prompts are windows of ``--input-len`` tokens cut at seeded offsets from the shipped
-corpus (``benchmarks/data/*.txt``), tokenized by the server's ``/tokenize``; completions
+corpus (``refengine/bench/data/*.txt``), tokenized by the server's ``/tokenize``; completions
 get the token ids themselves (exact lengths), chat gets their text as one user message
 (the template adds its tokens; token counts come from the server's usage). Every request
 streams with ``ignore_eos`` and ``max_tokens = --output-len`` at temperature 0.
@@ -38,9 +38,9 @@ from dataclasses import asdict, dataclass, field
 import click
 import numpy as np
 
+from refengine.bench.workload import load_corpus
 from refengine.metrics import percentile
 
-DATA_DIR = pathlib.Path(__file__).resolve().parent.parent.parent / "benchmarks" / "data"
 
 # The article's three scenarios; sizes chosen to finish in minutes on a CPU.
 PRESETS = {
@@ -55,18 +55,6 @@ GOODPUT_KEYS = ("ttft", "tpot", "e2el")
 # --------------------------------------------------------------------------------------
 # Workload and arrivals
 # --------------------------------------------------------------------------------------
-
-
-def load_corpus(data_dir: pathlib.Path = DATA_DIR) -> str:
-    """Every ``*.txt`` of ``data_dir``, sorted by name, joined by blank lines.
-
-    Raises:
-        FileNotFoundError: no ``.txt`` file there.
-    """
-    files = sorted(pathlib.Path(data_dir).glob("*.txt"))
-    if not files:
-        raise FileNotFoundError(f"no .txt files in {data_dir} to cut prompts from")
-    return "\n\n".join(f.read_text(encoding="utf-8") for f in files)
 
 
 def cut_prompts(corpus_ids: list[int], num_prompts: int, input_len: int, seed: int) -> list[list[int]]:
