@@ -38,7 +38,6 @@ from dataclasses import asdict, dataclass, field
 import click
 import numpy as np
 
-from refengine.bench.workload import load_corpus
 from refengine.metrics import percentile
 
 
@@ -414,6 +413,8 @@ def run_benchmark(base_url: str, opts: dict) -> dict:
     """Prepare the prompts, warm up, run every rate; return the report (printing as it goes)."""
     headers = {"Authorization": f"Bearer {opts['api_key']}"} if opts["api_key"] else {}
     model = opts["model"] or _server_json("GET", base_url + "/v1/models", headers)["data"][0]["id"]
+    from refengine.bench.workload import load_corpus  # lazily: refengine.bench registers this command
+
     corpus_ids = _server_json("POST", base_url + "/tokenize", headers,
                               {"model": model, "prompt": load_corpus(), "add_special_tokens": False})["tokens"]
     prompts = cut_prompts(corpus_ids, opts["num_prompts"], opts["input_len"], opts["seed"])
