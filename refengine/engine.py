@@ -37,6 +37,7 @@ from refengine.sampler import Sampler
 from refengine.sampling_params import SamplingParams
 from refengine.scheduler import Scheduler
 from refengine.sequence import CompletionOutput, RequestOutput, Sequence, SequenceStatus
+from refengine.threads import configure_threads
 
 logger = logging.getLogger("refengine")
 
@@ -140,7 +141,8 @@ class LLMEngine:
         device: "cpu" (default), "cuda", or "auto".
         dtype: weights and KV cache: "auto" (float32 on the CPU, bfloat16 on a GPU),
             "float32", "float16", "bfloat16" (16-bit on a GPU only).
-        attention_backend: "numpy", "cuda" or "cuda-emulated" (default: follows the device).
+        attention_backend: "numpy", "numba" (compiled CPU kernels, attention and layer ops),
+            "cuda" or "cuda-emulated" (default: follows the device).
         max_model_len, block_size, max_num_seqs, max_num_batched_tokens,
         enable_chunked_prefill, num_kv_blocks, kv_cache_memory: see :class:`EngineConfig`.
         gpu_memory_utilization: on a GPU, the share (0-1] of its memory the engine may
@@ -178,7 +180,11 @@ class LLMEngine:
             raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} is invalid: must be in (0, 1]")
         self.dtype = dtype = resolve_dtype(dtype, self.device)
         attention = get_attention_backend(backend)
-        ops = get_layer_ops("cuda", xp, kernels=attention) if self.device == "cuda" else get_layer_ops("numpy", xp)
+        if self.device == "cuda":
+            ops = get_layer_ops("cuda", xp, kernels=attention)
+        else:
+            configure_threads(None)  # BLAS (and numba) threads sized to this process's cores
+            ops = get_layer_ops("numba" if backend == "numba" else "numpy", xp)
         self.model = LlamaModel(self.model_dir, attention, ops, xp=xp, dtype=dtype)
         per_block = KVCache.bytes_per_block(mc.num_hidden_layers, block_size, mc.num_key_value_heads,
                                             mc.head_dim, dtype.itemsize)
