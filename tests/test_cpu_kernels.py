@@ -136,6 +136,20 @@ def test_flash_prefill_whole_and_chunked(head_dim, group):
     run_both(make_batch(rng, seqs, heads, kv, head_dim, BS))
 
 
+@pytest.mark.parametrize("numba_only", [False, True])
+def test_long_prefill_numpy_and_numba_paths(numba_only, monkeypatch):
+    """Long chunks go to the NumPy twin by default; the numba kernel must be right there too."""
+    from refengine.attention import numba_cpu
+
+    if numba_only:
+        monkeypatch.setattr(numba_cpu, "NUMPY_PREFILL_MIN_ROWS", 1 << 30)
+    rng = np.random.default_rng(3)
+    seqs = [(800, 70), (numba_cpu.NUMPY_PREFILL_MIN_CONTEXT, 64), (900, 1), (300, 300)]
+    b = make_batch(rng, seqs, 9, 3, 64, BS)
+    assert len(_Plan(b.meta, BS).numpy_prefill) == (0 if numba_only else 2)
+    run_both(b)
+
+
 @pytest.mark.parametrize("block_size", [8, 16, 32, 5])
 def test_mixed_decode_and_prefill(block_size):
     """Decode rows and prefill chunks in one batch, odd block sizes, shuffled blocks."""
@@ -197,19 +211,24 @@ def test_linear_both_layouts(rows):
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 16])
 def test_linear_kernels_write_every_output(rows):
-    """The kernels straight, into NaN-poisoned outputs, at SmolLM2's widths and thread counts."""
+    """The kernels straight (parallel and serial twins), into NaN-poisoned outputs, at
+    SmolLM2's shapes, with 1-3 weight-row chunks and narrower column passes."""
     rng = np.random.default_rng(rows)
+    for k, n in ((576, 576), (576, 960), (576, 3072), (1536, 576), (130, 50)):
+        x = rng.standard_normal((rows, k), dtype=np.float32)
+        w = rng.standard_normal((k, n), dtype=np.float32)
+        for chunks in (1, 2, 3):
+            for cols in (column_block(rows, n), 256, 48):
+                for kernel in (_matmul_rows.parallel, _matmul_rows.serial):
+                    out = np.full((rows, n), np.nan, np.float32)
+                    kernel(x, w, out, chunks, cols)
+                    check_product(out, x, w)
     x = rng.standard_normal((rows, 576), dtype=np.float32)
-    for n in (576, 960, 3072):
-        w = rng.standard_normal((576, n), dtype=np.float32)
-        for threads in (1, 2, 3):
-            out = np.full((rows, n), np.nan, np.float32)
-            _matmul_rows(x, w, out, column_block(n, threads))
-            check_product(out, x, w)
     embed = rng.standard_normal((1000, 576), dtype=np.float32)
-    out = np.full((rows, 1000), np.nan, np.float32)
-    _matmul_rows_t(x, embed, out, 64)
-    check_product(out, x, embed.T)
+    for kernel in (_matmul_rows_t.parallel, _matmul_rows_t.serial):
+        out = np.full((rows, 1000), np.nan, np.float32)
+        kernel(x, embed, out, 64)
+        check_product(out, x, embed.T)
 
 
 def test_linear_rows_do_not_depend_on_batch():
@@ -226,11 +245,9 @@ def test_linear_rows_do_not_depend_on_batch():
 
 
 def test_column_block():
-    for n in (16, 100, 576, 960, 3072, 49152):
-        for threads in (1, 2, 4):
-            cols = column_block(n, threads)
-            assert cols % 16 == 0 and cols <= 512
-            assert -(-n // cols) <= -(-(-(-n // 16)) // (cols // 16))  # no empty task
+    assert column_block(1, 3072) == column_block(4, 3072) == 3072  # whole rows: one stream
+    assert column_block(8, 3072) == 1024 and column_block(16, 3072) == 512  # 32 KB accumulator
+    assert column_block(16, 100) == 100
 
 
 @pytest.mark.parametrize("rows", [1, 5, 70])

@@ -8,9 +8,9 @@ Why these kernels exist:
 * **The small-row matrix product.** Decode multiplies 1-16 rows by every weight matrix,
   so it is bound by reading the weights from memory. OpenBLAS reads them once at one row
   (GEMV) but its GEMM path costs about 3x that at 2-8 rows, and the tied ``lm_head``
-  (``embed.T``, a transposed view) more still. :func:`_matmul_rows` walks the weights
-  once, in column blocks (one block per task, in parallel), and applies each weight row
-  segment to every input row while it is in L1. Above :data:`BLAS_MIN_ROWS` rows the
+  (``embed.T``, a transposed view) more still. :func:`_matmul_rows` streams the weights
+  once, front to back (one contiguous range of weight rows per thread), and applies each
+  weight row to every input row while it is in L1. Above :data:`BLAS_MIN_ROWS` rows the
   product is compute-bound and OpenBLAS's packed GEMM wins, so ``linear`` hands over to it.
 * **RMSNorm, RoPE, SiLU-and-mul.** At one row NumPy spends its time dispatching 4-7
   temporaries-making ufuncs per call; one loop per call is cheaper. They run on one thread:
@@ -18,9 +18,10 @@ Why these kernels exist:
 
 Numerics (float32 in and out, as the twins):
 
-* ``_matmul_rows`` sums over the inner dimension in order, four products per fused chain
-  (``fastmath={"contract"}``: FMA only, no reassociation), so a row's result does not
-  depend on how many rows share the call. ``_matmul_rows_t`` (dot products over contiguous
+* ``_matmul_rows`` sums over the inner dimension in order within each thread's range, four
+  products per fused chain (``fastmath={"contract"}``: FMA only, no reassociation), then
+  adds the threads' partial sums: a row's result depends on the thread count but not on
+  how many rows share the call. ``_matmul_rows_t`` (dot products over contiguous
   rows) also allows ``reassoc`` so LLVM can vectorise the reduction.
 * RoPE performs the twin's exact operations (no FMA contraction): results are bitwise equal.
 * RMSNorm sums squares with ``reassoc`` (vectorised partial sums, like NumPy's pairwise sum).
@@ -32,9 +33,10 @@ Numerics (float32 in and out, as the twins):
 from __future__ import annotations
 
 import math
+from types import FunctionType
 
 import numpy as np
-from numba import njit, prange
+from numba import get_num_threads, njit, prange
 
 from refengine.layers import silu_and_mul
 
@@ -48,54 +50,98 @@ _DOT = {"contract", "reassoc"}  # FMA + reassociation of sums (vectorised reduct
 _FMA = {"contract"}
 
 
-@njit(cache=True, parallel=True, fastmath=_FMA)
-def _matmul_rows(x, w, out, cols):  # pragma: no cover - compiled
+class ParallelKernel:
+    """One ``prange`` loop nest compiled twice: spread over numba's threads, and as a plain
+    loop on the calling thread, which runs when numba is set to one thread.
+
+    Why both: a parallel launch hands the work to pool threads even at one thread, and a
+    woken thread waits for a core; on a busy machine that wait (milliseconds) dwarfs a
+    decode kernel (microseconds). The serial twin is a separate function to numba (its own
+    name, so its own on-disk cache entry).
+    """
+
+    def __init__(self, py_func, **options):
+        self.parallel = njit(cache=True, parallel=True, **options)(py_func)
+        name = py_func.__name__ + "_serial"
+        serial = FunctionType(py_func.__code__, py_func.__globals__, name, py_func.__defaults__, py_func.__closure__)
+        serial.__qualname__ = py_func.__qualname__ + "_serial"
+        self.serial = njit(cache=True, **options)(serial)
+        self.__doc__ = py_func.__doc__
+
+    def __call__(self, *args):
+        return (self.parallel if get_num_threads() > 1 else self.serial)(*args)
+
+
+def parallel_kernel(**options):
+    """Decorator: a :class:`ParallelKernel` compiled with ``njit(cache=True, **options)``."""
+    return lambda py_func: ParallelKernel(py_func, **options)
+
+
+@parallel_kernel(fastmath=_FMA)
+def _matmul_rows(x, w, out, chunks, cols):  # pragma: no cover - compiled
     """``out [T, N] = x [T, K] @ w [K, N]`` for few rows, ``w`` C-contiguous float32.
 
-    Task ``b`` owns output columns ``b*cols : (b+1)*cols`` and reads that slice of every
-    weight row once, applying it to all ``T`` rows (the accumulator, ``T x cols`` float32,
-    stays in L1).
+    The weight rows are split into ``chunks`` contiguous ranges, one task each, so every
+    task streams its part of the matrix front to back (the hardware prefetcher's best
+    case) and applies each weight row to all ``T`` input rows while it is in L1. Each
+    task sums into its own ``[T, N]`` partial; the partials are added at the end. Within
+    a task, output columns go in blocks of ``cols`` so the accumulator stays in cache
+    when ``T`` is large.
     """
     rows, k_dim = x.shape
     n = w.shape[1]
-    k4 = k_dim - k_dim % 4
-    for blk in prange((n + cols - 1) // cols):
-        j0 = blk * cols
-        width = min(cols, n - j0)
-        acc = np.zeros((rows, width), dtype=np.float32)
-        for i in range(0, k4, 4):  # four weight rows per pass: one load/store of acc per four FMAs
-            w0 = w[i, j0:j0 + width]
-            w1 = w[i + 1, j0:j0 + width]
-            w2 = w[i + 2, j0:j0 + width]
-            w3 = w[i + 3, j0:j0 + width]
-            for t in range(rows):
-                a = acc[t]
-                x0, x1, x2, x3 = x[t, i], x[t, i + 1], x[t, i + 2], x[t, i + 3]
-                for j in range(width):
-                    a[j] += x0 * w0[j] + x1 * w1[j] + x2 * w2[j] + x3 * w3[j]
-        for i in range(k4, k_dim):
-            wi = w[i, j0:j0 + width]
-            for t in range(rows):
-                a = acc[t]
-                xi = x[t, i]
-                for j in range(width):
-                    a[j] += xi * wi[j]
-        out[:, j0:j0 + width] = acc
+    per = -(-k_dim // chunks)
+    per += -per % 4  # whole groups of four weight rows per task
+    partial = np.zeros((chunks, rows, n), dtype=np.float32)
+    for c in prange(chunks):
+        i0, i1 = min(k_dim, c * per), min(k_dim, (c + 1) * per)
+        i4 = i0 + (i1 - i0) // 4 * 4
+        for j0 in range(0, n, cols):
+            j1 = min(n, j0 + cols)
+            for i in range(i0, i4, 4):  # four weight rows per pass: one load/store of acc per four FMAs
+                w0, w1, w2, w3 = w[i, j0:j1], w[i + 1, j0:j1], w[i + 2, j0:j1], w[i + 3, j0:j1]
+                for t in range(rows):
+                    acc = partial[c, t, j0:j1]
+                    x0, x1, x2, x3 = x[t, i], x[t, i + 1], x[t, i + 2], x[t, i + 3]
+                    for j in range(j1 - j0):
+                        acc[j] += x0 * w0[j] + x1 * w1[j] + x2 * w2[j] + x3 * w3[j]
+            for i in range(i4, i1):
+                wi = w[i, j0:j1]
+                for t in range(rows):
+                    acc = partial[c, t, j0:j1]
+                    xi = x[t, i]
+                    for j in range(j1 - j0):
+                        acc[j] += xi * wi[j]
+    out[:] = partial[0]
+    for c in range(1, chunks):
+        out += partial[c]
 
 
-@njit(cache=True, parallel=True, fastmath=_DOT)
+@parallel_kernel(fastmath=_DOT)
 def _matmul_rows_t(x, wt, out, block):  # pragma: no cover - compiled
     """``out [T, N] = x [T, K] @ wt.T`` for ``wt [N, K]`` C-contiguous float32 (the tied lm_head).
 
     Output column ``j`` is the dot product of each input row with the contiguous row
-    ``wt[j]``, read from memory once and from L1 for the other rows.
+    ``wt[j]``, read from memory once; four input rows at a time share each load of it.
+    Tasks own ``block`` consecutive rows of ``wt``, so each thread streams a contiguous part.
     """
     rows, k_dim = x.shape
     n = wt.shape[0]
+    rows4 = rows - rows % 4
     for blk in prange((n + block - 1) // block):
         for j in range(blk * block, min(blk * block + block, n)):
             wj = wt[j]
-            for t in range(rows):
+            for t in range(0, rows4, 4):
+                x0, x1, x2, x3 = x[t], x[t + 1], x[t + 2], x[t + 3]
+                s0 = s1 = s2 = s3 = np.float32(0.0)
+                for i in range(k_dim):
+                    wi = wj[i]
+                    s0 += x0[i] * wi
+                    s1 += x1[i] * wi
+                    s2 += x2[i] * wi
+                    s3 += x3[i] * wi
+                out[t, j], out[t + 1, j], out[t + 2, j], out[t + 3, j] = s0, s1, s2, s3
+            for t in range(rows4, rows):
                 xt = x[t]
                 s = np.float32(0.0)
                 for i in range(k_dim):
@@ -153,15 +199,13 @@ def _silu_and_mul(x, out):  # pragma: no cover - compiled
             ot[i] = g / (one + math.exp(-g)) * xt[inter + i]
 
 
-def column_block(n: int, threads: int, granule: int = 16, max_cols: int = 512) -> int:
-    """Columns per task of :func:`_matmul_rows`: the fewest equal tasks, a multiple of
-    ``threads``, of at most ``max_cols`` columns (so the accumulator stays in L1), rounded
-    up to ``granule`` columns (one AVX-512 vector of float32)."""
-    units = -(-n // granule)
-    tasks = threads
-    while -(-units // tasks) * granule > max_cols:
-        tasks += threads
-    return -(-units // tasks) * granule
+def column_block(rows: int, n: int) -> int:
+    """Output columns per pass of :func:`_matmul_rows`: all of them up to 4 rows, else as
+    many as keep the ``rows x cols`` float32 accumulator in 32 KB of L1 (a multiple of 16,
+    one AVX-512 vector, at least 256)."""
+    if rows <= 4:
+        return n
+    return min(n, max(256, 8192 // rows // 16 * 16))
 
 
 class NumbaOps:
@@ -176,11 +220,7 @@ class NumbaOps:
     name = "numba"
 
     def __init__(self, blas_min_rows: int = BLAS_MIN_ROWS):
-        from numba import get_num_threads
-
         self.blas_min_rows = blas_min_rows
-        self._threads = get_num_threads()
-        self._cols: dict[int, int] = {}
 
     def device_positions(self, positions: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(positions, dtype=np.int64)
@@ -193,11 +233,7 @@ class NumbaOps:
         x = np.ascontiguousarray(x, dtype=np.float32)
         out = np.empty((rows, w.shape[1]), dtype=np.float32)
         if w.flags.c_contiguous:
-            n = w.shape[1]
-            cols = self._cols.get(n)
-            if cols is None:
-                cols = self._cols[n] = column_block(n, self._threads)
-            _matmul_rows(x, w, out, cols)
+            _matmul_rows(x, w, out, get_num_threads(), column_block(rows, w.shape[1]))
         elif w.T.flags.c_contiguous:
             _matmul_rows_t(x, w.T, out, 64)
         else:
