@@ -13,6 +13,7 @@ exists in ``refengine.attention`` in this tree.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -315,3 +316,48 @@ def test_tiny_model_numba_backend_matches_numpy(tiny_llama_dir):
     assert got == want
     for ids in prompts[:3]:
         np.testing.assert_allclose(numba_llm.prompt_logits(ids), numpy_llm.prompt_logits(ids), rtol=1e-5, atol=1e-5)
+
+
+# --- threads --------------------------------------------------------------------------
+
+
+def test_configure_and_adapt_threads(monkeypatch):
+    import numba
+    from threadpoolctl import threadpool_info
+
+    from refengine import threads
+
+    assert threads.numba_threading_layer() in ("omp", "workqueue", "tbb")
+    try:
+        with pytest.raises(ValueError):
+            threads.configure_threads(0)
+        assert threads.configure_threads(1) == 1
+        assert numba.get_num_threads() == 1
+        assert all(lib["num_threads"] == 1 for lib in threadpool_info() if lib["user_api"] == "blas")
+        assert threads.adapt_threads() == 1  # fixed: no adaptation
+
+        # adaptive: others kept 1.5 of our cores busy over the last interval -> 2 fewer threads
+        cores = threads.usable_cores()
+        samples = iter([(0.0, 0.0, 0.0), (2.0, 2.0 * 1.5 + 1.0, 1.0)])  # (wall, busy of our cores, own CPU)
+        monkeypatch.setattr(threads, "_sample", lambda: next(samples))
+        monkeypatch.setattr(threads.time, "monotonic", lambda: 10.0)
+        assert threads.configure_threads(None) == cores
+        assert threads.adapt_threads() == max(1, cores - 2)
+        assert numba.get_num_threads() == max(1, cores - 2)
+    finally:
+        monkeypatch.undo()
+        threads.configure_threads(None)
+
+
+def test_wait_policy_is_set_only_while_numba_starts():
+    """The pool starts with its layer at import; OMP_WAIT_POLICY is back to unset after."""
+    import subprocess
+    import sys
+
+    code = ("import os; from refengine.ops.numba_ops import NumbaOps; from refengine.threads import "
+            "numba_threading_layer as t; print(t(), os.environ.get('OMP_WAIT_POLICY'))")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True)
+    layer, policy = out.stdout.split()
+    assert layer in ("omp", "workqueue", "tbb") and policy == "None"

@@ -77,6 +77,18 @@ def parallel_kernel(**options):
     return lambda py_func: ParallelKernel(py_func, **options)
 
 
+@njit(cache=True, parallel=True)
+def _fill_range(out):  # pragma: no cover - compiled
+    for i in prange(out.shape[0]):
+        out[i] = i
+
+
+def start_thread_pool() -> None:
+    """Run one tiny parallel loop so numba loads its threading layer now
+    (:mod:`refengine.threads` sets the environment libgomp reads around this call)."""
+    _fill_range(np.empty(64, dtype=np.int64))
+
+
 @parallel_kernel(fastmath=_FMA)
 def _matmul_rows(x, w, out, chunks, cols):  # pragma: no cover - compiled
     """``out [T, N] = x [T, K] @ w [K, N]`` for few rows, ``w`` C-contiguous float32.
@@ -269,3 +281,8 @@ class NumbaOps:
         out = np.empty((x.shape[0], x.shape[1] // 2), dtype=np.float32)
         _silu_and_mul(x, out)
         return out
+
+
+from refengine import threads as _threads  # noqa: E402  (needs start_thread_pool above)
+
+_threads.configure_numba()  # thread count and wait policy before the first kernel runs
