@@ -5,9 +5,10 @@ twin (:mod:`refengine.attention.numpy_ref`), written as loops over the cache lay
 ``[num_blocks, block_size, num_kv_heads, head_dim]``:
 
 * **Paged decode** (``q_len == 1``): K and V are read in place through the block table
-  (no gather copy). One task per (sequence, KV head, partition of the context): the
-  KV head's keys are read once for its whole GQA group; scores go to a scratch row, then
-  one softmax, then one pass over the values. Long contexts are split into partitions of
+  (no gather copy). One task per (sequence, partition of its context): each key row is
+  read once for its whole GQA group, and a position's rows for all KV heads (contiguous
+  in the cache) are read together; scores go to a scratch row per query head, then one
+  softmax, then one pass over the values. Long contexts are split into partitions of
   :data:`DECODE_PARTITION` tokens so one sequence still feeds every core; each partition
   keeps its max, sum and unnormalised output, merged afterwards (Dao et al. 2023,
   "Flash-Decoding"; vLLM's PagedAttention v2; Kwon et al. 2023 §4).
@@ -41,7 +42,7 @@ from refengine.attention.numpy_ref import NumpyAttention
 from refengine.ops.numba_ops import parallel_kernel
 
 #: Context tokens per decode task (a multiple of the block size is used).
-DECODE_PARTITION = 256
+DECODE_PARTITION = 128
 #: Query rows per prefill task.
 PREFILL_Q_TILE = 32
 #: Key positions per prefill key tile (transposed K and V scratch tiles of 32 KB each at head_dim 64).
@@ -130,39 +131,57 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seqs, rows, part_seq, part_
     part_sum = np.empty((num_parts, num_kv, group), dtype=np.float32)
     part_acc = np.zeros((num_parts, num_kv, group, head_dim), dtype=np.float32)
 
-    for task in prange(num_parts * num_kv):
-        p, h = task // num_kv, task % num_kv
+    for p in prange(num_parts):
         seq, row = seqs[part_seq[p]], rows[part_seq[p]]
         start, end = part_start[p], part_end[p]
-        qg = np.empty((group, head_dim), dtype=np.float32)
-        for g in range(group):
-            qg[g] = q[row, h * group + g] * scale32
-        scores = np.empty((group, end - start), dtype=np.float32)
+        qg = np.empty((num_kv, group, head_dim), dtype=np.float32)
+        for h in range(num_kv):
+            for g in range(group):
+                qg[h, g] = q[row, h * group + g] * scale32
+        scores = np.empty((num_kv, group, end - start), dtype=np.float32)
         bits = np.empty(end - start, dtype=np.int32)
         for b in range(start // block_size, (end + block_size - 1) // block_size):
             block = block_tables[seq, b]
             for pos in range(max(start, b * block_size), min(end, (b + 1) * block_size)):
-                krow = k_cache[block, pos - b * block_size, h]  # read once for the whole group
-                for g in range(group):
-                    s = np.float32(0.0)
-                    for d in range(head_dim):
-                        s += qg[g, d] * krow[d]
-                    scores[g, pos - start] = s
-        for g in range(group):
-            m = scores[g, 0]
-            for j in range(1, end - start):
-                m = max(m, scores[g, j])
-            part_max[p, h, g] = m
-            part_sum[p, h, g] = _exp_and_sum(scores[g], end - start, m, bits)
-        acc = part_acc[p, h]
+                for h in range(num_kv):  # a position's keys for all heads are contiguous: read them together
+                    krow = k_cache[block, pos - b * block_size, h]  # read once for the whole group
+                    for g in range(group):
+                        qr = qg[h, g]
+                        s = np.float32(0.0)
+                        for d in range(head_dim):
+                            s += qr[d] * krow[d]
+                        scores[h, g, pos - start] = s
+        for h in range(num_kv):
+            for g in range(group):
+                m = scores[h, g, 0]
+                for j in range(1, end - start):
+                    m = max(m, scores[h, g, j])
+                part_max[p, h, g] = m
+                part_sum[p, h, g] = _exp_and_sum(scores[h, g], end - start, m, bits)
         for b in range(start // block_size, (end + block_size - 1) // block_size):
             block = block_tables[seq, b]
-            for pos in range(max(start, b * block_size), min(end, (b + 1) * block_size)):
-                vrow = v_cache[block, pos - b * block_size, h]
-                for g in range(group):
-                    pj = scores[g, pos - start]
-                    for d in range(head_dim):
-                        acc[g, d] += pj * vrow[d]
+            lo, hi = max(start, b * block_size), min(end, (b + 1) * block_size)
+            for h in range(num_kv):
+                acc = part_acc[p, h]
+                pos = lo
+                while pos + 4 <= hi:  # four values per pass: one load/store of acc per four FMAs
+                    off = pos - b * block_size
+                    v0, v1, v2, v3 = (v_cache[block, off, h], v_cache[block, off + 1, h], v_cache[block, off + 2, h],
+                                      v_cache[block, off + 3, h])
+                    for g in range(group):
+                        sg = scores[h, g]
+                        p0, p1, p2, p3 = sg[pos - start], sg[pos - start + 1], sg[pos - start + 2], sg[pos - start + 3]
+                        a = acc[g]
+                        for d in range(head_dim):
+                            a[d] += (p0 * v0[d] + p1 * v1[d]) + (p2 * v2[d] + p3 * v3[d])
+                    pos += 4
+                for pos in range(pos, hi):
+                    vrow = v_cache[block, pos - b * block_size, h]
+                    for g in range(group):
+                        pj = scores[h, g, pos - start]
+                        a = acc[g]
+                        for d in range(head_dim):
+                            a[d] += pj * vrow[d]
 
     # merge each sequence's partitions: rescale to the common max, then normalise once
     first = 0
@@ -307,16 +326,12 @@ class _Plan:
         self.decode_seqs = decode
         self.decode_rows = qsl[decode]
         part = max(block_size, DECODE_PARTITION // block_size * block_size)
-        seq_of, starts, ends = [], [], []
-        for d, i in enumerate(decode):
-            n = int(seq_lens[i])
-            for s0 in range(0, n, part):
-                seq_of.append(d)
-                starts.append(s0)
-                ends.append(min(n, s0 + part))
-        self.part_seq = np.array(seq_of, dtype=np.int32)
-        self.part_start = np.array(starts, dtype=np.int32)
-        self.part_end = np.array(ends, dtype=np.int32)
+        lens = seq_lens[decode].astype(np.int64)
+        counts = -(-lens // part)  # partitions per decode sequence
+        self.part_seq = np.repeat(np.arange(decode.size), counts).astype(np.int32)
+        first = np.repeat(np.cumsum(counts) - counts, counts)  # index of each sequence's first partition
+        self.part_start = ((np.arange(self.part_seq.size) - first) * part).astype(np.int32)
+        self.part_end = np.minimum(self.part_start + part, lens[self.part_seq]).astype(np.int32)
 
         prefill = np.flatnonzero(q_lens > 1)
         to_numpy = (q_lens >= NUMPY_PREFILL_MIN_ROWS) & (seq_lens >= NUMPY_PREFILL_MIN_CONTEXT)

@@ -18,10 +18,10 @@ Why these kernels exist:
 
 Numerics (float32 in and out, as the twins):
 
-* ``_matmul_rows`` sums over the inner dimension in order within each thread's range, four
-  products per fused chain (``fastmath={"contract"}``: FMA only, no reassociation), then
-  adds the threads' partial sums: a row's result depends on the thread count but not on
-  how many rows share the call. ``_matmul_rows_t`` (dot products over contiguous
+* ``_matmul_rows`` sums over the inner dimension in a fixed order (groups of eight products
+  as a tree, the groups in sequence; ``fastmath={"contract"}``: FMA only, no reassociation)
+  within each thread's range, then adds the threads' partial sums: a row's result depends
+  on the thread count but not on how many rows share the call. ``_matmul_rows_t`` (dot products over contiguous
   rows) also allows ``reassoc`` so LLVM can vectorise the reduction.
 * RoPE performs the twin's exact operations (no FMA contraction): results are bitwise equal.
 * RMSNorm sums squares with ``reassoc`` (vectorised partial sums, like NumPy's pairwise sum).
@@ -103,21 +103,24 @@ def _matmul_rows(x, w, out, chunks, cols):  # pragma: no cover - compiled
     rows, k_dim = x.shape
     n = w.shape[1]
     per = -(-k_dim // chunks)
-    per += -per % 4  # whole groups of four weight rows per task
+    per += -per % 8  # whole groups of eight weight rows per task
     partial = np.zeros((chunks, rows, n), dtype=np.float32)
     for c in prange(chunks):
         i0, i1 = min(k_dim, c * per), min(k_dim, (c + 1) * per)
-        i4 = i0 + (i1 - i0) // 4 * 4
+        i8 = i0 + (i1 - i0) // 8 * 8
         for j0 in range(0, n, cols):
             j1 = min(n, j0 + cols)
-            for i in range(i0, i4, 4):  # four weight rows per pass: one load/store of acc per four FMAs
+            for i in range(i0, i8, 8):  # eight weight rows per pass: one load/store of acc per eight FMAs
                 w0, w1, w2, w3 = w[i, j0:j1], w[i + 1, j0:j1], w[i + 2, j0:j1], w[i + 3, j0:j1]
+                w4, w5, w6, w7 = w[i + 4, j0:j1], w[i + 5, j0:j1], w[i + 6, j0:j1], w[i + 7, j0:j1]
                 for t in range(rows):
                     acc = partial[c, t, j0:j1]
-                    x0, x1, x2, x3 = x[t, i], x[t, i + 1], x[t, i + 2], x[t, i + 3]
-                    for j in range(j1 - j0):
-                        acc[j] += x0 * w0[j] + x1 * w1[j] + x2 * w2[j] + x3 * w3[j]
-            for i in range(i4, i1):
+                    xt = x[t]
+                    x0, x1, x2, x3, x4, x5, x6, x7 = xt[i], xt[i + 1], xt[i + 2], xt[i + 3], xt[i + 4], xt[i + 5], xt[i + 6], xt[i + 7]
+                    for j in range(j1 - j0):  # a tree of sums: short dependency chains
+                        acc[j] += (((x0 * w0[j] + x1 * w1[j]) + (x2 * w2[j] + x3 * w3[j]))
+                                   + ((x4 * w4[j] + x5 * w5[j]) + (x6 * w6[j] + x7 * w7[j])))
+            for i in range(i8, i1):
                 wi = w[i, j0:j1]
                 for t in range(rows):
                     acc = partial[c, t, j0:j1]
