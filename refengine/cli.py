@@ -27,7 +27,7 @@ def engine_options(f):
                      show_default=True, help="weights and KV cache (auto: float32 on the CPU, bfloat16 on a GPU)"),
         click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True,
                      help="share of GPU memory the engine may use"),
-        click.option("--attention-backend", type=click.Choice(["numpy", "cuda", "cuda-emulated"]), default=None,
+        click.option("--attention-backend", type=click.Choice(["numpy", "numba", "cuda", "cuda-emulated"]), default=None,
                      help="how attention is computed (default: follows the device)"),
         click.option("--max-model-len", type=int, default=None, help="most tokens per sequence (prompt + output)"),
         click.option("--block-size", type=int, default=16, show_default=True, help="tokens per KV cache block"),

@@ -167,6 +167,8 @@ class LLMEngine:
         self.model_config = ModelConfig.from_model_dir(self.model_dir)
         self.device, xp = resolve_device(device)
         backend = attention_backend or ("cuda" if self.device == "cuda" else "numpy")
+        if backend == "numba" and self.device != "cpu":
+            raise ValueError("attention_backend='numba' runs on the CPU: use device='cpu'")
         self.attention_backend = backend
 
         mc = self.model_config
