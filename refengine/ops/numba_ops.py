@@ -10,8 +10,10 @@ Why these kernels exist:
   (GEMV) but its GEMM path costs about 3x that at 2-8 rows, and the tied ``lm_head``
   (``embed.T``, a transposed view) more still. :func:`_matmul_rows` streams the weights
   once, front to back (one contiguous range of weight rows per thread), and applies each
-  weight row to every input row while it is in L1. Above :data:`BLAS_MIN_ROWS` rows the
-  product is compute-bound and OpenBLAS's packed GEMM wins, so ``linear`` hands over to it.
+  weight row to every input row while it is in L1 (narrower column blocks, tried for
+  8-16 rows, were slower: whole rows keep the prefetcher streaming). From
+  :data:`BLAS_MIN_ROWS` rows the product is compute-bound and OpenBLAS's packed GEMM
+  wins, so ``linear`` hands over to it.
 * **RMSNorm, RoPE, SiLU-and-mul.** At one row NumPy spends its time dispatching 4-7
   temporaries-making ufuncs per call; one loop per call is cheaper. They run on one thread:
   at decode sizes a parallel launch costs more than the work.
@@ -40,9 +42,13 @@ from numba import get_num_threads, njit, prange
 
 from refengine.layers import silu_and_mul
 
-#: At or above this many rows ``linear`` uses BLAS (compute-bound; OpenBLAS's packed GEMM wins).
-#: Measured with ``benchmarks/bench_cpu_kernels.py`` on 2 Zen 4 cores (SmolLM2 shapes).
-BLAS_MIN_ROWS = 24
+#: From this many rows ``linear`` hands ``[in, out]`` C-contiguous weights to BLAS (compute-bound
+#: there: OpenBLAS's packed GEMM wins). One Zen 4 core, CPU time of SmolLM2's 120 layer
+#: matrices, numba vs BLAS: 8 rows 53 vs 64 ms, 12 rows 73 vs 70, 16 rows 98 vs 80.
+BLAS_MIN_ROWS = 12
+#: The same for the transposed (tied lm_head) layout: 16 rows 25 vs 33 ms, 20 rows 33 vs 34,
+#: 24 rows 38 vs 37.
+BLAS_MIN_ROWS_T = 24
 #: Rows above which ``silu_and_mul`` uses NumPy (its SIMD ``exp`` beats a scalar ``expf`` loop).
 NUMPY_SILU_MIN_ROWS = 64
 
@@ -90,15 +96,15 @@ def start_thread_pool() -> None:
 
 
 @parallel_kernel(fastmath=_FMA)
-def _matmul_rows(x, w, out, chunks, cols):  # pragma: no cover - compiled
+def _matmul_rows(x, w, out, chunks):  # pragma: no cover - compiled
     """``out [T, N] = x [T, K] @ w [K, N]`` for few rows, ``w`` C-contiguous float32.
 
     The weight rows are split into ``chunks`` contiguous ranges, one task each, so every
     task streams its part of the matrix front to back (the hardware prefetcher's best
-    case) and applies each weight row to all ``T`` input rows while it is in L1. Each
-    task sums into its own ``[T, N]`` partial; the partials are added at the end. Within
-    a task, output columns go in blocks of ``cols`` so the accumulator stays in cache
-    when ``T`` is large.
+    case). Eight weight rows at a time are applied to every input row while they are in
+    L1, two input rows per pass sharing each weight load, and each output element is
+    loaded and stored once per eight products. Each task sums into its own ``[T, N]``
+    partial; the partials are added at the end.
     """
     rows, k_dim = x.shape
     n = w.shape[1]
@@ -108,25 +114,32 @@ def _matmul_rows(x, w, out, chunks, cols):  # pragma: no cover - compiled
     for c in prange(chunks):
         i0, i1 = min(k_dim, c * per), min(k_dim, (c + 1) * per)
         i8 = i0 + (i1 - i0) // 8 * 8
-        for j0 in range(0, n, cols):
-            j1 = min(n, j0 + cols)
-            for i in range(i0, i8, 8):  # eight weight rows per pass: one load/store of acc per eight FMAs
-                w0, w1, w2, w3 = w[i, j0:j1], w[i + 1, j0:j1], w[i + 2, j0:j1], w[i + 3, j0:j1]
-                w4, w5, w6, w7 = w[i + 4, j0:j1], w[i + 5, j0:j1], w[i + 6, j0:j1], w[i + 7, j0:j1]
-                for t in range(rows):
-                    acc = partial[c, t, j0:j1]
-                    xt = x[t]
-                    x0, x1, x2, x3, x4, x5, x6, x7 = xt[i], xt[i + 1], xt[i + 2], xt[i + 3], xt[i + 4], xt[i + 5], xt[i + 6], xt[i + 7]
-                    for j in range(j1 - j0):  # a tree of sums: short dependency chains
-                        acc[j] += (((x0 * w0[j] + x1 * w1[j]) + (x2 * w2[j] + x3 * w3[j]))
-                                   + ((x4 * w4[j] + x5 * w5[j]) + (x6 * w6[j] + x7 * w7[j])))
-            for i in range(i8, i1):
-                wi = w[i, j0:j1]
-                for t in range(rows):
-                    acc = partial[c, t, j0:j1]
-                    xi = x[t, i]
-                    for j in range(j1 - j0):
-                        acc[j] += xi * wi[j]
+        acc = partial[c]
+        for i in range(i0, i8, 8):
+            w0, w1, w2, w3, w4, w5, w6, w7 = w[i], w[i + 1], w[i + 2], w[i + 3], w[i + 4], w[i + 5], w[i + 6], w[i + 7]
+            for t in range(0, rows, 2):
+                xa = x[t]
+                a0, a1, a2, a3, a4, a5, a6, a7 = xa[i], xa[i + 1], xa[i + 2], xa[i + 3], xa[i + 4], xa[i + 5], xa[i + 6], xa[i + 7]
+                acc_a = acc[t]
+                if t + 1 == rows:  # an odd row out
+                    for j in range(n):  # sums as a tree: short dependency chains
+                        acc_a[j] += (((a0 * w0[j] + a1 * w1[j]) + (a2 * w2[j] + a3 * w3[j]))
+                                     + ((a4 * w4[j] + a5 * w5[j]) + (a6 * w6[j] + a7 * w7[j])))
+                    continue
+                xb = x[t + 1]
+                b0, b1, b2, b3, b4, b5, b6, b7 = xb[i], xb[i + 1], xb[i + 2], xb[i + 3], xb[i + 4], xb[i + 5], xb[i + 6], xb[i + 7]
+                acc_b = acc[t + 1]
+                for j in range(n):
+                    u0, u1, u2, u3, u4, u5, u6, u7 = w0[j], w1[j], w2[j], w3[j], w4[j], w5[j], w6[j], w7[j]
+                    acc_a[j] += (((a0 * u0 + a1 * u1) + (a2 * u2 + a3 * u3)) + ((a4 * u4 + a5 * u5) + (a6 * u6 + a7 * u7)))
+                    acc_b[j] += (((b0 * u0 + b1 * u1) + (b2 * u2 + b3 * u3)) + ((b4 * u4 + b5 * u5) + (b6 * u6 + b7 * u7)))
+        for i in range(i8, i1):
+            wi = w[i]
+            for t in range(rows):
+                acc_t = acc[t]
+                xi = x[t, i]
+                for j in range(n):
+                    acc_t[j] += xi * wi[j]
     out[:] = partial[0]
     for c in range(1, chunks):
         out += partial[c]
@@ -214,28 +227,21 @@ def _silu_and_mul(x, out):  # pragma: no cover - compiled
             ot[i] = g / (one + math.exp(-g)) * xt[inter + i]
 
 
-def column_block(rows: int, n: int) -> int:
-    """Output columns per pass of :func:`_matmul_rows`: all of them up to 4 rows, else as
-    many as keep the ``rows x cols`` float32 accumulator in 32 KB of L1 (a multiple of 16,
-    one AVX-512 vector, at least 256)."""
-    if rows <= 4:
-        return n
-    return min(n, max(256, 8192 // rows // 16 * 16))
-
-
 class NumbaOps:
     """Layer operations compiled by numba (``"numba"``). float32 activations and weights.
 
-    ``linear`` runs :func:`_matmul_rows` (weights ``[in, out]`` C-contiguous) or
-    :func:`_matmul_rows_t` (weights given as the transposed view of a C-contiguous
-    ``[out, in]`` array, like the tied lm_head ``embed.T``) below :data:`BLAS_MIN_ROWS`
-    rows, and BLAS (``x @ w``) otherwise or for any other weight layout or dtype.
+    ``linear`` runs :func:`_matmul_rows` (weights ``[in, out]`` C-contiguous) below
+    :data:`BLAS_MIN_ROWS` rows, :func:`_matmul_rows_t` (weights given as the transposed
+    view of a C-contiguous ``[out, in]`` array, like the tied lm_head ``embed.T``) below
+    :data:`BLAS_MIN_ROWS_T` rows, and BLAS (``x @ w``) otherwise or for any other weight
+    layout or dtype.
     """
 
     name = "numba"
 
-    def __init__(self, blas_min_rows: int = BLAS_MIN_ROWS):
+    def __init__(self, blas_min_rows: int = BLAS_MIN_ROWS, blas_min_rows_t: int = BLAS_MIN_ROWS_T):
         self.blas_min_rows = blas_min_rows
+        self.blas_min_rows_t = blas_min_rows_t
 
     def device_positions(self, positions: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(positions, dtype=np.int64)
@@ -243,17 +249,16 @@ class NumbaOps:
     def linear(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         """``x [T, in] @ w [in, out]`` -> ``[T, out]`` float32 (see the class docstring)."""
         rows = x.shape[0]
-        if rows >= self.blas_min_rows or rows == 0 or w.dtype != np.float32:
-            return (x.astype(w.dtype, copy=False) @ w).astype(np.float32, copy=False)
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        out = np.empty((rows, w.shape[1]), dtype=np.float32)
-        if w.flags.c_contiguous:
-            _matmul_rows(x, w, out, get_num_threads(), column_block(rows, w.shape[1]))
-        elif w.T.flags.c_contiguous:
-            _matmul_rows_t(x, w.T, out, 64)
-        else:
-            return x @ w
-        return out
+        if rows and w.dtype == np.float32:
+            if w.flags.c_contiguous and rows < self.blas_min_rows:
+                out = np.empty((rows, w.shape[1]), dtype=np.float32)
+                _matmul_rows(np.ascontiguousarray(x, dtype=np.float32), w, out, get_num_threads())
+                return out
+            if w.T.flags.c_contiguous and rows < self.blas_min_rows_t:
+                out = np.empty((rows, w.shape[1]), dtype=np.float32)
+                _matmul_rows_t(np.ascontiguousarray(x, dtype=np.float32), w.T, out, 64)
+                return out
+        return (x.astype(w.dtype, copy=False) @ w).astype(np.float32, copy=False)
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         """RMSNorm over the last axis of ``x [..., d]`` float32 (any leading shape)."""
