@@ -354,3 +354,19 @@ def test_wait_policy_is_set_only_while_numba_starts():
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True)
     layer, policy = out.stdout.split()
     assert layer in ("omp", "workqueue", "tbb") and policy == "None"
+
+
+def test_exp_affine_accuracy_and_edges():
+    """Within 2 ulp (4 units of 2^-24 relative) of exp over the range softmax and SiLU use;
+    clamped below -87, inf above the float32 range, NaN kept."""
+    from refengine.ops.numba_ops import exp_affine
+
+    x = np.linspace(-87.0, 88.3, 400_001).astype(np.float32)
+    out = np.empty_like(x)
+    exp_affine(x, 1.0, 0.0, out, np.empty(x.size, np.int32))
+    want = np.exp(x.astype(np.float64))
+    assert (np.abs(out - want) / want).max() <= 4 * U32
+    y = np.array([-200.0, 100.0, np.nan, 1.0], np.float32)
+    exp_affine(y, -1.0, 0.5, y, np.empty(4, np.int32))  # exp(-x + 0.5), in place
+    assert y[0] == np.inf and np.isnan(y[2])
+    np.testing.assert_allclose(y[[1, 3]], np.exp([-87.0, -0.5]), rtol=4 * U32)

@@ -27,7 +27,7 @@ core, CPU time: 512-token prompt 10.3 ms here vs 12.0 ms NumPy; 1024-token promp
 
 Numerics: float32 throughout, as the twin; ``fastmath={"contract", "reassoc"}`` lets LLVM
 fuse multiply-adds and vectorise the dot products' sums (never ``nnan``/``ninf``: a NaN
-read from outside a sequence's blocks shows in the output). Softmax weights use a vectorised ``exp`` (:func:`_exp_and_sum`, within 2 ulp).
+read from outside a sequence's blocks shows in the output). Softmax weights use a vectorised ``exp`` (:func:`refengine.ops.numba_ops.exp_affine`, within 2 ulp).
 """
 
 from __future__ import annotations
@@ -39,10 +39,13 @@ from numba import njit, prange
 
 from refengine.attention import AttentionMetadata
 from refengine.attention.numpy_ref import NumpyAttention
-from refengine.ops.numba_ops import parallel_kernel
+from refengine.ops.numba_ops import exp_affine, parallel_kernel
 
 #: Context tokens per decode task (a multiple of the block size is used).
 DECODE_PARTITION = 128
+#: Decode batches whose contexts add up to fewer tokens than this run on the calling thread:
+#: about 30 ns per (token, KV head) of work against a parallel launch of ~8 us (passive waits).
+SERIAL_DECODE_MAX_TOKENS = 256
 #: Query rows per prefill task.
 PREFILL_Q_TILE = 32
 #: Key positions per prefill key tile (transposed K and V scratch tiles of 32 KB each at head_dim 64).
@@ -54,42 +57,14 @@ NUMPY_PREFILL_MIN_CONTEXT = 768
 
 _FM = {"contract", "reassoc"}
 
-_LOG2E = np.float32(1.4426950408889634)
-_LN2_HI = np.float32(0.693359375)  # ln 2 split in two so k * _LN2_HI is exact (Cody & Waite 1980)
-_LN2_LO = np.float32(-2.12194440e-4)
-
-
 @njit(cache=True, fastmath={"contract"})
 def _exp_and_sum(s, n, m, bits):  # pragma: no cover - compiled
-    """``s[j] = exp(s[j] - m)`` for ``j < n`` (all ``s[j] <= m``); returns their float32 sum.
-
-    A loop LLVM vectorises, where calling the C library's ``expf`` per element does not
-    (about 3x faster here): ``exp(x) = 2**k * exp(r)`` with ``k = round(x / ln 2)``,
-    ``|r| <= ln 2 / 2``, ``exp(r)`` by its degree-6 Taylor polynomial (Horner) and ``2**k``
-    built as float32 bits in ``bits`` (int32 scratch, ``>= n``). Within 2 ulp of the true
-    value over [-87, 0], as NumPy's ``exp``; below -87 (a weight under 1e-38 next to the
-    max's 1) it returns ``exp(-87)``. NaN stays NaN.
-    """
-    for j in range(n):
-        x = s[j] - m
-        if x < np.float32(-87.0):
-            x = np.float32(-87.0)
-        k = np.floor(x * _LOG2E + np.float32(0.5))
-        r = x - k * _LN2_HI - k * _LN2_LO
-        p = np.float32(1.0 / 720.0)
-        p = p * r + np.float32(1.0 / 120.0)
-        p = p * r + np.float32(1.0 / 24.0)
-        p = p * r + np.float32(1.0 / 6.0)
-        p = p * r + np.float32(0.5)
-        p = p * r + np.float32(1.0)
-        p = p * r + np.float32(1.0)
-        bits[j] = (np.int32(k) + np.int32(127)) << 23  # the float32 2**k: biased exponent, zero mantissa
-        s[j] = p
-    two_k = bits.view(np.float32)
+    """``s[j] = exp(s[j] - m)`` for ``j < n`` (vectorised, :func:`exp_affine`); returns their float32 sum."""
+    head = s[:n]
+    exp_affine(head, 1.0, -m, head, bits)
     total = np.float32(0.0)
     for j in range(n):
-        s[j] *= two_k[j]
-        total += s[j]
+        total += head[j]
     return total
 
 
@@ -332,6 +307,7 @@ class _Plan:
         first = np.repeat(np.cumsum(counts) - counts, counts)  # index of each sequence's first partition
         self.part_start = ((np.arange(self.part_seq.size) - first) * part).astype(np.int32)
         self.part_end = np.minimum(self.part_start + part, lens[self.part_seq]).astype(np.int32)
+        self.decode_tokens = int(lens.sum())
 
         prefill = np.flatnonzero(q_lens > 1)
         to_numpy = (q_lens >= NUMPY_PREFILL_MIN_ROWS) & (seq_lens >= NUMPY_PREFILL_MIN_CONTEXT)
@@ -413,8 +389,9 @@ class NumbaAttention:
         elif out.shape != q.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
             raise ValueError(f"out must be a C-contiguous float32 array of shape {q.shape}")
         if plan.part_seq.shape[0]:
-            _paged_decode(q, k_cache, v_cache, plan.block_tables, plan.decode_seqs, plan.decode_rows,
-                          plan.part_seq, plan.part_start, plan.part_end, float(scale), out)
+            decode = _paged_decode.serial if plan.decode_tokens < SERIAL_DECODE_MAX_TOKENS else _paged_decode
+            decode(q, k_cache, v_cache, plan.block_tables, plan.decode_seqs, plan.decode_rows,
+                   plan.part_seq, plan.part_start, plan.part_end, float(scale), out)
         if plan.tile_seq.shape[0]:
             _flash_prefill(q, k_cache, v_cache, plan.block_tables, plan.seq_lens, plan.query_start_loc,
                            plan.tile_seq, plan.tile_q0, float(scale), PREFILL_Q_TILE, PREFILL_K_TILE, out)
