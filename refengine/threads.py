@@ -121,6 +121,14 @@ def current_threads() -> int | None:
     return _current
 
 
+def max_threads() -> int:
+    """The most threads :func:`adapt_threads` may use: what :func:`configure_threads` was
+    given, else all usable cores. Kernels that split work into one part per thread use this
+    many parts whatever the current count, so their float32 sums, and the tokens they lead
+    to, do not change with the machine's load."""
+    return _requested or usable_cores()
+
+
 def _sample() -> tuple[float, float, float] | None:
     """(monotonic s, busy CPU s of our usable cores, CPU s of this process), or None off Linux."""
     try:

@@ -231,6 +231,25 @@ def test_linear_kernels_write_every_output(rows):
         check_product(out, x, embed.T)
 
 
+def test_linear_does_not_depend_on_thread_count():
+    """The thread count adapts to load; the product's sums must not change with it."""
+    import numba
+
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((5, 576), dtype=np.float32)
+    w = rng.standard_normal((576, 960), dtype=np.float32)
+    before = numba.get_num_threads()
+    try:
+        results = []
+        for n in sorted({1, before}):
+            numba.set_num_threads(n)
+            results.append(NumbaOps().linear(x, w))
+    finally:
+        numba.set_num_threads(before)
+    for r in results[1:]:
+        np.testing.assert_array_equal(r, results[0])
+
+
 def test_linear_rows_do_not_depend_on_batch():
     """Below the BLAS threshold a row's result is the same bits alone or in a batch."""
     rng = np.random.default_rng(1)

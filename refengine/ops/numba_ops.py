@@ -22,8 +22,9 @@ Numerics (float32 in and out, as the twins):
 
 * ``_matmul_rows`` sums over the inner dimension in a fixed order (groups of eight products
   as a tree, the groups in sequence; ``fastmath={"contract"}``: FMA only, no reassociation)
-  within each thread's range, then adds the threads' partial sums: a row's result depends
-  on the thread count but not on how many rows share the call. ``_matmul_rows_t`` (dot products over contiguous
+  within each of :func:`refengine.threads.max_threads` ranges, then adds the partial sums:
+  a row's result depends neither on how many rows share the call nor on how many threads
+  run it (the count adapts to load; the ranges do not). ``_matmul_rows_t`` (dot products over contiguous
   rows) also allows ``reassoc`` so LLVM can vectorise the reduction.
 * RoPE performs the twin's exact operations (no FMA contraction): results are bitwise equal.
 * RMSNorm sums squares with ``reassoc`` (vectorised partial sums, like NumPy's pairwise sum).
@@ -38,6 +39,8 @@ from types import FunctionType
 
 import numpy as np
 from numba import get_num_threads, njit, prange
+
+from refengine import threads as _threads
 
 
 #: From this many rows ``linear`` hands ``[in, out]`` C-contiguous weights to BLAS (compute-bound
@@ -288,7 +291,7 @@ class NumbaOps:
         if rows and w.dtype == np.float32:
             if w.flags.c_contiguous and rows < self.blas_min_rows:
                 out = np.empty((rows, w.shape[1]), dtype=np.float32)
-                _matmul_rows(np.ascontiguousarray(x, dtype=np.float32), w, out, get_num_threads())
+                _matmul_rows(np.ascontiguousarray(x, dtype=np.float32), w, out, _threads.max_threads())
                 return out
             if w.T.flags.c_contiguous and rows < self.blas_min_rows_t:
                 out = np.empty((rows, w.shape[1]), dtype=np.float32)
@@ -323,7 +326,5 @@ class NumbaOps:
         _silu_and_mul(x, out)
         return out
 
-
-from refengine import threads as _threads  # noqa: E402  (needs start_thread_pool above)
 
 _threads.configure_numba()  # thread count and wait policy before the first kernel runs
