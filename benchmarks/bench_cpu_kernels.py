@@ -13,6 +13,7 @@ clock), and prints milliseconds and the ratio twin/numba (> 1: numba is faster).
   True: pass'``, started and killed here) taking a core.
 
 Load from other processes skews every number; the load average is printed before and after.
+The thread count adapts to it (``refengine.threads.adapt_threads``) before each round.
 
     python benchmarks/bench_cpu_kernels.py [--model DIR] [--repeats 5] [--sections kernels,linear,step] [--threads]
 """
@@ -33,11 +34,15 @@ sys.path.insert(0, ROOT)
 
 
 def best_of(fns: dict, repeats: int, inner: int = 1) -> dict:
-    """Best wall time (s) per call of each function, the functions interleaved."""
+    """Best wall time (s) per call of each function, the functions interleaved; the thread
+    count adapted to the machine's load before each round, as the engine does per step."""
+    from refengine.threads import adapt_threads
+
     for f in fns.values():
         f()
     best = {k: float("inf") for k in fns}
     for _ in range(repeats):
+        adapt_threads()
         for k, f in fns.items():
             t = time.perf_counter()
             for _ in range(inner):
@@ -275,7 +280,9 @@ def main(model_dir, repeats, sections, threads_study, as_child):
         section_step(model_np, model_nb, repeats)
     if threads_study:
         section_threads(model_dir, repeats)
-    print(f"load average after: {os.getloadavg()}")
+    from refengine.threads import current_threads
+
+    print(f"load average after: {os.getloadavg()}; threads at the end: {current_threads()}")
 
 
 if __name__ == "__main__":
