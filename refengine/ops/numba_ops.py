@@ -155,10 +155,12 @@ def _matmul_rows(x, w, out, chunks):  # pragma: no cover - compiled
         i8 = i0 + (i1 - i0) // 8 * 8
         acc = partial[c]
         for i in range(i0, i8, 8):
-            w0, w1, w2, w3, w4, w5, w6, w7 = w[i], w[i + 1], w[i + 2], w[i + 3], w[i + 4], w[i + 5], w[i + 6], w[i + 7]
+            w0, w1, w2, w3 = w[i], w[i + 1], w[i + 2], w[i + 3]
+            w4, w5, w6, w7 = w[i + 4], w[i + 5], w[i + 6], w[i + 7]
             for t in range(0, rows, 2):
                 xa = x[t]
-                a0, a1, a2, a3, a4, a5, a6, a7 = xa[i], xa[i + 1], xa[i + 2], xa[i + 3], xa[i + 4], xa[i + 5], xa[i + 6], xa[i + 7]
+                a0, a1, a2, a3 = xa[i], xa[i + 1], xa[i + 2], xa[i + 3]
+                a4, a5, a6, a7 = xa[i + 4], xa[i + 5], xa[i + 6], xa[i + 7]
                 acc_a = acc[t]
                 if t + 1 == rows:  # an odd row out
                     for j in range(n):  # sums as a tree: short dependency chains
@@ -166,12 +168,13 @@ def _matmul_rows(x, w, out, chunks):  # pragma: no cover - compiled
                                      + ((a4 * w4[j] + a5 * w5[j]) + (a6 * w6[j] + a7 * w7[j])))
                     continue
                 xb = x[t + 1]
-                b0, b1, b2, b3, b4, b5, b6, b7 = xb[i], xb[i + 1], xb[i + 2], xb[i + 3], xb[i + 4], xb[i + 5], xb[i + 6], xb[i + 7]
+                b0, b1, b2, b3 = xb[i], xb[i + 1], xb[i + 2], xb[i + 3]
+                b4, b5, b6, b7 = xb[i + 4], xb[i + 5], xb[i + 6], xb[i + 7]
                 acc_b = acc[t + 1]
                 for j in range(n):
                     u0, u1, u2, u3, u4, u5, u6, u7 = w0[j], w1[j], w2[j], w3[j], w4[j], w5[j], w6[j], w7[j]
-                    acc_a[j] += (((a0 * u0 + a1 * u1) + (a2 * u2 + a3 * u3)) + ((a4 * u4 + a5 * u5) + (a6 * u6 + a7 * u7)))
-                    acc_b[j] += (((b0 * u0 + b1 * u1) + (b2 * u2 + b3 * u3)) + ((b4 * u4 + b5 * u5) + (b6 * u6 + b7 * u7)))
+                    acc_a[j] += ((a0 * u0 + a1 * u1) + (a2 * u2 + a3 * u3)) + ((a4 * u4 + a5 * u5) + (a6 * u6 + a7 * u7))
+                    acc_b[j] += ((b0 * u0 + b1 * u1) + (b2 * u2 + b3 * u3)) + ((b4 * u4 + b5 * u5) + (b6 * u6 + b7 * u7))
         for i in range(i8, i1):
             wi = w[i]
             for t in range(rows):
