@@ -34,13 +34,15 @@ from refengine.bench.workload import load_corpus  # noqa: E402
 from refengine.engine_args import resolve_model_dir  # noqa: E402
 
 
-def bench_refengine(model_dir: str, prompt_ids: list[int], decode_steps: int, repeats: int, device: str) -> dict:
+def bench_refengine(model_dir: str, prompt_ids: list[int], decode_steps: int, repeats: int, device: str,
+                    attention_backend: str | None = None) -> dict:
     """Prefill seconds and decode tokens/s of refengine at batch 1 (medians over repeats)."""
     from refengine import LLM, SamplingParams
 
     n = len(prompt_ids)
     max_len = -(-(n + decode_steps + 1) // 16) * 16
-    llm = LLM(model=model_dir, device=device, block_size=16, max_num_seqs=1, max_num_batched_tokens=max(n, 16),
+    llm = LLM(model=model_dir, device=device, attention_backend=attention_backend, block_size=16, max_num_seqs=1,
+              max_num_batched_tokens=max(n, 16),
               enable_chunked_prefill=True, max_model_len=max_len, log_stats=False)
     params = SamplingParams(max_tokens=decode_steps + 1, temperature=0.0, ignore_eos=True)
     llm.generate([prompt_ids[:16]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
@@ -111,9 +113,10 @@ def matching_prefix(a: list[int], b: list[int]) -> int:
 @click.option("--decode-steps", type=int, default=128, show_default=True, help="Decode steps after the first token.")
 @click.option("--repeats", type=int, default=1, show_default=True, help="Timed repeats (median reported).")
 @click.option("--device", default="cpu", show_default=True)
+@click.option("--attention-backend", default=None, help="numpy, numba, cuda (default: follows the device)")
 @click.option("--skip-transformers", is_flag=True, help="Only time refengine.")
 @click.option("--json", "json_path", default=None, help="Write the figures here.")
-def main(model, prompt_len, decode_steps, repeats, device, skip_transformers, json_path):
+def main(model, prompt_len, decode_steps, repeats, device, attention_backend, skip_transformers, json_path):
     """Batch-1 prefill time and decode tokens/s, refengine vs transformers."""
     from tokenizers import Tokenizer
 
@@ -125,11 +128,12 @@ def main(model, prompt_len, decode_steps, repeats, device, skip_transformers, js
 
     if busy_warning():
         click.echo(busy_warning())
-    click.echo(f"model {model}, prompt {prompt_len} tokens, {decode_steps} decode steps, batch 1, {device}")
-    ours = bench_refengine(model, prompt_ids, decode_steps, repeats, device)
+    click.echo(f"model {model}, prompt {prompt_len} tokens, {decode_steps} decode steps, batch 1, {device}"
+               f"{', attention ' + attention_backend if attention_backend else ''}")
+    ours = bench_refengine(model, prompt_ids, decode_steps, repeats, device, attention_backend)
     click.echo(f"refengine:    prefill {ours['prefill_s'] * 1000:9.1f} ms   decode {ours['decode_tok_per_s']:8.2f} tok/s")
     report = {"model": model, "prompt_len": prompt_len, "decode_steps": decode_steps, "device": device,
-              "repeats": repeats, "refengine": ours}
+              "attention_backend": attention_backend, "repeats": repeats, "refengine": ours}
     if not skip_transformers:
         theirs = bench_transformers(model, prompt_ids, decode_steps, repeats, device)
         click.echo(f"transformers: prefill {theirs['prefill_s'] * 1000:9.1f} ms   "

@@ -272,6 +272,7 @@ class EngineConfig:
         device: "cpu" or "cuda". dtype: NumPy dtype of weights and KV cache.
         attention_backend: :data:`refengine.attention.ATTENTION_BACKENDS` entry.
         layer_ops: :data:`refengine.ops.LAYER_OPS` entry.
+        num_threads: CPU threads (None: adaptive, :mod:`refengine.threads`).
         block_size: tokens per KV block. num_kv_blocks: pool size in blocks (None only
             before a GPU engine has measured its memory). bytes_per_block: one block
             across all layers, keys and values.
@@ -287,6 +288,7 @@ class EngineConfig:
     dtype: object
     attention_backend: str
     layer_ops: str
+    num_threads: int | None
     block_size: int
     num_kv_blocks: int | None
     bytes_per_block: int

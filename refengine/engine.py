@@ -43,6 +43,7 @@ from refengine.scheduler import Scheduler
 from refengine.sequence import CompletionOutput, RequestOutput, Sequence, SequenceStatus
 from refengine.stop import StopChecker
 from refengine.text import check_unicode
+from refengine.threads import configure_threads
 
 logger = logging.getLogger("refengine")
 
@@ -163,6 +164,8 @@ class LLMEngine:
         xp = np
         if config.device == "cuda":
             import cupy as xp
+        else:
+            configure_threads(config.num_threads)  # BLAS and numba threads sized to this process's cores
         attention = get_attention_backend(config.attention_backend)
         ops = get_layer_ops(config.layer_ops, xp)  # CUDA ops share the attention backend's compiled module
         self.model = load_model(model_dir, model_config, attention, ops, xp=xp, dtype=config.dtype)

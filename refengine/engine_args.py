@@ -33,8 +33,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEVICES = ("cpu", "cuda", "auto")
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 # Which attention backends run on which device, and the layer operations that go with them.
-BACKENDS = {"numpy": "cpu", "cuda-emulated": "cpu", "cuda": "cuda"}
-LAYER_OPS_FOR_BACKEND = {"numpy": "numpy", "cuda-emulated": "numpy", "cuda": "cuda"}
+BACKENDS = {"numpy": "cpu", "numba": "cpu", "cuda-emulated": "cpu", "cuda": "cuda"}
+LAYER_OPS_FOR_BACKEND = {"numpy": "numpy", "numba": "numba", "cuda-emulated": "numpy", "cuda": "cuda"}
 DEFAULT_BATCHED_TOKENS = 2048
 
 
@@ -75,7 +75,8 @@ class EngineArgs:
     dtype: str = field(default="auto", metadata=_option(
         "weights and KV cache (auto: float32 on the CPU, bfloat16 on a GPU)", choices=("auto", *DTYPES)))
     attention_backend: str | None = field(default=None, metadata=_option(
-        "how attention is computed (default: numpy on the CPU, cuda on a GPU)", choices=tuple(BACKENDS)))
+        "how attention (and the layer ops) are computed: numpy, numba (compiled CPU kernels) or cuda-emulated "
+        "on the CPU, cuda on a GPU (default: numpy on the CPU, cuda on a GPU)", choices=tuple(BACKENDS)))
     max_model_len: int | None = field(default=None, metadata=_option(
         "most tokens per sequence, prompt + output (default: the model's context, capped by the KV pool)",
         minimum=1))
@@ -93,6 +94,9 @@ class EngineArgs:
         "bytes for the KV pool on the CPU (allocated lazily)", minimum=1))
     gpu_memory_utilization: float = field(default=0.9, metadata=_option(
         "share of GPU memory the engine may use, in (0, 1]", positive=True, maximum=1.0))
+    num_threads: int | None = field(default=None, metadata=_option(
+        "CPU threads for BLAS and the numba kernels (default: the usable cores, fewer while other processes "
+        "keep some busy)", minimum=1))
     max_logprobs: int = field(default=20, metadata=_option(
         "most log-probabilities a request may ask for per generated token (the logprobs sampling option)", minimum=0))
     log_stats: bool = field(default=True, metadata=_option(
@@ -246,7 +250,8 @@ class EngineArgs:
             _check_budget(budget, max_model_len)
         return EngineConfig(
             model_dir=model_dir, model_config=mc, device=device, dtype=dtype, attention_backend=backend,
-            layer_ops=LAYER_OPS_FOR_BACKEND[backend], block_size=self.block_size, num_kv_blocks=num_blocks,
+            layer_ops=LAYER_OPS_FOR_BACKEND[backend], num_threads=self.num_threads, block_size=self.block_size,
+            num_kv_blocks=num_blocks,
             bytes_per_block=per_block, gpu_memory_utilization=self.gpu_memory_utilization,
             max_logprobs=self.max_logprobs, log_stats=self.log_stats, trace=self.trace,
             scheduler_config=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,

@@ -12,6 +12,7 @@ import numpy as np
 from refengine.attention import paged_metadata
 from refengine.kv_cache import KVCache
 from refengine.sequence import Sequence
+from refengine.threads import adapt_threads
 
 
 def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int):
@@ -70,6 +71,8 @@ class ModelRunner:
             that sample this step (or ``[T, vocab]`` for every row when ``all_logits``).
         """
         xp = self.xp
+        if xp is np:
+            adapt_threads()  # CPU threads: fewer while other processes hold cores (refengine/threads.py)
         ids, positions, meta, sample_rows, sample_seqs = build_batch(scheduled, self.kv_cache.block_size)
         rows = np.arange(ids.shape[0]) if all_logits else sample_rows
         logits = self.model.forward(xp.asarray(ids), positions, self.kv_cache, meta, xp.asarray(rows))

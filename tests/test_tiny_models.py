@@ -75,12 +75,15 @@ def hf_greedy(model, ids, n):
     return out[len(ids):]
 
 
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_tiny_model_matches_transformers(case, tmp_path):
+def test_tiny_model_matches_transformers(case, backend, tmp_path):
+    if backend == "numba":
+        pytest.importorskip("numba")
     ref = build(*CASES[case], tmp_path)
     rng = np.random.default_rng(1)
     ids = rng.integers(3, 211, size=37).tolist()
-    llm = LLM(model=tmp_path, device="cpu", block_size=8, log_stats=False)
+    llm = LLM(model=tmp_path, device="cpu", block_size=8, attention_backend=backend, log_stats=False)
     assert_logits_match(llm.prompt_logits(ids), ref, ids)
     out = llm.generate([ids], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(ref, ids, 12)

@@ -125,7 +125,7 @@ class AttentionBackend(Protocol):
         """Return ``[T, num_heads, head_dim]`` attention output per the contract above."""
 
 
-ATTENTION_BACKENDS = ("numpy", "cuda", "cuda-emulated")
+ATTENTION_BACKENDS = ("numpy", "numba", "cuda", "cuda-emulated")
 
 
 def get_attention_backend(name: str) -> AttentionBackend:
@@ -138,6 +138,10 @@ def get_attention_backend(name: str) -> AttentionBackend:
         from refengine.attention.numpy_ref import NumpyAttention
 
         return NumpyAttention()
+    if name == "numba":
+        from refengine.attention.numba_cpu import NumbaAttention
+
+        return NumbaAttention()
     if name == "cuda":
         from refengine.attention.cuda import CudaAttention
 

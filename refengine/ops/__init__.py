@@ -9,6 +9,7 @@ over :mod:`refengine.layers`) is the reference every other one is tested against
 Implementations:
 
 * ``"numpy"``: :class:`refengine.ops.numpy_ops.NumpyOps` (NumPy, or CuPy through ``xp``).
+* ``"numba"``: :class:`refengine.ops.numba_ops.NumbaOps`, CPU kernels compiled by numba.
 * ``"cuda"``: :class:`refengine.ops.cuda.CudaLayerOps`, the kernels of ``cuda/layers.cu``.
 """
 
@@ -18,7 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-LAYER_OPS = ("numpy", "cuda")
+LAYER_OPS = ("numpy", "numba", "cuda")
 
 
 class LayerOps(Protocol):
@@ -57,6 +58,10 @@ def get_layer_ops(name: str, xp=np, kernels: Any = None) -> LayerOps:
         from refengine.ops.numpy_ops import NumpyOps
 
         return NumpyOps(xp)
+    if name == "numba":
+        from refengine.ops.numba_ops import NumbaOps
+
+        return NumbaOps()
     if name == "cuda":
         from refengine.ops.cuda import CudaLayerOps
 

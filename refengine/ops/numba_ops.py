@@ -1,0 +1,333 @@
+"""Layer operations as CPU kernels compiled by numba: the third sibling of the NumPy twin.
+
+The NumPy versions in :mod:`refengine.layers` (through :class:`refengine.ops.numpy_ops.NumpyOps`)
+are the reference; every kernel here is tested against them (``tests/test_cpu_kernels.py``).
+
+Why these kernels exist:
+
+* **The small-row matrix product.** Decode multiplies 1-16 rows by every weight matrix,
+  so it is bound by reading the weights from memory. OpenBLAS reads them once at one row
+  (GEMV) but its GEMM path costs about 3x that at 2-8 rows, and the tied ``lm_head``
+  (``embed.T``, a transposed view) more still. :func:`_matmul_rows` streams the weights
+  once, front to back (one contiguous range of weight rows per thread), and applies each
+  weight row to every input row while it is in L1 (narrower column blocks, tried for
+  8-16 rows, were slower: whole rows keep the prefetcher streaming). From
+  :data:`BLAS_MIN_ROWS` rows the product is compute-bound and OpenBLAS's packed GEMM
+  wins, so ``linear`` hands over to it.
+* **RMSNorm, RoPE, SiLU-and-mul.** At one row NumPy spends its time dispatching 4-7
+  temporaries-making ufuncs per call; one loop per call is cheaper. They run on one thread:
+  at decode sizes a parallel launch costs more than the work.
+
+Numerics (float32 in and out, as the twins):
+
+* ``_matmul_rows`` sums over the inner dimension in a fixed order (groups of eight products
+  as a tree, the groups in sequence; ``fastmath={"contract"}``: FMA only, no reassociation)
+  within each of :func:`refengine.threads.max_threads` ranges, then adds the partial sums:
+  a row's result depends neither on how many rows share the call nor on how many threads
+  run it (the count adapts to load; the ranges do not). ``_matmul_rows_t`` (dot products over contiguous
+  rows) also allows ``reassoc`` so LLVM can vectorise the reduction.
+* RoPE performs the twin's exact operations (no FMA contraction): results are bitwise equal.
+* RMSNorm sums squares with ``reassoc`` (vectorised partial sums, like NumPy's pairwise sum).
+* SiLU uses :func:`exp_affine` (vectorised, within 2 ulp), NumPy its own SIMD ``exp`` (also ~2 ulp).
+
+``fastmath`` never includes ``nnan``/``ninf``: NaN and inf propagate as in NumPy.
+"""
+
+from __future__ import annotations
+
+from types import FunctionType
+
+import numpy as np
+from numba import get_num_threads, njit, prange
+
+from refengine import threads as _threads
+
+
+#: From this many rows ``linear`` hands ``[in, out]`` C-contiguous weights to BLAS (compute-bound
+#: there: OpenBLAS's packed GEMM wins). One Zen 4 core, CPU time of SmolLM2's 120 layer
+#: matrices, numba vs BLAS: 8 rows 53 vs 64 ms, 12 rows 73 vs 70, 16 rows 98 vs 80.
+BLAS_MIN_ROWS = 12
+#: The same for the transposed (tied lm_head) layout: 16 rows 25 vs 33 ms, 20 rows 33 vs 34,
+#: 24 rows 38 vs 37.
+BLAS_MIN_ROWS_T = 24
+
+_DOT = {"contract", "reassoc"}  # FMA + reassociation of sums (vectorised reductions); never nnan/ninf
+_FMA = {"contract"}
+
+
+class ParallelKernel:
+    """One ``prange`` loop nest compiled twice: spread over numba's threads, and as a plain
+    loop on the calling thread, which runs when numba is set to one thread.
+
+    Why both: a parallel launch hands the work to pool threads even at one thread, and a
+    woken thread waits for a core; on a busy machine that wait (milliseconds) dwarfs a
+    decode kernel (microseconds). The serial twin is a separate function to numba (its own
+    name, so its own on-disk cache entry).
+    """
+
+    def __init__(self, py_func, **options):
+        self.parallel = njit(cache=True, parallel=True, **options)(py_func)
+        name = py_func.__name__ + "_serial"
+        serial = FunctionType(py_func.__code__, py_func.__globals__, name, py_func.__defaults__, py_func.__closure__)
+        serial.__qualname__ = py_func.__qualname__ + "_serial"
+        self.serial = njit(cache=True, **options)(serial)
+        self.__doc__ = py_func.__doc__
+
+    def __call__(self, *args):
+        return (self.parallel if get_num_threads() > 1 else self.serial)(*args)
+
+
+def parallel_kernel(**options):
+    """Decorator: a :class:`ParallelKernel` compiled with ``njit(cache=True, **options)``."""
+    return lambda py_func: ParallelKernel(py_func, **options)
+
+
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)  # ln 2 split in two so k * _LN2_HI is exact (Cody & Waite 1980)
+_LN2_LO = np.float32(-2.12194440e-4)
+
+
+@njit(cache=True, fastmath={"contract"})
+def exp_affine(x, a, b, out, bits):  # pragma: no cover - compiled
+    """``out[j] = exp(a * x[j] + b)`` for float32 ``x``, ``out [n]``; ``bits``: int32 scratch ``[>= n]``.
+
+    A loop LLVM vectorises, where calling the C library's ``expf`` per element does not
+    (about 3x faster here): ``exp(y) = 2**k * exp(r)`` with ``k = round(y / ln 2)``,
+    ``|r| <= ln 2 / 2``, ``exp(r)`` by its degree-6 Taylor polynomial (Horner) and ``2**k``
+    built as float32 bits. Within 2 ulp of the true value (as NumPy's ``exp``) on
+    [-87, 88.3]; below, ``exp(-87)`` (1.6e-38) instead of smaller or 0; from 88.4 (where
+    ``k`` reaches 128), ``inf``, a little before float32's own overflow at 88.72.
+    NaN stays NaN. ``out`` may be ``x``.
+    """
+    a32, b32 = np.float32(a), np.float32(b)
+    for j in range(x.shape[0]):
+        y = a32 * x[j] + b32
+        if y < np.float32(-87.0):
+            y = np.float32(-87.0)
+        if y > np.float32(88.75):
+            y = np.float32(88.75)  # k = 128: the exponent bits below make inf
+        k = np.floor(y * _LOG2E + np.float32(0.5))
+        r = y - k * _LN2_HI - k * _LN2_LO
+        p = np.float32(1.0 / 720.0)
+        p = p * r + np.float32(1.0 / 120.0)
+        p = p * r + np.float32(1.0 / 24.0)
+        p = p * r + np.float32(1.0 / 6.0)
+        p = p * r + np.float32(0.5)
+        p = p * r + np.float32(1.0)
+        p = p * r + np.float32(1.0)
+        bits[j] = (np.int32(k) + np.int32(127)) << 23  # the float32 2**k: biased exponent, zero mantissa
+        out[j] = p
+    two_k = bits.view(np.float32)
+    for j in range(x.shape[0]):
+        out[j] *= two_k[j]
+
+
+@njit(cache=True, parallel=True)
+def _fill_range(out):  # pragma: no cover - compiled
+    for i in prange(out.shape[0]):
+        out[i] = i
+
+
+def start_thread_pool() -> None:
+    """Run one tiny parallel loop so numba loads its threading layer now
+    (:mod:`refengine.threads` sets the environment libgomp reads around this call)."""
+    _fill_range(np.empty(64, dtype=np.int64))
+
+
+@parallel_kernel(fastmath=_FMA)
+def _matmul_rows(x, w, out, chunks):  # pragma: no cover - compiled
+    """``out [T, N] = x [T, K] @ w [K, N]`` for few rows, ``w`` C-contiguous float32.
+
+    The weight rows are split into ``chunks`` contiguous ranges, one task each, so every
+    task streams its part of the matrix front to back (the hardware prefetcher's best
+    case). Eight weight rows at a time are applied to every input row while they are in
+    L1, two input rows per pass sharing each weight load, and each output element is
+    loaded and stored once per eight products. Each task sums into its own ``[T, N]``
+    partial; the partials are added at the end.
+    """
+    rows, k_dim = x.shape
+    n = w.shape[1]
+    per = -(-k_dim // chunks)
+    per += -per % 8  # whole groups of eight weight rows per task
+    partial = np.zeros((chunks, rows, n), dtype=np.float32)
+    for c in prange(chunks):
+        i0, i1 = min(k_dim, c * per), min(k_dim, (c + 1) * per)
+        i8 = i0 + (i1 - i0) // 8 * 8
+        acc = partial[c]
+        for i in range(i0, i8, 8):
+            w0, w1, w2, w3 = w[i], w[i + 1], w[i + 2], w[i + 3]
+            w4, w5, w6, w7 = w[i + 4], w[i + 5], w[i + 6], w[i + 7]
+            for t in range(0, rows, 2):
+                xa = x[t]
+                a0, a1, a2, a3 = xa[i], xa[i + 1], xa[i + 2], xa[i + 3]
+                a4, a5, a6, a7 = xa[i + 4], xa[i + 5], xa[i + 6], xa[i + 7]
+                acc_a = acc[t]
+                if t + 1 == rows:  # an odd row out
+                    for j in range(n):  # sums as a tree: short dependency chains
+                        acc_a[j] += (((a0 * w0[j] + a1 * w1[j]) + (a2 * w2[j] + a3 * w3[j]))
+                                     + ((a4 * w4[j] + a5 * w5[j]) + (a6 * w6[j] + a7 * w7[j])))
+                    continue
+                xb = x[t + 1]
+                b0, b1, b2, b3 = xb[i], xb[i + 1], xb[i + 2], xb[i + 3]
+                b4, b5, b6, b7 = xb[i + 4], xb[i + 5], xb[i + 6], xb[i + 7]
+                acc_b = acc[t + 1]
+                for j in range(n):
+                    u0, u1, u2, u3, u4, u5, u6, u7 = w0[j], w1[j], w2[j], w3[j], w4[j], w5[j], w6[j], w7[j]
+                    acc_a[j] += ((a0 * u0 + a1 * u1) + (a2 * u2 + a3 * u3)) + ((a4 * u4 + a5 * u5) + (a6 * u6 + a7 * u7))
+                    acc_b[j] += ((b0 * u0 + b1 * u1) + (b2 * u2 + b3 * u3)) + ((b4 * u4 + b5 * u5) + (b6 * u6 + b7 * u7))
+        for i in range(i8, i1):
+            wi = w[i]
+            for t in range(rows):
+                acc_t = acc[t]
+                xi = x[t, i]
+                for j in range(n):
+                    acc_t[j] += xi * wi[j]
+    out[:] = partial[0]
+    for c in range(1, chunks):
+        out += partial[c]
+
+
+@parallel_kernel(fastmath=_DOT)
+def _matmul_rows_t(x, wt, out, block):  # pragma: no cover - compiled
+    """``out [T, N] = x [T, K] @ wt.T`` for ``wt [N, K]`` C-contiguous float32 (the tied lm_head).
+
+    Output column ``j`` is the dot product of each input row with the contiguous row
+    ``wt[j]``, read from memory once; four input rows at a time share each load of it.
+    Tasks own ``block`` consecutive rows of ``wt``, so each thread streams a contiguous part.
+    """
+    rows, k_dim = x.shape
+    n = wt.shape[0]
+    rows4 = rows - rows % 4
+    for blk in prange((n + block - 1) // block):
+        for j in range(blk * block, min(blk * block + block, n)):
+            wj = wt[j]
+            for t in range(0, rows4, 4):
+                x0, x1, x2, x3 = x[t], x[t + 1], x[t + 2], x[t + 3]
+                s0 = s1 = s2 = s3 = np.float32(0.0)
+                for i in range(k_dim):
+                    wi = wj[i]
+                    s0 += x0[i] * wi
+                    s1 += x1[i] * wi
+                    s2 += x2[i] * wi
+                    s3 += x3[i] * wi
+                out[t, j], out[t + 1, j], out[t + 2, j], out[t + 3, j] = s0, s1, s2, s3
+            for t in range(rows4, rows):
+                xt = x[t]
+                s = np.float32(0.0)
+                for i in range(k_dim):
+                    s += xt[i] * wj[i]
+                out[t, j] = s
+
+
+@njit(cache=True, fastmath=_DOT)
+def _rms_norm(x, weight, eps, out):  # pragma: no cover - compiled
+    """``out[t] = x[t] * (1 / sqrt(mean(x[t]**2) + eps)) * weight`` for ``x [T, d]`` float32."""
+    rows, d = x.shape
+    eps32 = np.float32(eps)
+    for t in range(rows):
+        xt = x[t]
+        ss = np.float32(0.0)
+        for i in range(d):
+            ss += xt[i] * xt[i]
+        inv = np.float32(1.0) / np.sqrt(ss / np.float32(d) + eps32)
+        ot = out[t]
+        for i in range(d):
+            ot[i] = (xt[i] * inv) * weight[i]
+
+
+@njit(cache=True)
+def _rope_inplace(x, positions, cos, sin):  # pragma: no cover - compiled
+    """Rotate ``x [T, H, D]`` in place, HF "rotate half" pairing: element ``i`` with ``i + D/2``.
+
+    The twin's operations in the twin's order, no FMA: results equal NumPy's bit for bit.
+    """
+    tokens, heads, head_dim = x.shape
+    half = head_dim // 2
+    for t in range(tokens):
+        c = cos[positions[t]]
+        s = sin[positions[t]]
+        for h in range(heads):
+            xh = x[t, h]
+            for i in range(half):
+                x1 = xh[i]
+                x2 = xh[i + half]
+                xh[i] = x1 * c[i] - x2 * s[i]
+                xh[i + half] = x2 * c[i] + x1 * s[i]
+
+
+@njit(cache=True)
+def _silu_and_mul(x, out):  # pragma: no cover - compiled
+    """``out[t, i] = g / (1 + exp(-g)) * x[t, I + i]`` with ``g = x[t, i]``, ``x [T, 2I]`` float32."""
+    rows, two_i = x.shape
+    inter = two_i // 2
+    one = np.float32(1.0)
+    bits = np.empty(inter, dtype=np.int32)
+    for t in range(rows):
+        gate, up, ot = x[t, :inter], x[t, inter:], out[t]
+        exp_affine(gate, -1.0, 0.0, ot, bits)  # exp(-gate), vectorised
+        for i in range(inter):
+            ot[i] = gate[i] / (one + ot[i]) * up[i]
+
+
+class NumbaOps:
+    """Layer operations compiled by numba (``"numba"``). float32 activations and weights.
+
+    ``linear`` runs :func:`_matmul_rows` (weights ``[in, out]`` C-contiguous) below
+    :data:`BLAS_MIN_ROWS` rows, :func:`_matmul_rows_t` (weights given as the transposed
+    view of a C-contiguous ``[out, in]`` array, like the tied lm_head ``embed.T``) below
+    :data:`BLAS_MIN_ROWS_T` rows, and BLAS (``x @ w``) otherwise or for any other weight
+    layout or dtype.
+    """
+
+    name = "numba"
+
+    def __init__(self, blas_min_rows: int = BLAS_MIN_ROWS, blas_min_rows_t: int = BLAS_MIN_ROWS_T):
+        self.blas_min_rows = blas_min_rows
+        self.blas_min_rows_t = blas_min_rows_t
+
+    def device_positions(self, positions: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(positions, dtype=np.int64)
+
+    def linear(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """``x [T, in] @ w [in, out]`` -> ``[T, out]`` float32 (see the class docstring)."""
+        rows = x.shape[0]
+        if rows and w.dtype == np.float32:
+            if w.flags.c_contiguous and rows < self.blas_min_rows:
+                out = np.empty((rows, w.shape[1]), dtype=np.float32)
+                _matmul_rows(np.ascontiguousarray(x, dtype=np.float32), w, out, _threads.max_threads())
+                return out
+            if w.T.flags.c_contiguous and rows < self.blas_min_rows_t:
+                out = np.empty((rows, w.shape[1]), dtype=np.float32)
+                _matmul_rows_t(np.ascontiguousarray(x, dtype=np.float32), w.T, out, 64)
+                return out
+        return (x.astype(w.dtype, copy=False) @ w).astype(np.float32, copy=False)
+
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        """RMSNorm over the last axis of ``x [..., d]`` float32 (any leading shape)."""
+        x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+        out = np.empty_like(x2)
+        _rms_norm(x2, np.ascontiguousarray(weight, dtype=np.float32), float(eps), out)
+        return out.reshape(x.shape)
+
+    def rope(self, q: np.ndarray, k: np.ndarray, positions: np.ndarray, rope) -> tuple[np.ndarray, np.ndarray]:
+        """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` in place (views into the fused qkv
+        output are fine) with ``rope.cos``/``rope.sin`` ``[max_pos, D/2]`` float32.
+
+        Raises:
+            IndexError: a position outside the tables (checked, since the kernel is not).
+        """
+        if positions.shape[0] and (positions.min() < 0 or positions.max() >= rope.cos.shape[0]):
+            raise IndexError(f"positions outside the RoPE tables [0, {rope.cos.shape[0]})")
+        _rope_inplace(q, positions, rope.cos, rope.sin)
+        _rope_inplace(k, positions, rope.cos, rope.sin)
+        return q, k
+
+    def silu_and_mul(self, x: np.ndarray) -> np.ndarray:
+        """``silu(x[:, :I]) * x[:, I:]`` -> ``[T, I]`` float32."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        out = np.empty((x.shape[0], x.shape[1] // 2), dtype=np.float32)
+        _silu_and_mul(x, out)
+        return out
+
+
+_threads.configure_numba()  # thread count and wait policy before the first kernel runs

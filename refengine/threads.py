@@ -1,0 +1,216 @@
+"""How many threads BLAS and the numba kernels use, and how idle threads wait.
+
+The engine calls :func:`configure_threads` once at start on the CPU and
+:func:`adapt_threads` once per step. Choices, and why:
+
+* **Thread count**: the cores this process may run on (``os.sched_getaffinity``, so
+  ``taskset``, cpusets and containers count), for both BLAS (through ``threadpoolctl``)
+  and numba (``numba.set_num_threads``), **minus the cores other processes keep busy**.
+  A parallel kernel waits for its slowest thread, and a thread sharing a core with
+  another process waits for a time slice, at each of a decode step's ~150 parallel
+  launches. So :func:`adapt_threads` reads, at most every :data:`ADAPT_INTERVAL_S`, how
+  much CPU time this process's cores gave other processes (``/proc/stat`` minus our own
+  ``os.times``) and uses one thread fewer per core they kept more than
+  :data:`BUSY_CORE_SHARE` busy, never fewer than one. An explicit ``num_threads`` turns
+  this off. Measured on 2 cores (SmolLM2 decode step, 1 and 2 numba threads alternating
+  in one process, passive waits, with other processes at load ~7): 1 row 67 vs 87 ms,
+  8 rows 181 vs 229 ms; with a busy loop added, 1 row 146 vs 173 ms.
+* **No oversubscription by construction**: the model calls one kernel at a time from one
+  Python thread, so a numba parallel region and a BLAS call never overlap, and both pools
+  can use every core. What remains is idle threads of one pool *spinning* while the other
+  works, or against other processes.
+* **numba's threading layer and wait policy**: OpenMP (GNU libgomp) with
+  ``OMP_WAIT_POLICY=PASSIVE``: idle threads sleep at once instead of spinning. A spinning
+  thread never sleeps, so the scheduler gives it no wake-up preference over other busy
+  threads, and every launch that needs it waits for a time slice: with other processes
+  running, libgomp's default spin made a decode step 135-740 ms against 47-87 ms passive,
+  and a short spin (``GOMP_SPINCOUNT=10000``) was as bad
+  (``benchmarks/bench_cpu_kernels.py --threads``). Without libgomp numba falls back to its
+  ``workqueue`` layer (threads also sleep; it measured between the two). The variable is
+  set only while numba loads libgomp, then restored, so OpenMP runtimes loaded later
+  (PyTorch's) keep their defaults; a value the user set (``OMP_WAIT_POLICY`` or
+  ``GOMP_SPINCOUNT``) is kept.
+* **One thread means no pool**: with one thread the numba kernels run their serial
+  twins on the calling thread (:class:`refengine.ops.numba_ops.ParallelKernel`), so no
+  launch waits for another thread.
+
+OpenBLAS's own idle threads spin for a while after each call (``OPENBLAS_THREAD_TIMEOUT``,
+read once when NumPy loads it, too early for this module). The numba backend only calls
+BLAS from :data:`refengine.ops.numba_ops.BLAS_MIN_ROWS` rows up (prefill), so decode steps
+never wake them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+#: libgomp's wait policy for numba's threads (see the module docstring).
+OMP_WAIT_POLICY = "PASSIVE"
+#: numba threading layers in order of preference (numba wants all three named).
+NUMBA_LAYERS = ("omp", "workqueue", "tbb")
+
+#: How often :func:`adapt_threads` re-reads the CPU counters (seconds).
+ADAPT_INTERVAL_S = 1.0
+#: A core counts as taken when other processes used more than this share of it.
+BUSY_CORE_SHARE = 0.25
+
+_requested: int | None = None  # the thread count asked for (fixed), or all usable cores
+_adaptive = False
+_current: int | None = None
+_blas = None  # threadpoolctl's handle on the BLAS libraries
+_last_sample: tuple[float, float, float] | None = None  # (wall s, busy s of our cores, own CPU s)
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity mask), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def configure_threads(num_threads: int | None = None) -> int:
+    """Size the BLAS and numba thread pools; return the thread count.
+
+    numba is configured now if it is imported, else when :mod:`refengine.ops.numba_ops`
+    is first imported (so the NumPy backend never pays numba's import).
+
+    Args:
+        num_threads: threads for each pool, fixed; ``None`` = all :func:`usable_cores`,
+            adapted each step to the cores other processes leave free (:func:`adapt_threads`).
+    Raises:
+        ValueError: ``num_threads < 1``.
+    """
+    global _requested, _adaptive, _last_sample
+    if num_threads is not None and int(num_threads) < 1:
+        raise ValueError(f"num_threads={num_threads} must be >= 1")
+    _adaptive = num_threads is None
+    _requested = usable_cores() if num_threads is None else int(num_threads)
+    _last_sample = _sample() if _adaptive else None
+    _set_threads(_requested)
+    return _requested
+
+
+def adapt_threads() -> int:
+    """Call once per engine step, from the thread that runs the model. After
+    :func:`configure_threads` ``(None)``, every :data:`ADAPT_INTERVAL_S` seconds, sets both
+    pools to the usable cores minus those other processes kept busy since the last look (at
+    least 1); always makes the calling thread's numba count match (numba keeps one per
+    Python thread). Returns the thread count in use (1 before :func:`configure_threads`).
+    Cost: ~1 us, plus one ``/proc/stat`` read (~0.1 ms) per interval."""
+    global _last_sample
+    if _current is None:
+        return 1
+    if _adaptive and _last_sample is not None and time.monotonic() - _last_sample[0] >= ADAPT_INTERVAL_S:
+        sample = _sample()
+        if sample is not None:
+            wall = sample[0] - _last_sample[0]
+            others = max(0.0, (sample[1] - _last_sample[1]) - (sample[2] - _last_sample[2])) / wall
+            _last_sample = sample
+            taken = int(others + 1.0 - BUSY_CORE_SHARE)  # cores others used more than BUSY_CORE_SHARE of
+            _set_threads(max(1, _requested - taken))
+    if "numba" in sys.modules:
+        _numba_set(_current)
+    return _current
+
+
+def current_threads() -> int | None:
+    """The thread count last set (None before :func:`configure_threads`)."""
+    return _current
+
+
+def max_threads() -> int:
+    """The most threads :func:`adapt_threads` may use: what :func:`configure_threads` was
+    given, else all usable cores. Kernels that split work into one part per thread use this
+    many parts whatever the current count, so their float32 sums, and the tokens they lead
+    to, do not change with the machine's load."""
+    return _requested or usable_cores()
+
+
+def _sample() -> tuple[float, float, float] | None:
+    """(monotonic s, busy CPU s of our usable cores, CPU s of this process), or None off Linux."""
+    try:
+        cpus = os.sched_getaffinity(0)
+        busy = 0
+        with open("/proc/stat") as f:
+            for line in f:
+                if not (line.startswith("cpu") and line[3].isdigit()):
+                    continue
+                name, *fields = line.split()
+                if int(name[3:]) in cpus:  # user nice system idle iowait irq softirq steal
+                    ticks = [int(v) for v in fields[:8]]
+                    busy += sum(ticks) - ticks[3] - ticks[4]
+        t = os.times()
+        return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), t.user + t.system
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
+def _set_threads(n: int) -> None:
+    global _current, _blas
+    if n == _current:
+        return
+    if _blas is None:
+        from threadpoolctl import ThreadpoolController
+
+        _blas = ThreadpoolController().select(user_api="blas")
+    _blas.limit(limits=n)
+    _current = n
+    if "numba" in sys.modules:
+        _numba_set(n)
+
+
+def _numba_set(n: int) -> None:
+    import numba
+
+    n = min(n, numba.config.NUMBA_NUM_THREADS)
+    if numba.get_num_threads() != n:
+        numba.set_num_threads(n)
+
+
+def configure_numba() -> int:
+    """Start numba's threading layer (see the module docstring) and give it the current
+    thread count (all usable cores if :func:`configure_threads` was not called); returns it."""
+    import numba
+
+    _start_numba_layer()
+    n = min(_current or usable_cores(), numba.config.NUMBA_NUM_THREADS)
+    numba.set_num_threads(n)
+    return n
+
+
+def numba_threading_layer() -> str | None:
+    """The threading layer numba started (``"omp"``, ``"workqueue"``, ``"tbb"``), or None."""
+    import numba
+
+    try:
+        return numba.threading_layer()
+    except ValueError:  # not started yet
+        return None
+
+
+def _start_numba_layer() -> None:
+    import numba
+
+    if numba_threading_layer() is not None:
+        return
+    if os.environ.get("NUMBA_THREADING_LAYER") is None and numba.config.THREADING_LAYER == "default":
+        numba.config.THREADING_LAYER_PRIORITY = list(NUMBA_LAYERS)
+    wanted = {"OMP_WAIT_POLICY": OMP_WAIT_POLICY}
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:  # the user's choice stands
+        wanted = {}
+    saved = {k: os.environ.get(k) for k in wanted}
+    for k, v in wanted.items():
+        os.environ.setdefault(k, v)
+    try:
+        from refengine.ops.numba_ops import start_thread_pool
+
+        start_thread_pool()  # loads the layer (libgomp reads the environment now)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -1,0 +1,391 @@
+"""The numba CPU kernels against their NumPy twins.
+
+Attention: random paged batches (block-boundary lengths, GQA ratios 1/2/3/8, head_dim
+32/64, chunked prefill, decode rows mixed with prefills, shuffled physical blocks) in a
+cache whose unused slots and guard blocks before and after hold NaN, with outputs
+poisoned with NaN before the kernels run: an out-of-range read or a forgotten row shows.
+Layer ops: the small-row product for 1..20 and 64 rows in both weight layouts, RMSNorm,
+RoPE, SiLU-and-mul. Then a whole tiny Llama on the numba backend against the NumPy one.
+
+The paged metadata is built by a local helper (``make_batch``): no shared helper for it
+exists in ``refengine.attention`` in this tree.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+
+from refengine.attention import AttentionMetadata, get_attention_backend  # noqa: E402
+from refengine.attention.numba_cpu import NumbaAttention, _Plan  # noqa: E402
+from refengine.attention.numpy_ref import NumpyAttention  # noqa: E402
+from refengine.layers import RotaryEmbedding  # noqa: E402
+from refengine.ops import get_layer_ops  # noqa: E402
+from refengine.ops.numba_ops import BLAS_MIN_ROWS, BLAS_MIN_ROWS_T, NumbaOps, _matmul_rows, _matmul_rows_t  # noqa: E402
+from refengine.ops.numpy_ops import NumpyOps  # noqa: E402
+
+U32 = 2.0 ** -24  # float32 unit roundoff
+
+# Attention: both sides are float32 with different summation orders (BLAS tiles vs
+# sequential/vectorised loops); scores of O(10) feed exp, so a score error of a few ulps
+# (~1e-6) moves the O(1) outputs by ~1e-6. Observed max difference 5e-7; 1e-5 leaves
+# a 20x margin and still catches any wrong key, mask or scale (errors of O(0.1)).
+ATTN_TOL = 1e-5
+
+
+@dataclass
+class Batch:
+    q: np.ndarray
+    k_new: np.ndarray
+    v_new: np.ndarray
+    k_cache: np.ndarray  # a view inside a buffer with one NaN guard block on each side
+    v_cache: np.ndarray
+    meta: AttentionMetadata
+
+
+def make_batch(rng, seqs, num_heads, num_kv_heads, head_dim, block_size, spare_blocks=3) -> Batch:
+    """``seqs``: ``(seq_len, q_len)`` per sequence; its first ``seq_len - q_len`` tokens are
+    already cached, the last ``q_len`` are this step's (written through ``write_kv``).
+    Physical blocks are a random permutation; every slot not holding a cached token is NaN."""
+    seq_lens = np.array([s for s, _ in seqs], np.int32)
+    q_lens = np.array([q for _, q in seqs], np.int32)
+    blocks_per_seq = [-(-int(s) // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    physical = rng.permutation(num_blocks)
+    block_tables = np.full((len(seqs), max(blocks_per_seq) + 1), -1, np.int32)  # + a padding column
+    start = 0
+    for i, n in enumerate(blocks_per_seq):
+        block_tables[i, :n] = physical[start:start + n]
+        start += n
+    shape = (num_blocks + 2, block_size, num_kv_heads, head_dim)
+    k_buf, v_buf = np.full(shape, np.nan, np.float32), np.full(shape, np.nan, np.float32)
+    k_cache, v_cache = k_buf[1:-1], v_buf[1:-1]
+    k_new, v_new, slots = [], [], []
+    for i, (seq_len, q_len) in enumerate(seqs):
+        k = rng.standard_normal((seq_len, num_kv_heads, head_dim), dtype=np.float32)
+        v = rng.standard_normal((seq_len, num_kv_heads, head_dim), dtype=np.float32)
+        for pos in range(seq_len):
+            block, off = block_tables[i, pos // block_size], pos % block_size
+            if pos < seq_len - q_len:
+                k_cache[block, off], v_cache[block, off] = k[pos], v[pos]
+            else:
+                slots.append(block * block_size + off)
+        k_new.append(k[seq_len - q_len:])
+        v_new.append(v[seq_len - q_len:])
+    q = rng.standard_normal((int(q_lens.sum()), num_heads, head_dim), dtype=np.float32)
+    meta = AttentionMetadata(query_start_loc=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
+                             seq_lens=seq_lens, block_tables=block_tables, slot_mapping=np.array(slots, np.int32),
+                             max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()))
+    return Batch(q, np.concatenate(k_new), np.concatenate(v_new), k_cache, v_cache, meta)
+
+
+def run_both(batch: Batch):
+    """write_kv + forward through the twin and through numba (output poisoned with NaN)."""
+    scale = 1.0 / np.sqrt(batch.q.shape[-1])
+    k_ref, v_ref = batch.k_cache.copy(), batch.v_cache.copy()
+    twin = NumpyAttention()
+    twin.write_kv(k_ref, v_ref, batch.k_new, batch.v_new, batch.meta)
+    want = twin.forward(batch.q, k_ref, v_ref, batch.meta, scale)
+
+    nb = NumbaAttention()
+    nb.prepare(batch.meta)
+    nb.write_kv(batch.k_cache, batch.v_cache, batch.k_new, batch.v_new, batch.meta)
+    np.testing.assert_array_equal(batch.k_cache, k_ref)  # NaN == NaN here: untouched slots stay NaN
+    np.testing.assert_array_equal(batch.v_cache, v_ref)
+    out = np.full(batch.q.shape, np.nan, np.float32)
+    got = nb.forward(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale, out=out)
+    assert got is out
+    assert np.isfinite(got).all(), "a row was not written, or a NaN slot was read"
+    np.testing.assert_allclose(got, want, rtol=ATTN_TOL, atol=ATTN_TOL)
+    return got
+
+
+BS = 16
+EDGES = [1, BS - 1, BS, BS + 1, 2 * BS + 7, 33, 300]
+GQA = {1: (4, 4), 2: (4, 2), 3: (9, 3), 8: (8, 1)}  # group -> (heads, kv heads)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("group", list(GQA))
+def test_paged_decode(head_dim, group):
+    rng = np.random.default_rng(group * 100 + head_dim)
+    heads, kv = GQA[group]
+    run_both(make_batch(rng, [(n, 1) for n in EDGES], heads, kv, head_dim, BS))
+
+
+def test_paged_decode_long_context_partitions():
+    """Contexts past one decode partition (merged partial softmaxes), lengths around the cut."""
+    from refengine.attention import numba_cpu
+
+    part = numba_cpu.DECODE_PARTITION
+    rng = np.random.default_rng(7)
+    run_both(make_batch(rng, [(part - 1, 1), (part, 1), (part + 1, 1), (3 * part + 5, 1)], 9, 3, 64, BS))
+
+
+@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("group", list(GQA))
+def test_flash_prefill_whole_and_chunked(head_dim, group):
+    rng = np.random.default_rng(group * 10 + head_dim)
+    heads, kv = GQA[group]
+    seqs = [(n, n) for n in EDGES if n > 1]  # whole prompts
+    seqs += [(40, 9), (BS + 1, 2), (300, 37), (130, 65)]  # chunked: q_len < seq_len
+    run_both(make_batch(rng, seqs, heads, kv, head_dim, BS))
+
+
+@pytest.mark.parametrize("numba_only", [False, True])
+def test_long_prefill_numpy_and_numba_paths(numba_only, monkeypatch):
+    """Long chunks go to the NumPy twin by default; the numba kernel must be right there too."""
+    from refengine.attention import numba_cpu
+
+    if numba_only:
+        monkeypatch.setattr(numba_cpu, "NUMPY_PREFILL_MIN_ROWS", 1 << 30)
+    rng = np.random.default_rng(3)
+    seqs = [(800, 70), (numba_cpu.NUMPY_PREFILL_MIN_CONTEXT, 64), (900, 1), (300, 300)]
+    b = make_batch(rng, seqs, 9, 3, 64, BS)
+    assert len(_Plan(b.meta, BS).numpy_prefill) == (0 if numba_only else 2)
+    run_both(b)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32, 5])
+def test_mixed_decode_and_prefill(block_size):
+    """Decode rows and prefill chunks in one batch, odd block sizes, shuffled blocks."""
+    rng = np.random.default_rng(block_size)
+    seqs = [(1, 1), (block_size - 1, 1), (37, 12), (block_size, block_size), (block_size + 1, 1),
+            (71, 3), (2, 2), (150, 150), (65, 1)]
+    run_both(make_batch(rng, seqs, 9, 3, 64, block_size))
+
+
+def test_plan_and_bad_inputs():
+    rng = np.random.default_rng(0)
+    b = make_batch(rng, [(20, 1), (5, 5)], 4, 2, 32, BS)
+    nb = NumbaAttention()
+    plan = _Plan(b.meta, BS)
+    assert plan.decode_seqs.tolist() == [0] and plan.tile_seq.tolist() == [1]
+    with pytest.raises(TypeError):
+        nb.forward(b.q.astype(np.float64), b.k_cache, b.v_cache, b.meta, 0.1)
+    bad = AttentionMetadata(b.meta.query_start_loc, b.meta.seq_lens, b.meta.block_tables + 1000,
+                            b.meta.slot_mapping, b.meta.max_query_len, b.meta.max_seq_len)
+    with pytest.raises(ValueError, match="outside the cache"):
+        nb.forward(b.q, b.k_cache, b.v_cache, bad, 0.1)
+    bad_slots = AttentionMetadata(b.meta.query_start_loc, b.meta.seq_lens, b.meta.block_tables,
+                                  b.meta.slot_mapping + 10_000, b.meta.max_query_len, b.meta.max_seq_len)
+    with pytest.raises(IndexError):
+        nb.write_kv(b.k_cache, b.v_cache, b.k_new, b.v_new, bad_slots)
+
+
+def test_backend_registry():
+    assert get_attention_backend("numba").name == "numba"
+    assert get_layer_ops("numba").name == "numba"
+
+
+# --- layer ops ------------------------------------------------------------------------
+
+
+def check_product(got, x, w):
+    """Against float64 and against BLAS, within the rounding bound of a K-term float32 sum:
+    |computed - exact| <= K * u * (|x| @ |w|) (Higham, "Accuracy and Stability", eq. 3.5;
+    both sides obey it, so they differ by at most twice that)."""
+    k = x.shape[1]
+    bound = k * U32 * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64))
+    exact = x.astype(np.float64) @ w.astype(np.float64)
+    assert np.isfinite(got).all()
+    assert (np.abs(got - exact) <= bound).all()
+    assert (np.abs(got - (x @ w)) <= 2 * bound).all()
+
+
+@pytest.mark.parametrize("rows", list(range(1, 21)) + [64])
+def test_linear_both_layouts(rows):
+    rng = np.random.default_rng(rows)
+    ops = NumbaOps()
+    x = rng.standard_normal((rows, 131), dtype=np.float32)  # K = 131: the 8-row unroll's tail runs
+    w = rng.standard_normal((131, 203), dtype=np.float32)  # N = 203: a partial column block
+    embed = rng.standard_normal((203, 131), dtype=np.float32)
+    check_product(ops.linear(x, w), x, w)
+    check_product(ops.linear(x, embed.T), x, embed.T)  # the tied lm_head layout, not copied
+    check_product(ops.linear(x[:, :128], w[:128]), x[:, :128], w[:128])  # K % 8 == 0
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 16])
+def test_linear_kernels_write_every_output(rows):
+    """The kernels straight (parallel and serial twins), into NaN-poisoned outputs, at
+    SmolLM2's shapes, with 1-3 weight-row chunks (a 130-row weight: partial and empty chunks)."""
+    rng = np.random.default_rng(rows)
+    for k, n in ((576, 576), (576, 960), (576, 3072), (1536, 576), (130, 50)):
+        x = rng.standard_normal((rows, k), dtype=np.float32)
+        w = rng.standard_normal((k, n), dtype=np.float32)
+        for chunks in (1, 2, 3, 20):
+            for kernel in (_matmul_rows.parallel, _matmul_rows.serial):
+                out = np.full((rows, n), np.nan, np.float32)
+                kernel(x, w, out, chunks)
+                check_product(out, x, w)
+    x = rng.standard_normal((rows, 576), dtype=np.float32)
+    embed = rng.standard_normal((1000, 576), dtype=np.float32)
+    for kernel in (_matmul_rows_t.parallel, _matmul_rows_t.serial):
+        out = np.full((rows, 1000), np.nan, np.float32)
+        kernel(x, embed, out, 64)
+        check_product(out, x, embed.T)
+
+
+def test_linear_does_not_depend_on_thread_count():
+    """The thread count adapts to load; the product's sums must not change with it."""
+    import numba
+
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((5, 576), dtype=np.float32)
+    w = rng.standard_normal((576, 960), dtype=np.float32)
+    before = numba.get_num_threads()
+    try:
+        results = []
+        for n in sorted({1, before}):
+            numba.set_num_threads(n)
+            results.append(NumbaOps().linear(x, w))
+    finally:
+        numba.set_num_threads(before)
+    for r in results[1:]:
+        np.testing.assert_array_equal(r, results[0])
+
+
+def test_linear_rows_do_not_depend_on_batch():
+    """Below the BLAS threshold a row's result is the same bits alone or in a batch."""
+    rng = np.random.default_rng(1)
+    ops = NumbaOps()
+    w = rng.standard_normal((576, 960), dtype=np.float32)
+    embed = rng.standard_normal((500, 576), dtype=np.float32)
+    for weight, rows in ((w, BLAS_MIN_ROWS - 1), (embed.T, BLAS_MIN_ROWS_T - 1)):
+        x = rng.standard_normal((rows, 576), dtype=np.float32)
+        full = ops.linear(x, weight)
+        for r in (0, 5, x.shape[0] - 1):
+            np.testing.assert_array_equal(ops.linear(x[r:r + 1], weight)[0], full[r])
+
+
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_rms_norm(rows):
+    """Sums of squares in a different order (vectorised partial sums vs NumPy's pairwise
+    sum): the variance differs by a few ulps, halved by the square root, then the same two
+    products; 2e-6 relative (about 16 ulps) bounds it at d = 576."""
+    rng = np.random.default_rng(rows)
+    x = 3 * rng.standard_normal((rows, 576), dtype=np.float32)
+    weight = rng.standard_normal(576, dtype=np.float32)
+    got, want = NumbaOps().rms_norm(x, weight, 1e-5), NumpyOps().rms_norm(x, weight, 1e-5)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=0)
+    # per-head norm (Qwen3) on a strided view
+    qkv = rng.standard_normal((rows, 3, 2, 32), dtype=np.float32)
+    np.testing.assert_allclose(NumbaOps().rms_norm(qkv[:, 1], weight[:32], 1e-6),
+                               NumpyOps().rms_norm(qkv[:, 1], weight[:32], 1e-6), rtol=2e-6, atol=0)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_rope_bitwise(head_dim):
+    """Same float32 operations in the same order, no FMA: equal to the twin bit for bit,
+    in place on views into a fused qkv row."""
+    rng = np.random.default_rng(head_dim)
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0, None)
+    tokens, hq, hkv = 7, 9, 3
+    qkv = rng.standard_normal((tokens, (hq + 2 * hkv) * head_dim), dtype=np.float32)
+    q = qkv[:, :hq * head_dim].reshape(tokens, hq, head_dim)
+    k = qkv[:, hq * head_dim:(hq + hkv) * head_dim].reshape(tokens, hkv, head_dim)
+    positions = rng.integers(0, 4096, tokens)
+    want_q, want_k = NumpyOps().rope(q.copy(), k.copy(), positions, rope)
+    got_q, got_k = NumbaOps().rope(q, k, NumbaOps().device_positions(positions), rope)
+    np.testing.assert_array_equal(got_q, want_q)
+    np.testing.assert_array_equal(got_k, want_k)
+    with pytest.raises(IndexError):
+        NumbaOps().rope(q, k, np.array([4096] * tokens), rope)
+
+
+@pytest.mark.parametrize("rows", [1, 9])
+def test_silu_and_mul(rows):
+    """C ``expf`` vs NumPy's SIMD exp (each within ~1 ulp), then the same divide and
+    multiply: a few ulps relative; 1e-6 (8 ulps)."""
+    rng = np.random.default_rng(rows)
+    x = 4 * rng.standard_normal((rows, 2 * 1536), dtype=np.float32)
+    np.testing.assert_allclose(NumbaOps().silu_and_mul(x), NumpyOps().silu_and_mul(x), rtol=1e-6, atol=1e-30)
+
+
+# --- whole model ----------------------------------------------------------------------
+
+
+def test_tiny_model_numba_backend_matches_numpy(tiny_llama_dir):
+    """Greedy tokens equal token for token; prompt logits within 1e-5 (the kernels' float32
+    rounding differs from BLAS's at ~1e-7 relative per product; three layers of it stay
+    below ~1e-6 on logits of O(1), and a wrong kernel moves them by O(0.1))."""
+    from refengine import LLM, SamplingParams
+
+    prompts = [list(range(3, 40)), [5, 9, 17], list(range(50, 67)), [7]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    kw = dict(block_size=8, max_num_batched_tokens=24, log_stats=False)  # chunked prefill mixed with decodes
+    numpy_llm = LLM(tiny_llama_dir, attention_backend="numpy", **kw)
+    numba_llm = LLM(tiny_llama_dir, attention_backend="numba", **kw)
+    assert numba_llm.llm_engine.model.ops.name == "numba"
+    want = [o.outputs[0].token_ids for o in numpy_llm.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in numba_llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    for ids in prompts[:3]:
+        np.testing.assert_allclose(numba_llm.prompt_logits(ids), numpy_llm.prompt_logits(ids), rtol=1e-5, atol=1e-5)
+
+
+# --- threads --------------------------------------------------------------------------
+
+
+def test_configure_and_adapt_threads(monkeypatch):
+    import numba
+    from threadpoolctl import threadpool_info
+
+    from refengine import threads
+
+    assert threads.numba_threading_layer() in ("omp", "workqueue", "tbb")
+    try:
+        with pytest.raises(ValueError):
+            threads.configure_threads(0)
+        assert threads.configure_threads(1) == 1
+        assert numba.get_num_threads() == 1
+        assert all(lib["num_threads"] == 1 for lib in threadpool_info() if lib["user_api"] == "blas")
+        assert threads.adapt_threads() == 1  # fixed: no adaptation
+
+        # adaptive: others kept 1.5 of our cores busy over the last interval -> 2 fewer threads
+        cores = threads.usable_cores()
+        samples = iter([(0.0, 0.0, 0.0), (2.0, 2.0 * 1.5 + 1.0, 1.0)])  # (wall, busy of our cores, own CPU)
+        monkeypatch.setattr(threads, "_sample", lambda: next(samples))
+        monkeypatch.setattr(threads.time, "monotonic", lambda: 10.0)
+        assert threads.configure_threads(None) == cores
+        assert threads.adapt_threads() == max(1, cores - 2)
+        assert numba.get_num_threads() == max(1, cores - 2)
+    finally:
+        monkeypatch.undo()
+        threads.configure_threads(None)
+
+
+def test_wait_policy_is_set_only_while_numba_starts():
+    """The pool starts with its layer at import; OMP_WAIT_POLICY is back to unset after."""
+    import subprocess
+    import sys
+
+    code = ("import os; from refengine.ops.numba_ops import NumbaOps; from refengine.threads import "
+            "numba_threading_layer as t; print(t(), os.environ.get('OMP_WAIT_POLICY'))")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True)
+    layer, policy = out.stdout.split()
+    assert layer in ("omp", "workqueue", "tbb") and policy == "None"
+
+
+def test_exp_affine_accuracy_and_edges():
+    """Within 2 ulp (4 units of 2^-24 relative) of exp over the range softmax and SiLU use;
+    clamped below -87, inf above the float32 range, NaN kept."""
+    from refengine.ops.numba_ops import exp_affine
+
+    x = np.linspace(-87.0, 88.3, 400_001).astype(np.float32)
+    out = np.empty_like(x)
+    exp_affine(x, 1.0, 0.0, out, np.empty(x.size, np.int32))
+    want = np.exp(x.astype(np.float64))
+    assert (np.abs(out - want) / want).max() <= 4 * U32
+    y = np.array([-200.0, 100.0, np.nan, 1.0], np.float32)
+    exp_affine(y, -1.0, 0.5, y, np.empty(4, np.int32))  # exp(-x + 0.5), in place
+    assert y[0] == np.inf and np.isnan(y[2])
+    np.testing.assert_allclose(y[[1, 3]], np.exp([-87.0, -0.5]), rtol=4 * U32)
