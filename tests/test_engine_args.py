@@ -85,7 +85,7 @@ def test_every_command_that_builds_an_engine_has_every_engine_flag():
 def test_resolved_config_is_frozen_and_complete(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, block_size=4, num_kv_blocks=12, log_stats=False)
     cfg = llm.llm_engine.config
-    assert (cfg.device, cfg.attention_backend, cfg.layer_ops, cfg.num_kv_blocks) == ("cpu", "numpy", "numpy", 12)
+    assert (cfg.device, cfg.attention_backend, cfg.layer_ops, cfg.num_kv_blocks) == ("cpu", "numba", "numba", 12)
     assert cfg.max_model_len == 48 and cfg.max_num_batched_tokens == 2048  # pool-capped; the default budget
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.block_size = 8
