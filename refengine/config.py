@@ -140,6 +140,7 @@ class EngineConfig:
         block_size: tokens per KV block. num_kv_blocks: pool size in blocks (None only
             before a GPU engine has measured its memory). bytes_per_block: one block
             across all layers, keys and values.
+        enable_prefix_caching: reuse full KV blocks by content (:mod:`refengine.kv_cache`).
         gpu_memory_utilization: share of GPU memory the engine may use.
         log_stats: log per-request lines and periodic stats. trace: record step events.
         scheduler_config: the scheduler's limits (``max_model_len`` and the token budget).
@@ -154,6 +155,7 @@ class EngineConfig:
     block_size: int
     num_kv_blocks: int | None
     bytes_per_block: int
+    enable_prefix_caching: bool
     gpu_memory_utilization: float
     log_stats: bool
     trace: bool

@@ -88,7 +88,7 @@ class LLMEngine:
         **kwargs: engine options, the fields of :class:`refengine.engine_args.EngineArgs`
             (``device``, ``dtype``, ``attention_backend``, ``max_model_len``, ``block_size``,
             ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_chunked_prefill``,
-            ``num_kv_blocks``, ``kv_cache_memory``, ``gpu_memory_utilization``,
+            ``enable_prefix_caching``, ``num_kv_blocks``, ``kv_cache_memory``, ``gpu_memory_utilization``,
             ``log_stats``, ``trace``), each documented there.
 
     Raises:
@@ -124,7 +124,8 @@ class LLMEngine:
         mc = model_config
         self.kv_cache = KVCache(mc.num_hidden_layers, config.num_kv_blocks, config.block_size,
                                 mc.num_key_value_heads, mc.head_dim, dtype=config.dtype, xp=xp)
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
+                                          enable_prefix_caching=config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.kv_cache)
         self.tokenizer = self._load_tokenizer()
         self.eos_token_ids = self._eos_token_ids()
@@ -213,7 +214,7 @@ class LLMEngine:
 
     # --- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
         """Queue a request.
 
         Args:
@@ -221,6 +222,8 @@ class LLMEngine:
             prompt: text (tokenized with the special tokens the tokenizer config adds, e.g. a
                 BOS for Llama, none for SmolLM2, as vLLM does) or a list of token ids (used as is).
             sampling_params: defaults to ``SamplingParams()``.
+            cache_salt: with prefix caching, only requests with the same salt share KV
+                blocks (e.g. one salt per tenant, so timing cannot reveal another's prompt).
         Raises:
             ValueError: a duplicate id, an empty prompt, token ids outside the vocabulary,
                 a prompt of ``max_model_len`` tokens or more, or one that needs more KV
@@ -242,7 +245,7 @@ class LLMEngine:
         now = time.monotonic() if arrival_time is None else arrival_time
         seqs = [Sequence(request_id, text, token_ids, params, index=i,
                          detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params)
-                         if self.tokenizer else None)
+                         if self.tokenizer else None, cache_salt=cache_salt)
                 for i in range(params.n)]
         self.requests[request_id] = Request(request_id, text, token_ids, params, seqs,
                                             RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids)))
@@ -284,6 +287,11 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         """Requests queued or running."""
         return len(self.requests)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached KV blocks (vLLM's name). Returns False, changing nothing,
+        while requests hold blocks."""
+        return self.block_manager.reset_prefix_cache()
 
     # --- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -338,7 +346,9 @@ class LLMEngine:
                                  num_prefill_tokens=sched.num_tokens - num_decode, num_decode_tokens=num_decode,
                                  num_generated_tokens=len(sampled), num_seqs=len(sched.scheduled),
                                  num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-                                 kv_cache_usage=self.block_manager.usage, num_preemptions=len(sched.preempted))
+                                 kv_cache_usage=self.block_manager.usage, num_preemptions=len(sched.preempted),
+                                 prefix_cache_queries=sched.prefix_cache_queries,
+                                 prefix_cache_hits=sched.prefix_cache_hits)
         if self.config.log_stats and now - self._last_stats_log >= STATS_INTERVAL_S:
             self._last_stats_log = now
             logger.info(EngineMetrics.format_log_line(self.metrics.stats_since_last_log()))
@@ -359,7 +369,8 @@ class LLMEngine:
                 logprobs=list(seq.logprobs) if seq.sampling_params.logprobs is not None else None,
                 delta_text=delta))
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,
-                             finished=req.finished, metrics=req.metrics)
+                             finished=req.finished, metrics=req.metrics,
+                             num_cached_tokens=req.seqs[0].num_cached_tokens)
 
     def _log_finished(self, req: Request) -> None:
         m = req.metrics
@@ -419,6 +430,10 @@ class LLM:
     def prompt_logits(self, token_ids: list[int]) -> np.ndarray:
         """See :meth:`LLMEngine.prompt_logits`."""
         return self.llm_engine.prompt_logits(token_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """See :meth:`LLMEngine.reset_prefix_cache`."""
+        return self.llm_engine.reset_prefix_cache()
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
