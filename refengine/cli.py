@@ -152,6 +152,35 @@ def generate(prompts, chat, as_json, **kw):
                f"decode: {decode_tps:.1f} tokens/s, total: {elapsed:.2f} s", err=True)
 
 
+def chat_turn(engine, tokenizer, history: list[dict], request_id: str, params: SamplingParams,
+              on_delta=None):
+    """One turn of ``refengine chat``: the whole conversation so far, rendered with the chat
+    template, is the prompt; the answer streams through ``on_delta(text)``.
+
+    With prefix caching the engine computes only what the previous turn did not: the
+    rendered history starts with the previous turn's prompt and answer, whose full KV
+    blocks are still cached (``RequestOutput.num_cached_tokens`` says how many tokens).
+
+    Args:
+        history: ``[{"role": ..., "content": ...}]`` ending with the user's new message.
+    Returns:
+        The request's final ``RequestOutput``.
+    Raises:
+        ValueError: the rendered prompt is refused (e.g. longer than ``max_model_len``).
+    """
+    engine.add_request(request_id, tokenizer.apply_chat_template(history, tokenize=True), params)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if on_delta is not None:
+                on_delta(out.outputs[0].delta_text)
+            if out.request_id == request_id:
+                final = out
+    logging.getLogger("refengine").info("%s: %d prompt tokens, %s from the prefix cache", request_id,
+                                        len(final.prompt_token_ids), final.num_cached_tokens)
+    return final
+
+
 @main.command()
 @click.option("--system", default=None, help="system prompt (default: the template's own)")
 @engine_options
@@ -183,18 +212,18 @@ def chat(system, **kw):
         history.append({"role": "user", "content": line})
         rid = f"chat-{turn}"
         turn += 1
+        answer = []
+
+        def show(delta: str) -> None:
+            answer.append(delta)
+            click.echo(delta, nl=False)
+
         try:
-            engine.add_request(rid, tok.apply_chat_template(history, tokenize=True), params)
+            chat_turn(engine, tok, history, rid, params, on_delta=show)
         except ValueError as e:
             history.pop()
             click.echo(f"error: {e}", err=True)
             continue
-        answer = []
-        try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    answer.append(out.outputs[0].delta_text)
-                    click.echo(out.outputs[0].delta_text, nl=False)
         except KeyboardInterrupt:
             engine.abort(rid)
             click.echo(" [stopped]", nl=False)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from refengine.attention import get_attention_backend
+from refengine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from refengine.detokenizer import IncrementalDetokenizer
 from refengine.engine_args import EngineArgs
 from refengine.kv_cache import BlockManager, KVCache, cdiv
@@ -62,6 +63,16 @@ def as_token_ids(prompt) -> list[int]:
         if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
             raise ValueError(f"prompt token ids must be integers, got {t!r} ({type(t).__name__})")
     return [int(t) for t in items]
+
+
+def _prompt_list(prompts) -> list:
+    """One prompt (a string or a list of token ids) or a list of them -> a list of prompts."""
+    if isinstance(prompts, np.ndarray):
+        prompts = prompts.tolist()
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                    and isinstance(prompts[0], (int, np.integer))):
+        prompts = [prompts]
+    return list(prompts)
 
 
 @dataclass
@@ -232,16 +243,9 @@ class LLMEngine:
         params = sampling_params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"{self.model_dir} has no tokenizer.json: pass prompts as token ids")
-            # special tokens as the tokenizer config says (a BOS for Llama, none for SmolLM2), as vLLM does
-            text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        else:
-            text, token_ids = None, as_token_ids(prompt)
+        text, token_ids = self.prompt_token_ids(prompt)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError(f"stop strings {params.stop_strings!r} need a tokenizer; {self.model_dir} has no tokenizer.json")
-        self._check_prompt(token_ids)
         now = time.monotonic() if arrival_time is None else arrival_time
         seqs = [Sequence(request_id, text, token_ids, params, index=i,
                          detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params)
@@ -251,6 +255,22 @@ class LLMEngine:
                                             RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids)))
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def prompt_token_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """``(text or None, token ids)`` of a prompt, as :meth:`add_request` reads it.
+
+        Raises:
+            ValueError: as :meth:`add_request` for a bad prompt.
+        """
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.model_dir} has no tokenizer.json: pass prompts as token ids")
+            # special tokens as the tokenizer config says (a BOS for Llama, none for SmolLM2), as vLLM does
+            text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            text, token_ids = None, as_token_ids(prompt)
+        self._check_prompt(token_ids)
+        return text, token_ids
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         n, limit = len(token_ids), self.config.max_model_len
@@ -435,6 +455,22 @@ class LLM:
         """See :meth:`LLMEngine.reset_prefix_cache`."""
         return self.llm_engine.reset_prefix_cache()
 
+    def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's ``LLM.beam_search``; the rule is transformers', see
+        :mod:`refengine.beam_search`).
+
+        Args:
+            prompts: a string, a list of token ids, or a list of either.
+            params: beam width, ``max_tokens``, ``length_penalty`` ...
+        Returns:
+            Per prompt, in order, a ``BeamSearchOutput`` whose ``sequences`` are the
+            ``beam_width`` beams, best first.
+        Raises:
+            ValueError: a bad prompt (as :meth:`generate`); nothing is run.
+        """
+        ids = [self.llm_engine.prompt_token_ids(p)[1] for p in _prompt_list(prompts)]
+        return beam_search(self, ids, params)
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; return one finished ``RequestOutput`` per prompt, in order.
@@ -447,12 +483,7 @@ class LLM:
             ValueError: a bad prompt or a params list of the wrong length; no request is
                 left queued.
         """
-        if isinstance(prompts, np.ndarray):
-            prompts = prompts.tolist()
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and isinstance(prompts[0], (int, np.integer))):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
