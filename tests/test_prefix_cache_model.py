@@ -20,7 +20,12 @@ PREFIX_TEXT = ("You are a helpful assistant for a library. The library opens at 
                "Printing costs ten cents a page in black and white and fifty cents in colour. The archive "
                "in the basement holds local newspapers since 1850 and can be visited by appointment. "
                "Children's story time is every Wednesday at four. Lost cards are replaced for two dollars. "
-               "Wi-Fi is free; the password is printed on the back of every member card. Answer briefly.")
+               "Wi-Fi is free; the password is printed on the back of every member card. The café next to "
+               "the entrance sells tea, coffee and sandwiches until half past five, and food is not allowed "
+               "beyond the lobby. Lockers for bags are on the ground floor and take a one-dollar coin that "
+               "is returned. Volunteers teach basic computer skills on Monday and Thursday afternoons, and "
+               "a book club meets on the last Friday of every month. Donations of books in good condition "
+               "are welcome at the front desk during opening hours. Answer briefly.")
 MAX_TOKENS = 8
 
 
@@ -39,7 +44,8 @@ def shared_prefix_prompts(tokenizer) -> list[list[int]]:
     questions = ["When does it open on Saturday?", "How much is a late book?", "Where is the archive kept?",
                  "Can I print in colour here?", "Is there anything for kids?", "I lost my card, what now?",
                  "How long can I keep a book?", "Where can our group study?"]
-    suffixes = [tokenizer.encode(" Question: " + q + " Answer: the answer is that")[:16] for q in questions]
+    suffixes = [tokenizer.encode(" Question: " + q + " Answer in one short sentence. Answer: the answer is that")[:16]
+                for q in questions]
     assert all(len(s) == 16 for s in suffixes) and len({tuple(s) for s in suffixes}) == 8
     return [prefix + s for s in suffixes]
 
