@@ -4,9 +4,10 @@ Start at :class:`refengine.engine.LLM` (offline generation) or
 :class:`refengine.engine.LLMEngine` (add_request / step / abort).
 """
 
+from refengine.beam_search import BeamSearchParams
 from refengine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 

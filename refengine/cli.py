@@ -369,6 +369,35 @@ def generate(prompts, chat, as_json, **kw):
     click.echo(summary_line([finished[str(i)] for i in range(len(prompts))], elapsed), err=True)
 
 
+def chat_turn(engine, tokenizer, history: list[dict], request_id: str, params: SamplingParams,
+              on_delta=None):
+    """One turn of ``refengine chat``: the whole conversation so far, rendered with the chat
+    template, is the prompt; the answer streams through ``on_delta(text)``.
+
+    With prefix caching the engine computes only what the previous turn did not: the
+    rendered history starts with the previous turn's prompt and answer, whose full KV
+    blocks are still cached (``RequestOutput.num_cached_tokens`` says how many tokens).
+
+    Args:
+        history: ``[{"role": ..., "content": ...}]`` ending with the user's new message.
+    Returns:
+        The request's final ``RequestOutput``.
+    Raises:
+        ValueError: the rendered prompt is refused (e.g. longer than ``max_model_len``).
+    """
+    engine.add_request(request_id, tokenizer.apply_chat_template(history, tokenize=True), params)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if on_delta is not None:
+                on_delta(out.outputs[0].delta_text)
+            if out.request_id == request_id:
+                final = out
+    logging.getLogger("refengine").info("%s: %d prompt tokens, %s from the prefix cache", request_id,
+                                        len(final.prompt_token_ids), final.num_cached_tokens)
+    return final
+
+
 @main.command()
 @click.option("--system", type=TEXT, default=None, show_default="the template's own",
               help="system prompt")
@@ -411,28 +440,27 @@ def chat(system, **kw):
         history.append({"role": "user", "content": line})
         rid = f"chat-{turn}"
         turn += 1
+        answer = []
+
+        def show(delta: str) -> None:
+            answer.append(delta)
+            click.echo(delta, nl=False)
+
+        last = None
         try:
-            prompt_ids = tok.apply_chat_template(history, tokenize=True)
-            engine.add_request(rid, prompt_ids, params)
+            last = chat_turn(engine, tok, history, rid, params, on_delta=show)
         except (ValueError, TemplateError) as e:  # too long for max_model_len, or refused by the template
             history.pop()
             hint = " (/reset clears the history)" if "max_model_len" in str(e) else ""
             click.echo(f"error: {flag_names(str(e))}{hint}", err=True)
             continue
-        answer, last = [], None
-        try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    answer.append(out.outputs[0].delta_text)
-                    click.echo(out.outputs[0].delta_text, nl=False)
-                    last = out
         except KeyboardInterrupt:
             engine.abort(rid)
             click.echo(" [stopped]", nl=False)
         click.echo()
         history.append({"role": "assistant", "content": "".join(answer)})
         if last is not None and last.finished:
-            note = length_note(engine, max_model_len_flag, params, last.outputs[0], len(prompt_ids))
+            note = length_note(engine, max_model_len_flag, params, last.outputs[0], len(last.prompt_token_ids))
             if note and "max_model_len" in note:
                 note += "; the next turn will not fit: /reset clears the history"
             if note:

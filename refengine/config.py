@@ -276,6 +276,7 @@ class EngineConfig:
         block_size: tokens per KV block. num_kv_blocks: pool size in blocks (None only
             before a GPU engine has measured its memory). bytes_per_block: one block
             across all layers, keys and values.
+        enable_prefix_caching: reuse full KV blocks by content (:mod:`refengine.kv_cache`).
         gpu_memory_utilization: share of GPU memory the engine may use.
         max_logprobs: most ``SamplingParams.logprobs`` a request may ask for.
         log_stats: log per-request lines and periodic stats. trace: record step events.
@@ -292,6 +293,7 @@ class EngineConfig:
     block_size: int
     num_kv_blocks: int | None
     bytes_per_block: int
+    enable_prefix_caching: bool
     gpu_memory_utilization: float
     max_logprobs: int
     log_stats: bool

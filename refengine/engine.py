@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from refengine.attention import get_attention_backend
+from refengine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from refengine.config import read_generation_config
 from refengine.detokenizer import IncrementalDetokenizer
 from refengine.engine_args import EngineArgs
@@ -111,6 +112,16 @@ def _eos_token_ids(model_dir, model_config, tokenizer) -> set[int]:
     return ids
 
 
+def _prompt_list(prompts) -> list:
+    """One prompt (a string or a list of token ids) or a list of them -> a list of prompts."""
+    if isinstance(prompts, np.ndarray):
+        prompts = prompts.tolist()
+    if isinstance(prompts, (str, bytes, bytearray)) or (isinstance(prompts, (list, tuple)) and prompts
+                                    and isinstance(prompts[0], (int, np.integer))):
+        prompts = [prompts]
+    return list(prompts)
+
+
 @dataclass
 class Request:
     """A user request: one prompt, ``params.n`` sequences."""
@@ -135,7 +146,7 @@ class LLMEngine:
         **kwargs: engine options, the fields of :class:`refengine.engine_args.EngineArgs`
             (``device``, ``dtype``, ``attention_backend``, ``max_model_len``, ``block_size``,
             ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_chunked_prefill``,
-            ``num_kv_blocks``, ``kv_cache_memory``, ``gpu_memory_utilization``,
+            ``enable_prefix_caching``, ``num_kv_blocks``, ``kv_cache_memory``, ``gpu_memory_utilization``,
             ``log_stats``, ``trace``), each documented there.
 
     Raises:
@@ -176,7 +187,8 @@ class LLMEngine:
         mc = model_config
         self.kv_cache = KVCache(mc.num_hidden_layers, config.num_kv_blocks, config.block_size,
                                 mc.num_key_value_heads, mc.head_dim, dtype=config.dtype, xp=xp)
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
+                                          enable_prefix_caching=config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.kv_cache)
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager,
                                    StopChecker(self.eos_token_ids, config.max_model_len))
@@ -238,7 +250,7 @@ class LLMEngine:
 
     # --- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
         """Queue a request.
 
         Args:
@@ -247,6 +259,8 @@ class LLMEngine:
                 BOS for Llama, none for SmolLM2, as vLLM does) or a list of token ids (used as is).
             sampling_params: defaults to ``SamplingParams()``.
             arrival_time: ``time.monotonic()`` seconds (default: now).
+            cache_salt: with prefix caching, only requests with the same salt share KV
+                blocks (e.g. one salt per tenant, so timing cannot reveal another's prompt).
         Raises:
             ValueError: a request id that is not a str or is in use; a prompt that is not a
                 str or a list of token ids (``bytes`` included), holds a lone surrogate
@@ -266,6 +280,25 @@ class LLMEngine:
         if arrival_time is not None and not (isinstance(arrival_time, (int, float)) and math.isfinite(arrival_time)):
             raise ValueError(f"arrival_time={arrival_time!r} is invalid: must be None or finite seconds")
         self.check_sampling_params(params)
+        text, token_ids = self.prompt_token_ids(prompt)
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError(f"stop strings {params.stop_strings!r} need a tokenizer; {self.model_dir} has no tokenizer.json")
+        now = time.monotonic() if arrival_time is None else arrival_time
+        seqs = [Sequence(request_id, text, token_ids, params, index=i,
+                         detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params)
+                         if self.tokenizer else None, cache_salt=cache_salt)
+                for i in range(params.n)]
+        self.requests[request_id] = Request(request_id, text, token_ids, params, seqs,
+                                            RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids)))
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def prompt_token_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """``(text or None, token ids)`` of a prompt, as :meth:`add_request` reads it.
+
+        Raises:
+            ValueError: as :meth:`add_request` for a bad prompt.
+        """
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{self.model_dir} has no tokenizer.json: pass prompts as token ids")
@@ -274,18 +307,8 @@ class LLMEngine:
             text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
             text, token_ids = None, as_token_ids(prompt)
-        if params.stop_strings and self.tokenizer is None:
-            raise ValueError(f"stop strings {params.stop_strings!r} need a tokenizer; {self.model_dir} has no tokenizer.json")
         self._check_prompt(token_ids)
-        now = time.monotonic() if arrival_time is None else arrival_time
-        seqs = [Sequence(request_id, text, token_ids, params, index=i,
-                         detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params)
-                         if self.tokenizer else None)
-                for i in range(params.n)]
-        self.requests[request_id] = Request(request_id, text, token_ids, params, seqs,
-                                            RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids)))
-        for seq in seqs:
-            self.scheduler.add(seq)
+        return text, token_ids
 
     def check_sampling_params(self, params: SamplingParams) -> None:
         """Whether this engine can serve ``params`` (as :meth:`add_request` checks them).
@@ -306,6 +329,8 @@ class LLMEngine:
         if bad:
             raise ValueError(f"SamplingParams.stop_token_ids={params.stop_token_ids!r} is invalid: {bad[0]} is "
                              f"outside the vocabulary [0, {vocab})")
+
+
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         n, limit = len(token_ids), self.config.max_model_len
@@ -342,6 +367,11 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         """Requests queued or running."""
         return len(self.requests)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached KV blocks (vLLM's name). Returns False, changing nothing,
+        while requests hold blocks."""
+        return self.block_manager.reset_prefix_cache()
 
     # --- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -413,7 +443,9 @@ class LLMEngine:
                                  num_prefill_tokens=sched.num_tokens - num_decode, num_decode_tokens=num_decode,
                                  num_generated_tokens=len(results), num_seqs=len(sched.scheduled),
                                  num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-                                 kv_cache_usage=self.block_manager.usage, num_preemptions=len(sched.preempted))
+                                 kv_cache_usage=self.block_manager.usage, num_preemptions=len(sched.preempted),
+                                 prefix_cache_queries=sched.prefix_cache_queries,
+                                 prefix_cache_hits=sched.prefix_cache_hits)
         if self.config.log_stats and now - self._last_stats_log >= STATS_INTERVAL_S:
             self._last_stats_log = now
             logger.info(EngineMetrics.format_log_line(self.metrics.stats_since_last_log()))
@@ -433,7 +465,8 @@ class LLMEngine:
                 logprobs=list(seq.logprobs) if seq.sampling_params.logprobs is not None else None,
                 delta_text=delta))
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,
-                             finished=req.finished, metrics=req.metrics)
+                             finished=req.finished, metrics=req.metrics,
+                             num_cached_tokens=req.seqs[0].num_cached_tokens)
 
     def _log_finished(self, req: Request) -> None:
         m = req.metrics
@@ -494,6 +527,26 @@ class LLM:
         """See :meth:`LLMEngine.prompt_logits`."""
         return self.llm_engine.prompt_logits(token_ids)
 
+    def reset_prefix_cache(self) -> bool:
+        """See :meth:`LLMEngine.reset_prefix_cache`."""
+        return self.llm_engine.reset_prefix_cache()
+
+    def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's ``LLM.beam_search``; the rule is transformers', see
+        :mod:`refengine.beam_search`).
+
+        Args:
+            prompts: a string, a list of token ids, or a list of either.
+            params: beam width, ``max_tokens``, ``length_penalty`` ...
+        Returns:
+            Per prompt, in order, a ``BeamSearchOutput`` whose ``sequences`` are the
+            ``beam_width`` beams, best first.
+        Raises:
+            ValueError: a bad prompt (as :meth:`generate`); nothing is run.
+        """
+        ids = [self.llm_engine.prompt_token_ids(p)[1] for p in _prompt_list(prompts)]
+        return beam_search(self, ids, params)
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; return one finished ``RequestOutput`` per prompt, in order.
@@ -506,12 +559,7 @@ class LLM:
             ValueError: a bad prompt or a params list of the wrong length; no request is
                 left queued.
         """
-        if isinstance(prompts, np.ndarray):
-            prompts = prompts.tolist()
-        if isinstance(prompts, (str, bytes, bytearray)) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and isinstance(prompts[0], (int, np.integer))):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):

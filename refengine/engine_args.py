@@ -88,6 +88,8 @@ class EngineArgs:
         "max_model_len)", minimum=1))
     enable_chunked_prefill: bool = field(default=True, metadata=_option(
         "split prompts longer than the token budget across steps"))
+    enable_prefix_caching: bool = field(default=True, metadata=_option(
+        "reuse the KV blocks of earlier requests that share a prefix with the prompt"))
     num_kv_blocks: int | None = field(default=None, metadata=_option(
         "KV pool size in blocks (default: from --kv-cache-memory on the CPU, --gpu-memory-utilization on a GPU)",
         minimum=1))
@@ -252,8 +254,8 @@ class EngineArgs:
         return EngineConfig(
             model_dir=model_dir, model_config=mc, device=device, dtype=dtype, attention_backend=backend,
             layer_ops=LAYER_OPS_FOR_BACKEND[backend], num_threads=self.num_threads, block_size=self.block_size,
-            num_kv_blocks=num_blocks,
-            bytes_per_block=per_block, gpu_memory_utilization=self.gpu_memory_utilization,
+            num_kv_blocks=num_blocks, bytes_per_block=per_block, enable_prefix_caching=self.enable_prefix_caching,
+            gpu_memory_utilization=self.gpu_memory_utilization,
             max_logprobs=self.max_logprobs, log_stats=self.log_stats, trace=self.trace,
             scheduler_config=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
                                              enable_chunked_prefill=self.enable_chunked_prefill,

@@ -181,6 +181,9 @@ class StepRecord:
         num_waiting: sequences in WAITING after the step.
         kv_cache_usage: fraction of KV blocks in use, 0-1.
         num_preemptions: sequences preempted in this step.
+        prefix_cache_queries: tokens of the sequences admitted this step looked up in the
+            prefix cache (0 with caching off).
+        prefix_cache_hits: of those, tokens found cached (not computed).
     """
 
     start: float
@@ -193,6 +196,8 @@ class StepRecord:
     num_waiting: int
     kv_cache_usage: float
     num_preemptions: int
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def num_batched_tokens(self) -> int:
@@ -237,6 +242,8 @@ class EngineMetrics:
     ``refengine:generation_tokens_total``                   counter    output tokens sampled
     ``refengine:request_success_total{finished_reason}``    counter    finished requests, by stop/length/abort
     ``refengine:num_preemptions_total``                     counter    preemptions (by recompute)
+    ``refengine:prefix_cache_queries_total``                counter    tokens looked up in the prefix cache
+    ``refengine:prefix_cache_hits_total``                   counter    of those, tokens found (not computed)
     ``refengine:num_requests_running``                      gauge      sequences RUNNING after the last step
     ``refengine:num_requests_waiting``                      gauge      sequences WAITING after the last step
     ``refengine:kv_cache_usage_perc``                       gauge      KV blocks in use, fraction 0-1
@@ -291,6 +298,11 @@ class EngineMetrics:
             ["finished_reason"], registry=r)
         self.num_preemptions = Counter(
             "refengine:num_preemptions", "Cumulative number of preemptions.", registry=r)
+        self.prefix_cache_queries = Counter(
+            "refengine:prefix_cache_queries", "Prefix cache queries, in tokens (admitted sequences' lengths).",
+            registry=r)
+        self.prefix_cache_hits = Counter(
+            "refengine:prefix_cache_hits", "Prefix cache hits, in tokens (found cached, not computed).", registry=r)
 
         self.num_requests_running = Gauge(
             "refengine:num_requests_running", "Requests (sequences) RUNNING after the last step.", registry=r)
@@ -335,16 +347,21 @@ class EngineMetrics:
         self.total_prompt_tokens = 0
         self.total_generation_tokens = 0
         self.total_preemptions = 0
+        self.total_prefix_cache_queries = 0
+        self.total_prefix_cache_hits = 0
         self._last: StepRecord | None = None
         self._log_prompt_tokens = 0
         self._log_generation_tokens = 0
+        self._log_cache_queries = 0
+        self._log_cache_hits = 0
         self._log_time = clock()
 
     # --- called by the engine -----------------------------------------------------------
     def record_step(self, *, step_start: float, step_duration: float, num_prefill_tokens: int,
                     num_decode_tokens: int, num_seqs: int, num_running: int, num_waiting: int,
                     kv_cache_usage: float, num_preemptions: int,
-                    num_generated_tokens: int | None = None) -> None:
+                    num_generated_tokens: int | None = None, prefix_cache_queries: int = 0,
+                    prefix_cache_hits: int = 0) -> None:
         """Record one engine step.
 
         Args:
@@ -360,6 +377,8 @@ class EngineMetrics:
                 completes samples its first token too, so this is usually
                 ``num_decode_tokens`` plus the completed prefills. Default:
                 ``num_decode_tokens``.
+            prefix_cache_queries, prefix_cache_hits: tokens of the sequences admitted this
+                step looked up in / found in the prefix cache.
         """
         if num_generated_tokens is None:
             num_generated_tokens = num_decode_tokens
@@ -367,13 +386,16 @@ class EngineMetrics:
                          num_prefill_tokens=int(num_prefill_tokens), num_decode_tokens=int(num_decode_tokens),
                          num_generated_tokens=int(num_generated_tokens), num_seqs=int(num_seqs),
                          num_running=int(num_running), num_waiting=int(num_waiting),
-                         kv_cache_usage=float(kv_cache_usage), num_preemptions=int(num_preemptions))
+                         kv_cache_usage=float(kv_cache_usage), num_preemptions=int(num_preemptions),
+                         prefix_cache_queries=int(prefix_cache_queries), prefix_cache_hits=int(prefix_cache_hits))
         self.steps.append(rec)
         self._last = rec
 
         self.prompt_tokens.inc(rec.num_prefill_tokens)
         self.generation_tokens.inc(rec.num_generated_tokens)
         self.num_preemptions.inc(rec.num_preemptions)
+        self.prefix_cache_queries.inc(rec.prefix_cache_queries)
+        self.prefix_cache_hits.inc(rec.prefix_cache_hits)
         self.num_requests_running.set(rec.num_running)
         self.num_requests_waiting.set(rec.num_waiting)
         self.kv_cache_usage.set(rec.kv_cache_usage)
@@ -385,6 +407,10 @@ class EngineMetrics:
         self.total_preemptions += rec.num_preemptions
         self._log_prompt_tokens += rec.num_prefill_tokens
         self._log_generation_tokens += rec.num_generated_tokens
+        self.total_prefix_cache_queries += rec.prefix_cache_queries
+        self.total_prefix_cache_hits += rec.prefix_cache_hits
+        self._log_cache_queries += rec.prefix_cache_queries
+        self._log_cache_hits += rec.prefix_cache_hits
 
     def record_token_latency(self, seconds: float) -> None:
         """One inter-token latency sample (gap between two consecutive tokens of a request), seconds."""
@@ -433,7 +459,10 @@ class EngineMetrics:
             ``prompt_tokens`` and ``generation_tokens`` (since the previous call),
             ``interval_s`` (seconds since the previous call), ``prompt_throughput`` and
             ``generation_throughput`` (tokens/s over that interval), ``kv_cache_usage_perc``
-            (percent, 0-100), ``num_preemptions_total`` (since the engine started).
+            (percent, 0-100), ``num_preemptions_total`` (since the engine started),
+            ``prefix_cache_queries`` and ``prefix_cache_hits`` (tokens, since the previous
+            call) and ``prefix_cache_hit_rate`` (percent of those queried tokens found
+            cached, 0-100; 0 without queries).
         """
         now = self.clock()
         interval = max(now - self._log_time, 1e-9)
@@ -448,9 +477,14 @@ class EngineMetrics:
             "generation_throughput": self._log_generation_tokens / interval,
             "kv_cache_usage_perc": 100.0 * (last.kv_cache_usage if last else 0.0),
             "num_preemptions_total": self.total_preemptions,
+            "prefix_cache_queries": self._log_cache_queries,
+            "prefix_cache_hits": self._log_cache_hits,
+            "prefix_cache_hit_rate": 100.0 * self._log_cache_hits / max(self._log_cache_queries, 1),
         }
         self._log_prompt_tokens = 0
         self._log_generation_tokens = 0
+        self._log_cache_queries = 0
+        self._log_cache_hits = 0
         self._log_time = now
         return stats
 
@@ -461,6 +495,7 @@ class EngineMetrics:
                 f"Avg generation throughput: {stats['generation_throughput']:.1f} tokens/s, "
                 f"Running: {stats['num_running']} reqs, Waiting: {stats['num_waiting']} reqs, "
                 f"KV cache usage: {stats['kv_cache_usage_perc']:.1f}%, "
+                f"Prefix cache hit rate: {stats.get('prefix_cache_hit_rate', 0.0):.1f}%, "
                 f"Preemptions: {stats['num_preemptions_total']}")
 
     # --- Chrome trace -------------------------------------------------------------------

@@ -8,16 +8,20 @@ One step, as vLLM's scheduler does it (continuous batching with chunked prefill)
    admitted running sequence is **preempted by recompute**: its blocks are freed and it
    goes back to the front of the waiting queue (it may be the sequence itself).
 2. **Then waiting sequences**, first come first served, while the token budget
-   (``max_num_batched_tokens``), ``max_num_seqs`` and free blocks allow. The last one
+   (``max_num_batched_tokens``), ``max_num_seqs`` and free blocks allow. With prefix
+   caching, a sequence first takes the longest run of cached full blocks of its tokens
+   and only the rest counts against the budget (always at least one token). The last one
    admitted may get only a chunk of its prompt. No admissions in a step that preempted:
    the pool is short, so new work would only be preempted again.
 
 A preempted sequence comes back as a prefill of its prompt plus what it already
-generated, and continues exactly where it stopped.
+generated (minus whatever of it is still cached), and continues exactly where it stopped.
 
 After the model has run, :meth:`Scheduler.postprocess` is the one place where a step's
-results are applied: computed tokens advance, sampled tokens are appended, the stop rules
-(:mod:`refengine.stop`) run, finished sequences leave the queues and free their blocks.
+results are applied: computed tokens advance (blocks they fill become cached), sampled
+tokens are appended, the stop rules (:mod:`refengine.stop`) run, finished sequences leave
+the queues and free their blocks. Blocks are registered there and not at scheduling, so
+sequences admitted in the same step do not share the blocks that step computes.
 
 Source: Yu et al. 2022 ("Orca", iteration-level scheduling), Kwon et al. 2023 §4.5
 (preemption by recompute), Agrawal et al. 2024 ("Sarathi-Serve", chunked prefill).
@@ -36,10 +40,16 @@ from refengine.stop import StopChecker, StopDecision
 
 @dataclass
 class SchedulerOutput:
-    """What to run this step: ``(sequence, num_new_tokens)`` pairs, and what was preempted."""
+    """What to run this step: ``(sequence, num_new_tokens)`` pairs, and what was preempted.
+
+    ``prefix_cache_queries`` / ``prefix_cache_hits``: tokens of the sequences admitted this
+    step that were looked up in the prefix cache / found there (0 with caching off).
+    """
 
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -114,17 +124,24 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            n = seq.num_uncomputed_tokens
+            cached = bm.find_cached_prefix(seq)  # waiting sequences hold no blocks
+            num_cached = len(cached) * bm.block_size
+            n = len(seq) - num_cached
             if n > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 n = budget
-            if not bm.can_allocate(seq, n):
+            if not bm.can_allocate(seq, n, cached):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            bm.allocate(seq, n)
+            bm.allocate(seq, n, cached)  # num_computed_tokens = num_cached
+            if seq.num_cached_tokens is None:  # as vLLM: the first admission's hit is reported
+                seq.num_cached_tokens = num_cached
+            if bm.enable_prefix_caching:
+                out.prefix_cache_queries += len(seq)
+                out.prefix_cache_hits += num_cached
             out.scheduled.append((seq, n))
             budget -= n
         return out
@@ -146,7 +163,7 @@ class Scheduler:
 
         Args:
             scheduled: what the step ran, ``(sequence, num_new_tokens)``: each chunk now
-                counts as computed.
+                counts as computed, and the blocks it filled become cached.
             sampled: ``(sequence, token id, logprobs or None)`` for each sequence that
                 sampled this step (logprobs: ``{token_id: logprob}``, kept when asked for).
         Returns:
@@ -171,6 +188,7 @@ class Scheduler:
             raise
         for seq, n in scheduled:
             seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
         results = []
         for (seq, _, _), decision in zip(sampled, decisions):
             if decision is not None:

@@ -21,16 +21,25 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """A prompt and the tokens generated after it.
 
-    ``num_computed_tokens`` counts the tokens whose K/V are in the cache; only
+    ``num_computed_tokens`` counts the tokens whose K/V are in the cache. At admission it
+    is set to the length of the cached prefix the sequence reuses (0 without a prefix
+    cache hit; :meth:`refengine.kv_cache.BlockManager.allocate`); after that only
     :meth:`refengine.scheduler.Scheduler.postprocess` advances it, once a step's chunk has
     run. A sequence whose prompt is fully computed and which is not finished is decoding.
     ``block_table`` lists the physical KV blocks that hold positions
     ``0 .. len(block_table) * block_size - 1``. ``detokenizer`` turns its output ids into
     text (None for a model without a tokenizer).
+
+    Prefix caching: ``block_hashes`` is the hash chain of the full blocks of its tokens
+    (prompt, then output), computed as needed and kept across preemption (the tokens do not
+    change); ``cache_salt`` (a string) enters the first block's hash, so only sequences
+    with the same salt share blocks; ``num_cached_tokens`` is how many prompt tokens came
+    from the cache at its first admission (None until then).
     """
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 sampling_params: SamplingParams, index: int = 0, detokenizer=None):
+                 sampling_params: SamplingParams, index: int = 0, detokenizer=None,
+                 cache_salt: str | None = None):
         self.request_id = request_id
         self.index = index  # which of the n completions of the request
         self.prompt = prompt
@@ -42,6 +51,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.cache_salt = cache_salt
+        self.num_cached_tokens: int | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.detokenizer = detokenizer
@@ -96,7 +108,7 @@ class Sequence:
             self.detokenizer.rollback(detok)
 
     def reset_for_recompute(self) -> None:
-        """Preemption by recompute: drop the cache; prompt and outputs are kept."""
+        """Preemption by recompute: drop the blocks; prompt, outputs and block hashes are kept."""
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table = []
@@ -140,3 +152,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: object | None = None
+    num_cached_tokens: int | None = None  # prompt tokens taken from the prefix cache at admission

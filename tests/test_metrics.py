@@ -200,6 +200,30 @@ def test_stats_since_last_log_windows():
     assert st2["num_preemptions_total"] == 2
 
 
+def test_prefix_cache_counters_and_hit_rate():
+    now = [10.0]
+    em = EngineMetrics(clock=lambda: now[0])
+    st = em.stats_since_last_log()
+    assert st["prefix_cache_hit_rate"] == 0.0  # no queries yet
+    em.record_step(step_start=0.0, step_duration=0.1, num_prefill_tokens=40, num_decode_tokens=0, num_seqs=2,
+                   num_running=2, num_waiting=0, kv_cache_usage=0.1, num_preemptions=0,
+                   prefix_cache_queries=100, prefix_cache_hits=60)
+    em.record_step(step_start=0.1, step_duration=0.1, num_prefill_tokens=20, num_decode_tokens=2, num_seqs=3,
+                   num_running=3, num_waiting=0, kv_cache_usage=0.1, num_preemptions=0,
+                   prefix_cache_queries=20, prefix_cache_hits=0)
+    text = em.exposition()
+    assert "# TYPE refengine:prefix_cache_queries_total counter" in text
+    assert "refengine:prefix_cache_queries_total 120.0" in text
+    assert "refengine:prefix_cache_hits_total 60.0" in text
+    st = em.stats_since_last_log()
+    assert (st["prefix_cache_queries"], st["prefix_cache_hits"]) == (120, 60)
+    assert st["prefix_cache_hit_rate"] == pytest.approx(50.0)
+    assert "Prefix cache hit rate: 50.0%" in EngineMetrics.format_log_line(st)
+    assert em.steps[0].prefix_cache_hits == 60
+    assert em.stats_since_last_log()["prefix_cache_queries"] == 0  # the window resets
+    assert (em.total_prefix_cache_queries, em.total_prefix_cache_hits) == (120, 60)
+
+
 def test_write_trace(tmp_path):
     em = EngineMetrics(trace=True)
     feed(em)
