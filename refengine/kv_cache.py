@@ -82,6 +82,13 @@ class BlockManager:
         for _ in range(need):
             seq.block_table.append(self.free_blocks.pop())
 
+    def free_tail(self, seq: Sequence, num_tokens: int) -> None:
+        """Shrink ``seq.block_table`` to the blocks that hold its first ``num_tokens`` tokens
+        and return the rest to the pool (speculative decoding: slots of rejected proposals)."""
+        keep = cdiv(num_tokens, self.block_size)
+        self.free_blocks.extend(reversed(seq.block_table[keep:]))
+        del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Return all of ``seq``'s blocks to the pool."""
         self.free_blocks.extend(reversed(seq.block_table))
