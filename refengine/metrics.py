@@ -253,7 +253,7 @@ class EngineMetrics:
     ``refengine:spec_decode_num_drafts``                    counter    speculative decoding: verifications of proposals
     ``refengine:spec_decode_num_draft_tokens``              counter    proposed tokens verified
     ``refengine:spec_decode_num_accepted_tokens``           counter    proposed tokens accepted
-    ``refengine:spec_decode_num_accepted_tokens_per_pos``   counter    accepted, by proposal position (label ``position``, 0-based)
+    ``refengine:spec_decode_num_accepted_tokens_per_pos``   counter    accepted, by position (label ``position``, from 0)
     ======================================================  =========  =================================
 
     Speculative decoding (vLLM's names and definitions): acceptance rate =

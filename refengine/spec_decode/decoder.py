@@ -143,15 +143,26 @@ class SpecDecoder:
         k_max = max((len(p.token_ids) for p in proposals.values()), default=0)
         stats = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * k_max)
         num_rejected = {}
-        for i, seq in enumerate(sample_seqs):
-            if seq not in proposals:
-                continue
-            prop = proposals[seq]
-            rows = logits[starts[i]:starts[i] + sizes[i]]
-            tokens, accepted = self._verify(rows, seq, prop)
+        spec = [i for i, s in enumerate(sample_seqs) if s in proposals]
+        if spec:
+            # every verified row processed in one batch: the row for position j of a sequence
+            # sees its proposals d_1 .. d_j in the history (penalties, min_tokens)
+            rows = np.concatenate([np.arange(starts[i], starts[i] + sizes[i]) for i in spec])
+            views = [HistoryView(sample_seqs[i], proposals[sample_seqs[i]].token_ids[:j])
+                     for i in spec for j in range(sizes[i])]
+            processed = self.sampler.process_logits(logits[rows], views)
+        offset = 0
+        for i in spec:
+            seq, prop = sample_seqs[i], proposals[sample_seqs[i]]
+            x = processed[offset:offset + sizes[i]]
+            offset += sizes[i]
+            if seq.sampling_params.temperature == 0.0:
+                tokens, accepted = greedy_verify(np.argmax(x, axis=-1), prop.token_ids)
+            else:
+                tokens, accepted = rejection_sample(probs_from_logits(x), prop.token_ids, prop.probs, seq.generator)
             logprobs = None
             if seq.sampling_params.logprobs is not None:
-                raw = log_softmax(sanitize_logits(rows[:len(tokens)]))
+                raw = log_softmax(sanitize_logits(logits[starts[i]:starts[i] + len(tokens)]))
                 logprobs = [top_logprobs(raw[j], t, seq.sampling_params.logprobs) for j, t in enumerate(tokens)]
             sampled[i] = (seq, tokens, logprobs)
             num_rejected[seq] = len(prop.token_ids) - accepted
@@ -162,13 +173,3 @@ class SpecDecoder:
                 stats.num_accepted_tokens_per_pos[j] += 1
         self.last_stats = stats
         return sampled, num_rejected
-
-    def _verify(self, rows: np.ndarray, seq: Sequence, prop: Proposal) -> tuple[list[int], int]:
-        """Verify one sequence's proposals on its ``[1 + k, V]`` target logits; the row for
-        position ``j`` is processed with the earlier proposals ``d_1 .. d_j`` in its history."""
-        d = prop.token_ids
-        views = [HistoryView(seq, d[:j]) for j in range(len(d) + 1)]
-        x = self.sampler.process_logits(rows, views)
-        if seq.sampling_params.temperature == 0.0:
-            return greedy_verify(np.argmax(x, axis=-1), d)
-        return rejection_sample(probs_from_logits(x), d, prop.probs, seq.generator)
