@@ -427,3 +427,17 @@ def test_cli_flag(tiny_llama_tok_dir):
                                         value, "hi"])
         lines = res.stderr.splitlines()
         assert res.exit_code == 2 and len(lines) == 1 and re.match(message, lines[0]), res.output
+
+
+def test_bench_reports_the_acceptance(tiny_llama_tok_dir, tmp_path):
+    from refengine.bench.scenarios import run_simple
+    from test_bench import bench_engine_kwargs, fake_ctx
+
+    lines = []
+    kwargs = bench_engine_kwargs(model=str(tiny_llama_tok_dir), speculative_config=ngram(3), log_stats=False)
+    report = run_simple(fake_ctx(tmp_path, engine_kwargs=kwargs, plot_path=None, echo=lines.append), "throughput")
+    spec = json.loads((tmp_path / "r.json").read_text())["speculative_decoding"]
+    assert spec == report["speculative_decoding"] and spec["num_drafts"] > 0
+    assert spec["acceptance_rate"] == spec["num_accepted_tokens"] / spec["num_draft_tokens"]
+    assert spec["mean_acceptance_length"] == 1 + spec["num_accepted_tokens"] / spec["num_drafts"]
+    assert any(line.startswith("speculative decoding:") and "acceptance rate:" in line for line in lines)
