@@ -11,8 +11,10 @@ into a frozen :class:`refengine.config.EngineConfig` before anything is allocate
 One step::
 
     scheduler.schedule()     -> [(seq, num_new_tokens)]        (refengine/scheduler.py)
+    (speculative decoding: the proposals of sequences given 1 + k tokens, refengine/spec_decode/)
     model_runner.execute()   -> logits of sequences that sample  (refengine/model_runner.py)
-    sampler(...)             -> one token per such sequence      (refengine/sampler.py)
+    sampler(...)             -> one token per such sequence      (refengine/sampler.py;
+                                with proposals: their verification, spec_decode/decoder.py)
     scheduler.postprocess()  -> computed tokens advance, tokens appended, stop rules
                                 (refengine/stop.py), finished sequences freed
     _make_output(...)        -> RequestOutputs (formatting only)
@@ -137,7 +139,7 @@ class LLMEngine:
             (``device``, ``dtype``, ``attention_backend``, ``max_model_len``, ``block_size``,
             ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_chunked_prefill``,
             ``num_kv_blocks``, ``kv_cache_memory``, ``gpu_memory_utilization``,
-            ``log_stats``, ``trace``), each documented there.
+            ``speculative_config``, ``log_stats``, ``trace``), each documented there.
 
     Raises:
         FileNotFoundError: the model directory or its files are missing.
