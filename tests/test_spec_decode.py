@@ -171,6 +171,49 @@ def test_the_target_as_its_own_draft_accepts_everything(tiny_llama_dir, tiny_ref
     assert_idle(llm)
 
 
+def test_the_target_as_its_own_draft_accepts_everything_after_preemption(tiny_llama_dir, tiny_reference):
+    """A preempted sequence's draft K/V are gone with its blocks: the draft starts again
+    from its prompt (DraftModelProposer.forget), so every proposal is still accepted."""
+    llm = LLM(tiny_llama_dir, log_stats=False, speculative_config=draft(tiny_llama_dir, 3),
+              **SCENARIOS["preemption"])
+    outs = llm.generate(TINY_PROMPTS, TINY_GREEDY, use_tqdm=False)
+    assert token_ids(outs) == tiny_reference
+    metrics = llm.llm_engine.metrics
+    assert metrics.total_preemptions > 0
+    assert metrics.spec_totals["num_accepted_tokens"] == metrics.spec_totals["num_draft_tokens"] > 0
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("scenario", ["batching", "preemption"])
+def test_draft_proposals_are_the_drafts_own_greedy_continuations(tiny_llama_dir, tiny_draft_dir, monkeypatch,
+                                                                 scenario):
+    """After rejections (its K/V past the accepted tokens dropped) and preemptions, the
+    draft's k proposals are exactly the draft model's own greedy continuation of the
+    sequence, as a separate engine running the draft alone computes it."""
+    from refengine.spec_decode import DraftModelProposer
+
+    records = []
+    real = DraftModelProposer.propose
+
+    def recording(self, items):
+        proposals = real(self, items)
+        records.extend((seq.prompt_token_ids + seq.output_token_ids, p.token_ids)
+                       for (seq, _), p in zip(items, proposals))
+        return proposals
+
+    monkeypatch.setattr(DraftModelProposer, "propose", recording)
+    llm = LLM(tiny_llama_dir, log_stats=False, speculative_config=draft(tiny_draft_dir, 3), **SCENARIOS[scenario])
+    llm.generate(TINY_PROMPTS, TINY_GREEDY, use_tqdm=False)
+    totals = llm.llm_engine.metrics.spec_totals
+    assert 0 < totals["num_accepted_tokens"] < totals["num_draft_tokens"]
+    assert scenario != "preemption" or llm.llm_engine.metrics.total_preemptions > 0
+    monkeypatch.undo()
+    alone = LLM(tiny_draft_dir, log_stats=False).generate(
+        [context for context, _ in records],
+        [dataclasses.replace(TINY_GREEDY, max_tokens=len(p)) for _, p in records], use_tqdm=False)
+    assert [p for _, p in records] == token_ids(alone)
+
+
 # --- temperature > 0: the same distribution ----------------------------------------------------
 
 @pytest.fixture(scope="module")
