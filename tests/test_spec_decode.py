@@ -125,14 +125,15 @@ def real_reference(smollm2_dir, prompts) -> dict[str, list[int]]:  # noqa: F811
 
 # the real model (slow): each k once, each scenario once, and the draft-model path
 REAL_CASES = [
-    ("ngram", 1, dict(block_size=16, num_kv_blocks=10)),  # preemption
-    ("ngram", 3, dict(block_size=16, max_num_batched_tokens=17, max_model_len=4096)),  # chunked prefill
-    ("ngram", 5, dict(block_size=16)),  # batching: all prompts together
-    ("draft_model", 3, dict(block_size=16)),  # the model as its own draft
+    pytest.param("ngram", 1, dict(block_size=16, num_kv_blocks=10), id="ngram-k1-preemption"),
+    pytest.param("ngram", 3, dict(block_size=16, max_num_batched_tokens=17, max_model_len=4096),
+                 id="ngram-k3-chunked-prefill"),
+    pytest.param("ngram", 5, dict(block_size=16), id="ngram-k5-batching"),  # all prompts in one batch
+    pytest.param("draft_model", 3, dict(block_size=16), id="draft-k3-batching"),  # the model as its own draft
 ]
 
 
-@pytest.mark.parametrize("method, k, options", REAL_CASES, ids=lambda x: str(x))
+@pytest.mark.parametrize("method, k, options", REAL_CASES)
 def test_greedy_output_is_unchanged_real_model(smollm2_dir, prompts, real_reference, method, k, options):  # noqa: F811
     spec = ngram(k) if method == "ngram" else draft(smollm2_dir, k)
     llm = LLM(smollm2_dir, log_stats=False, speculative_config=spec, **options)
