@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -281,6 +281,11 @@ class EngineConfig:
         max_logprobs: most ``SamplingParams.logprobs`` a request may ask for.
         log_stats: log per-request lines and periodic stats. trace: record step events.
         scheduler_config: the scheduler's limits (``max_model_len`` and the token budget).
+        speculative_config: speculative decoding
+            (:class:`refengine.spec_decode.SpeculativeConfig`), None when off.
+        draft_model_config: the draft model's config (``method="draft_model"``), else None.
+        draft_bytes_per_block: one block of the draft's KV cache (0 without a draft); the
+            draft's pool has ``num_kv_blocks`` blocks too.
     """
 
     model_dir: Path
@@ -299,6 +304,9 @@ class EngineConfig:
     log_stats: bool
     trace: bool
     scheduler_config: SchedulerConfig
+    speculative_config: object | None = None
+    draft_model_config: ModelConfig | None = None
+    draft_bytes_per_block: int = 0
 
     @property
     def max_model_len(self) -> int | None:
@@ -314,4 +322,5 @@ class EngineConfig:
                 "device": self.device, "dtype": str(self.dtype), "attention_backend": self.attention_backend,
                 "layer_ops": self.layer_ops, "block_size": self.block_size, "num_kv_blocks": self.num_kv_blocks,
                 **{k: getattr(self.scheduler_config, k) for k in ("max_num_seqs", "max_num_batched_tokens",
-                                                                   "enable_chunked_prefill", "max_model_len")}}
+                                                                   "enable_chunked_prefill", "max_model_len")},
+                "speculative_config": None if self.speculative_config is None else asdict(self.speculative_config)}

@@ -11,8 +11,10 @@ into a frozen :class:`refengine.config.EngineConfig` before anything is allocate
 One step::
 
     scheduler.schedule()     -> [(seq, num_new_tokens)]        (refengine/scheduler.py)
+    (speculative decoding: the proposals of sequences given 1 + k tokens, refengine/spec_decode/)
     model_runner.execute()   -> logits of sequences that sample  (refengine/model_runner.py)
-    sampler(...)             -> one token per such sequence      (refengine/sampler.py)
+    sampler(...)             -> one token per such sequence      (refengine/sampler.py;
+                                with proposals: their verification, spec_decode/decoder.py)
     scheduler.postprocess()  -> computed tokens advance, tokens appended, stop rules
                                 (refengine/stop.py), finished sequences freed
     _make_output(...)        -> RequestOutputs (formatting only)
@@ -25,6 +27,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -42,6 +45,7 @@ from refengine.sampler import Sampler
 from refengine.sampling_params import SamplingParams
 from refengine.scheduler import Scheduler
 from refengine.sequence import CompletionOutput, RequestOutput, Sequence, SequenceStatus
+from refengine.spec_decode import DraftModelProposer, SpecDecoder
 from refengine.stop import StopChecker
 from refengine.text import check_unicode
 from refengine.threads import configure_threads
@@ -147,7 +151,7 @@ class LLMEngine:
             (``device``, ``dtype``, ``attention_backend``, ``max_model_len``, ``block_size``,
             ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_chunked_prefill``,
             ``enable_prefix_caching``, ``num_kv_blocks``, ``kv_cache_memory``, ``gpu_memory_utilization``,
-            ``log_stats``, ``trace``), each documented there.
+            ``speculative_config``, ``log_stats``, ``trace``), each documented there.
 
     Raises:
         FileNotFoundError: the model directory or its files are missing.
@@ -180,6 +184,11 @@ class LLMEngine:
         attention = get_attention_backend(config.attention_backend)
         ops = get_layer_ops(config.layer_ops, xp)  # CUDA ops share the attention backend's compiled module
         self.model = load_model(model_dir, model_config, attention, ops, xp=xp, dtype=config.dtype)
+        spec_cfg = config.speculative_config
+        draft_model = None
+        if spec_cfg is not None and spec_cfg.method == "draft_model":  # loaded before a GPU pool is measured
+            draft_model = load_model(Path(spec_cfg.model), config.draft_model_config, attention, ops, xp=xp,
+                                     dtype=config.dtype)
         if config.num_kv_blocks is None:  # on a GPU the pool is what the weights and activations leave
             num_blocks = self._gpu_kv_blocks(config)
             config = args.create_engine_config(model_dir, model_config, num_gpu_blocks=num_blocks)
@@ -190,9 +199,18 @@ class LLMEngine:
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.kv_cache)
-        self.scheduler = Scheduler(config.scheduler_config, self.block_manager,
-                                   StopChecker(self.eos_token_ids, config.max_model_len))
         self.sampler = Sampler(eos_token_id=sorted(self.eos_token_ids))
+        self.spec_decoder = None
+        if spec_cfg is not None:
+            draft = None
+            if draft_model is not None:
+                dc = config.draft_model_config
+                draft_cache = KVCache(dc.num_hidden_layers, config.num_kv_blocks, config.block_size,
+                                      dc.num_key_value_heads, dc.head_dim, dtype=config.dtype, xp=xp)
+                draft = DraftModelProposer(draft_model, draft_cache, self.sampler)
+            self.spec_decoder = SpecDecoder(spec_cfg, self.sampler, config.max_model_len, draft)
+        self.scheduler = Scheduler(config.scheduler_config, self.block_manager,
+                                   StopChecker(self.eos_token_ids, config.max_model_len), speculator=self.spec_decoder)
         self.metrics = EngineMetrics(trace=config.trace)
         self.requests: dict[str, Request] = {}
         self._last_stats_log = time.monotonic()
@@ -224,7 +242,7 @@ class LLMEngine:
         import cupy
 
         cfg, mc = config, config.model_config
-        per_block, utilization = cfg.bytes_per_block, cfg.gpu_memory_utilization
+        per_block, utilization = cfg.bytes_per_block + cfg.draft_bytes_per_block, cfg.gpu_memory_utilization
         pool = cupy.get_default_memory_pool()
         free, total = cupy.cuda.runtime.memGetInfo()
         held_before = pool.total_bytes()
@@ -397,42 +415,59 @@ class LLMEngine:
         for seq, n in sched.scheduled:
             if seq.index == 0:
                 self.requests[seq.request_id].metrics.on_scheduled(t0)
-            if n == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens == len(seq) - 1:
-                num_decode += 1
-        logits, sample_seqs = self.runner.execute(sched.scheduled)
-        rng_states = [seq.generator.bit_generator.state for seq in sample_seqs]
+            k = sched.spec.get(seq, 0)  # a verify's 1 + k tokens all count as decode tokens
+            if n - k == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens == len(seq) - 1:
+                num_decode += n
+        spec = self.spec_decoder
+        # a draft model draws from the generators before the target runs: save them first
+        rng_seqs = [seq for seq, _ in sched.scheduled] if spec is not None else []
+        rng_states = [seq.generator.bit_generator.state for seq in rng_seqs]
         try:
-            out = self.sampler(logits, sample_seqs) if sample_seqs else None
+            if spec is None:
+                logits, sample_seqs = self.runner.execute(sched.scheduled)
+                rng_seqs, rng_states = sample_seqs, [seq.generator.bit_generator.state for seq in sample_seqs]
+                out = self.sampler(logits, sample_seqs) if sample_seqs else None
+                sampled = [(seq, int(out.token_ids[i]), out.logprobs[i] if out.logprobs is not None else None)
+                           for i, seq in enumerate(sample_seqs)]
+                num_rejected = None
+            else:
+                proposals = spec.propose(sched.spec, sched.preempted)
+                logits, sample_seqs = self.runner.execute(
+                    sched.scheduled, spec_tokens={seq: p.token_ids for seq, p in proposals.items()})
+                sampled, num_rejected = spec.sample(logits, sample_seqs, proposals)
+            num_outputs_before = [seq.num_output_tokens for seq in sample_seqs]
             # Only now, with every sampled token in hand, is the step applied (in one place, atomically).
-            sampled = [(seq, int(out.token_ids[i]), out.logprobs[i] if out.logprobs is not None else None)
-                       for i, seq in enumerate(sample_seqs)]
-            results = self.scheduler.postprocess(sched.scheduled, sampled)
+            results = self.scheduler.postprocess(sched.scheduled, sampled, num_rejected)
         except BaseException:
-            for seq, state in zip(sample_seqs, rng_states):  # so a seeded request redraws the same tokens
+            for seq, state in zip(rng_seqs, rng_states):  # so a seeded request redraws the same tokens
                 seq.generator.bit_generator.state = state
             raise
+        num_new = [seq.num_output_tokens - n for seq, n in zip(sample_seqs, num_outputs_before)]
         # The step is applied; what follows only reports it, and finished requests leave first.
         advanced = {seq.request_id: self.requests[seq.request_id] for seq, _ in results}
         finished = [req for req in advanced.values() if req.finished]
         for req in finished:
             del self.requests[req.request_id]
         try:
-            self._record_step(t0, sched, num_decode, results, advanced, finished)
+            self._record_step(t0, sched, num_decode, results, num_new, advanced, finished)
         except Exception:
             logger.exception("recording the metrics of a step failed; the step's results stand")
         return [self._make_output(req) for req in advanced.values()]
 
-    def _record_step(self, t0: float, sched, num_decode: int, results, advanced: dict, finished: list) -> None:
-        """The metrics and log lines of an applied step."""
+    def _record_step(self, t0: float, sched, num_decode: int, results, num_new: list[int], advanced: dict,
+                     finished: list) -> None:
+        """The metrics and log lines of an applied step (``num_new``: tokens each result
+        appended, more than one after a speculative step)."""
         now = time.monotonic()
-        for seq, _ in results:
+        for (seq, _), count in zip(results, num_new):
             req = advanced[seq.request_id]
-            first = req.metrics.first_token_time is None
-            gap = req.metrics.on_token(now, seq.index)
-            if first:
-                self.metrics.record_first_token(req.metrics.ttft)
-            elif gap is not None:
-                self.metrics.record_token_latency(gap)
+            for _ in range(count):  # tokens of one verify come out together: later gaps are 0
+                first = req.metrics.first_token_time is None
+                gap = req.metrics.on_token(now, seq.index)
+                if first:
+                    self.metrics.record_first_token(req.metrics.ttft)
+                elif gap is not None:
+                    self.metrics.record_token_latency(gap)
         now = time.monotonic()
         for req in finished:
             req.metrics.on_finished(now)
@@ -441,11 +476,13 @@ class LLMEngine:
                 self._log_finished(req)
         self.metrics.record_step(step_start=t0, step_duration=now - t0,
                                  num_prefill_tokens=sched.num_tokens - num_decode, num_decode_tokens=num_decode,
-                                 num_generated_tokens=len(results), num_seqs=len(sched.scheduled),
+                                 num_generated_tokens=sum(num_new), num_seqs=len(sched.scheduled),
                                  num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                                  kv_cache_usage=self.block_manager.usage, num_preemptions=len(sched.preempted),
                                  prefix_cache_queries=sched.prefix_cache_queries,
                                  prefix_cache_hits=sched.prefix_cache_hits)
+        if self.spec_decoder is not None:
+            self.metrics.record_spec_decode(self.spec_decoder.last_stats)
         if self.config.log_stats and now - self._last_stats_log >= STATS_INTERVAL_S:
             self._last_stats_log = now
             logger.info(EngineMetrics.format_log_line(self.metrics.stats_since_last_log()))

@@ -25,6 +25,7 @@ import numpy as np
 
 from refengine.config import EngineConfig, ModelConfig, SchedulerConfig
 from refengine.kv_cache import cdiv
+from refengine.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger("refengine")
 
@@ -102,6 +103,10 @@ class EngineArgs:
         "keep some busy)", minimum=1))
     max_logprobs: int = field(default=20, metadata=_option(
         "most log-probabilities a request may ask for per generated token (the logprobs sampling option)", minimum=0))
+    speculative_config: dict | None = field(default=None, metadata=_option(
+        "speculative decoding, a JSON object with vLLM's keys: {\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
+        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} or {\"method\": \"draft_model\", \"model\": DIR, "
+        "\"num_speculative_tokens\": 3}; optional \"disable_by_batch_size\": N (default: off)", metavar="JSON"))
     log_stats: bool = field(default=True, metadata=_option(
         "no per-request and periodic stats logging", flag="--disable-log-stats"))
     trace: bool = field(default=False, metadata=_option(
@@ -111,6 +116,8 @@ class EngineArgs:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             _check_field(f, getattr(self, f.name))
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_dict(self.speculative_config)  # keys and values, before any file is read
         budget, max_len = self.max_num_batched_tokens, self.max_model_len
         if not self.enable_chunked_prefill and budget is not None and max_len is not None:
             _check_budget(budget, max_len)
@@ -156,7 +163,7 @@ class EngineArgs:
                     type_ = click.Choice(meta["choices"])
                 else:
                     type_ = _python_type(fld)
-                    type_ = {int: int, float: float, str: str}[type_]
+                    type_ = _json_object_type() if type_ is dict else type_
                 option = click.option(f"--{name}", f"cli_{fld.name}", type=type_, default=fld.default,
                                       show_default=fld.default is not None, metavar=meta["metavar"],
                                       help=meta["help"])
@@ -208,6 +215,8 @@ class EngineArgs:
             RuntimeError: ``device="cuda"`` without a usable CuPy and GPU.
         """
         mc = model_config
+        spec = SpeculativeConfig.from_dict(self.speculative_config) if self.speculative_config is not None else None
+        draft = _draft_model_config(spec, mc)
         device = resolve_device(self.device)
         backend = self.attention_backend or ("cuda" if device == "cuda" else default_cpu_backend())
         if BACKENDS[backend] != device:
@@ -216,20 +225,24 @@ class EngineArgs:
                              f"{[b for b, d in BACKENDS.items() if d == device]}")
         dtype = resolve_dtype(self.dtype, device)
         per_block = 2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim * dtype.itemsize
+        # a draft model's cache has as many blocks as the target's (it shares the block tables)
+        draft_per_block = 0 if draft is None else (2 * draft.num_hidden_layers * self.block_size
+                                                   * draft.num_key_value_heads * draft.head_dim * dtype.itemsize)
         num_blocks = self.num_kv_blocks
         if num_blocks is None and device == "cpu":
-            if self.kv_cache_memory < per_block:
+            if self.kv_cache_memory < per_block + draft_per_block:
                 raise ValueError(f"kv_cache_memory={self.kv_cache_memory} bytes holds no KV block: one block of "
-                                 f"block_size={self.block_size} tokens takes {per_block} bytes for this model")
-            num_blocks = self.kv_cache_memory // per_block
+                                 f"block_size={self.block_size} tokens takes {per_block + draft_per_block} bytes "
+                                 f"for this model" + (" and its draft model" if draft_per_block else ""))
+            num_blocks = self.kv_cache_memory // (per_block + draft_per_block)
         elif num_blocks is None:
             num_blocks = num_gpu_blocks
         memory = _physical_memory() if device == "cpu" else None
-        if memory and num_blocks * per_block > memory:  # np.zeros would fail, or the OS kill us later
+        if memory and num_blocks * (per_block + draft_per_block) > memory:  # np.zeros would fail, or the OS kill us
             which = (f"num_kv_blocks={self.num_kv_blocks}" if self.num_kv_blocks is not None
                      else f"kv_cache_memory={self.kv_cache_memory}")
-            raise ValueError(f"{which} makes a KV pool of {num_blocks * per_block / 2**30:.1f} GiB "
-                             f"({num_blocks} blocks of {per_block} bytes), more than this machine's "
+            raise ValueError(f"{which} makes a KV pool of {num_blocks * (per_block + draft_per_block) / 2**30:.1f} GiB "
+                             f"({num_blocks} blocks of {per_block + draft_per_block} bytes), more than this machine's "
                              f"{memory / 2**30:.1f} GiB of memory")
         max_model_len = self.max_model_len
         if max_model_len is not None and max_model_len > mc.max_position_embeddings:
@@ -245,6 +258,13 @@ class EngineArgs:
             logger.warning("capping max_model_len at the model's sliding window (%d): sliding-window attention "
                            "is not implemented", window)
             max_model_len = window
+        if draft is not None and max_model_len is not None and max_model_len > draft.max_position_embeddings:
+            if self.max_model_len is not None:
+                raise ValueError(f"max_model_len={max_model_len} exceeds the draft model's context "
+                                 f"(max_position_embeddings={draft.max_position_embeddings} in "
+                                 f"{Path(spec.model) / 'config.json'})")
+            logger.warning("capping max_model_len at the draft model's context (%d)", draft.max_position_embeddings)
+            max_model_len = draft.max_position_embeddings
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = DEFAULT_BATCHED_TOKENS if self.enable_chunked_prefill else max(
@@ -259,7 +279,8 @@ class EngineArgs:
             max_logprobs=self.max_logprobs, log_stats=self.log_stats, trace=self.trace,
             scheduler_config=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
                                              enable_chunked_prefill=self.enable_chunked_prefill,
-                                             max_model_len=max_model_len))
+                                             max_model_len=max_model_len),
+            speculative_config=spec, draft_model_config=draft, draft_bytes_per_block=draft_per_block)
 
     def _fit_pool(self, max_model_len: int | None, mc: ModelConfig, num_blocks: int) -> int:
         pool_tokens = num_blocks * self.block_size
@@ -284,6 +305,45 @@ def default_cpu_backend() -> str:
     return "numba"
 
 
+def _draft_model_config(spec: SpeculativeConfig | None, target: ModelConfig) -> ModelConfig | None:
+    """The draft model's config.json for ``method="draft_model"`` (None otherwise).
+
+    Raises:
+        FileNotFoundError: the draft directory or its config.json is missing.
+        ValueError: a bad config.json, or a vocabulary size other than the target's.
+    """
+    if spec is None or spec.method != "draft_model":
+        return None
+    draft = ModelConfig.from_model_dir(spec.model)
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_config['model']={spec.model!r} has vocab_size={draft.vocab_size} but the "
+                         f"target model has {target.vocab_size}: a draft model must share the target's vocabulary")
+    return draft
+
+
+def _json_object_type():
+    """The click parameter type of a dict option: a JSON object on the command line."""
+    import json
+
+    import click
+
+    class JsonObject(click.ParamType):
+        name = "json"
+
+        def convert(self, value, param, ctx):
+            if isinstance(value, dict):
+                return value
+            try:
+                obj = json.loads(value)
+            except json.JSONDecodeError as e:
+                self.fail(f"{value!r} is not valid JSON ({e.msg} at column {e.colno})", param, ctx)
+            if not isinstance(obj, dict):
+                self.fail(f"{value!r} is not a JSON object ({{...}})", param, ctx)
+            return obj
+
+    return JsonObject()
+
+
 def _check_budget(budget: int, max_model_len: int) -> None:
     """Without chunked prefill a whole prompt must fit one step's token budget.
 
@@ -298,7 +358,7 @@ def _check_budget(budget: int, max_model_len: int) -> None:
 def _python_type(fld: dataclasses.Field) -> type:
     """int, float, bool or str from a field's annotation (``"int | None"`` -> int)."""
     name = str(fld.type).split("|")[0].strip()
-    return {"int": int, "float": float, "bool": bool, "str": str}[name]
+    return {"int": int, "float": float, "bool": bool, "str": str, "dict": dict}[name]
 
 
 def _allowed(fld: dataclasses.Field) -> str:
@@ -308,6 +368,8 @@ def _allowed(fld: dataclasses.Field) -> str:
         text = "one of " + ", ".join(map(repr, meta["choices"]))
     elif want is bool:
         text = "True or False"
+    elif want is dict:
+        text = "a dict (a JSON object)"
     elif want is str:
         text = "a non-empty str"
     else:

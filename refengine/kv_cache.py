@@ -237,10 +237,23 @@ class BlockManager:
         self.ref_counts[block] = 1
         return block
 
+    def free_tail(self, seq: Sequence, num_tokens: int) -> None:
+        """Shrink ``seq.block_table`` to the blocks that hold its first ``num_tokens`` tokens
+        and release the rest (speculative decoding: slots of rejected proposals)."""
+        keep = cdiv(num_tokens, self.block_size)
+        self._release(seq.block_table[keep:])
+        del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks (tail first); those no other sequence holds become free,
         keeping their content when it is registered."""
-        for block in reversed(seq.block_table):
+        self._release(seq.block_table)
+        seq.block_table = []
+
+    def _release(self, blocks: list[int]) -> None:
+        """Drop one reference to each of ``blocks``, tail first; a block left unreferenced
+        becomes free (a cached one at the most recently used end of the LRU)."""
+        for block in reversed(blocks):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] > 0:
                 continue
@@ -250,4 +263,3 @@ class BlockManager:
             else:
                 self.block_hash[block] = None
                 self.free_blocks.append(block)
-        seq.block_table = []

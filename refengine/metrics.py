@@ -257,7 +257,15 @@ class EngineMetrics:
     ``refengine:request_prompt_tokens``                     histogram  prompt length per finished request
     ``refengine:request_generation_tokens``                 histogram  output length per finished request
     ``refengine:iteration_tokens_total``                    histogram  tokens run through the model per step
+    ``refengine:spec_decode_num_drafts``                    counter    speculative decoding: verifications of proposals
+    ``refengine:spec_decode_num_draft_tokens``              counter    proposed tokens verified
+    ``refengine:spec_decode_num_accepted_tokens``           counter    proposed tokens accepted
+    ``refengine:spec_decode_num_accepted_tokens_per_pos``   counter    accepted, by position (label ``position``, from 0)
     ======================================================  =========  =================================
+
+    Speculative decoding (vLLM's names and definitions): acceptance rate =
+    accepted / draft tokens; mean acceptance length = 1 + accepted / drafts, the tokens one
+    sequence gains per verifying step (k + 1 when every proposal of k is accepted).
 
     Args:
         registry: where the metrics are registered. Default: a fresh
@@ -343,6 +351,16 @@ class EngineMetrics:
             "refengine:iteration_tokens_total", "Histogram of tokens run through the model per engine step.",
             buckets=TOKEN_COUNT_BUCKETS, registry=r)
 
+        self.spec_num_drafts = Counter(
+            "refengine:spec_decode_num_drafts", "Number of speculative decoding drafts (verifications).", registry=r)
+        self.spec_num_draft_tokens = Counter(
+            "refengine:spec_decode_num_draft_tokens", "Number of proposed (draft) tokens verified.", registry=r)
+        self.spec_num_accepted_tokens = Counter(
+            "refengine:spec_decode_num_accepted_tokens", "Number of proposed tokens accepted.", registry=r)
+        self.spec_num_accepted_tokens_per_pos = Counter(
+            "refengine:spec_decode_num_accepted_tokens_per_pos", "Proposed tokens accepted, by position in the draft.",
+            ["position"], registry=r)
+
         # Running totals (plain numbers, cheaper to read than the Prometheus objects).
         self.total_prompt_tokens = 0
         self.total_generation_tokens = 0
@@ -355,6 +373,8 @@ class EngineMetrics:
         self._log_cache_queries = 0
         self._log_cache_hits = 0
         self._log_time = clock()
+        self.spec_totals = _spec_counts()  # since the engine started
+        self._log_spec = _spec_counts()  # since the last log line
 
     # --- called by the engine -----------------------------------------------------------
     def record_step(self, *, step_start: float, step_duration: float, num_prefill_tokens: int,
@@ -412,6 +432,24 @@ class EngineMetrics:
         self._log_cache_queries += rec.prefix_cache_queries
         self._log_cache_hits += rec.prefix_cache_hits
 
+    def record_spec_decode(self, stats) -> None:
+        """One step's speculative decoding counts (a :class:`refengine.spec_decode.SpecDecodeStats`:
+        ``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``,
+        ``num_accepted_tokens_per_pos``)."""
+        self.spec_num_drafts.inc(stats.num_drafts)
+        self.spec_num_draft_tokens.inc(stats.num_draft_tokens)
+        self.spec_num_accepted_tokens.inc(stats.num_accepted_tokens)
+        for pos, n in enumerate(stats.num_accepted_tokens_per_pos):
+            self.spec_num_accepted_tokens_per_pos.labels(position=str(pos)).inc(n)
+        for counts in (self.spec_totals, self._log_spec):
+            counts["num_drafts"] += stats.num_drafts
+            counts["num_draft_tokens"] += stats.num_draft_tokens
+            counts["num_accepted_tokens"] += stats.num_accepted_tokens
+            per_pos = counts["num_accepted_tokens_per_pos"]
+            per_pos.extend([0] * (len(stats.num_accepted_tokens_per_pos) - len(per_pos)))
+            for pos, n in enumerate(stats.num_accepted_tokens_per_pos):
+                per_pos[pos] += n
+
     def record_token_latency(self, seconds: float) -> None:
         """One inter-token latency sample (gap between two consecutive tokens of a request), seconds."""
         self.itl_hist.observe(seconds)
@@ -462,7 +500,9 @@ class EngineMetrics:
             (percent, 0-100), ``num_preemptions_total`` (since the engine started),
             ``prefix_cache_queries`` and ``prefix_cache_hits`` (tokens, since the previous
             call) and ``prefix_cache_hit_rate`` (percent of those queried tokens found
-            cached, 0-100; 0 without queries).
+            cached, 0-100; 0 without queries), and speculative decoding's figures since the
+            previous call (:func:`spec_decode_summary`, keys prefixed ``spec_decode_``; rates
+            None without drafts).
         """
         now = self.clock()
         interval = max(now - self._log_time, 1e-9)
@@ -480,12 +520,14 @@ class EngineMetrics:
             "prefix_cache_queries": self._log_cache_queries,
             "prefix_cache_hits": self._log_cache_hits,
             "prefix_cache_hit_rate": 100.0 * self._log_cache_hits / max(self._log_cache_queries, 1),
+            **{f"spec_decode_{k}": v for k, v in spec_decode_summary(self._log_spec).items()},
         }
         self._log_prompt_tokens = 0
         self._log_generation_tokens = 0
         self._log_cache_queries = 0
         self._log_cache_hits = 0
         self._log_time = now
+        self._log_spec = _spec_counts()
         return stats
 
     @staticmethod
@@ -496,7 +538,7 @@ class EngineMetrics:
                 f"Running: {stats['num_running']} reqs, Waiting: {stats['num_waiting']} reqs, "
                 f"KV cache usage: {stats['kv_cache_usage_perc']:.1f}%, "
                 f"Prefix cache hit rate: {stats.get('prefix_cache_hit_rate', 0.0):.1f}%, "
-                f"Preemptions: {stats['num_preemptions_total']}")
+                f"Preemptions: {stats['num_preemptions_total']}" + _spec_log_text(stats))
 
     # --- Chrome trace -------------------------------------------------------------------
     def trace_events(self) -> list[dict]:
@@ -565,6 +607,36 @@ class EngineMetrics:
 # ---------------------------------------------------------------------------------------
 # Small statistics helpers shared with the bench
 # ---------------------------------------------------------------------------------------
+
+
+def _spec_counts() -> dict:
+    return {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_accepted_tokens_per_pos": []}
+
+
+def spec_decode_summary(counts: dict) -> dict:
+    """Speculative decoding figures from counts (``num_drafts``, ``num_draft_tokens``,
+    ``num_accepted_tokens``, ``num_accepted_tokens_per_pos``, as :attr:`EngineMetrics.spec_totals`).
+
+    Returns:
+        the counts, plus ``acceptance_rate`` (accepted / draft tokens, 0-1),
+        ``mean_acceptance_length`` (1 + accepted / drafts: tokens per verifying step) and
+        ``acceptance_rate_per_pos`` (accepted at position i / drafts); None without drafts.
+    """
+    drafts, tokens, accepted = counts["num_drafts"], counts["num_draft_tokens"], counts["num_accepted_tokens"]
+    return {**{k: (list(v) if isinstance(v, list) else v) for k, v in counts.items()},
+            "acceptance_rate": accepted / tokens if tokens else None,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "acceptance_rate_per_pos": [n / drafts for n in counts["num_accepted_tokens_per_pos"]] if drafts else None}
+
+
+def _spec_log_text(stats: dict) -> str:
+    if not stats.get("spec_decode_num_drafts"):
+        return ""
+    per_pos = ", ".join(f"{r:.3f}" for r in stats["spec_decode_acceptance_rate_per_pos"])
+    return (f", Spec decode: acceptance rate {100 * stats['spec_decode_acceptance_rate']:.1f}%, "
+            f"mean acceptance length {stats['spec_decode_mean_acceptance_length']:.2f}, "
+            f"accepted {stats['spec_decode_num_accepted_tokens']}/{stats['spec_decode_num_draft_tokens']} tokens, "
+            f"per-position acceptance rate {per_pos}")
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:

@@ -15,7 +15,8 @@ from refengine.sequence import Sequence
 from refengine.threads import adapt_threads
 
 
-def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int):
+def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int,
+                spec_tokens: dict[Sequence, list[int]] | None = None):
     """Lay the scheduled chunks out as one flat batch.
 
     Args:
@@ -23,11 +24,15 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int):
             ``num_computed_tokens .. num_computed_tokens + num_new_tokens - 1`` of the sequence,
             and its block table already covers them.
         block_size: tokens per KV block.
+        spec_tokens: speculative decoding: sequence -> its ``k`` proposed tokens, which
+            are the last ``k`` of its ``num_new_tokens`` (they follow the sequence's end).
     Returns:
         ``(input_ids [T] int64, positions [T] int64, meta, sample_rows [S] int64, sample_seqs)``
         where ``sample_seqs`` are the sequences whose chunk reaches their last token (they
-        sample a token this step) and ``sample_rows`` their last rows in the batch.
+        sample a token this step) and ``sample_rows`` their last rows in the batch (all
+        ``1 + k`` rows, in order, for a sequence with proposals).
     """
+    spec_tokens = spec_tokens or {}
     num_seqs = len(scheduled)
     q_lens = np.array([n for _, n in scheduled], dtype=np.int32)
     max_blocks = max(len(seq.block_table) for seq, _ in scheduled)
@@ -38,13 +43,14 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int):
     rows = 0
     for i, (seq, n) in enumerate(scheduled):
         start = seq.num_computed_tokens
+        drafts = spec_tokens.get(seq, [])
         block_tables[i, :len(seq.block_table)] = seq.block_table
         seq_lens[i] = start + n
-        input_ids.append(seq.token_ids_slice(start, start + n))
+        input_ids.append(seq.token_ids_slice(start, start + n - len(drafts)) + list(drafts))
         positions.append(np.arange(start, start + n))
         rows += n
-        if start + n == len(seq):
-            sample_rows.append(rows - 1)
+        if start + n - len(drafts) == len(seq):
+            sample_rows.extend(range(rows - 1 - len(drafts), rows))
             sample_seqs.append(seq)
     positions = np.concatenate(positions)
     meta = paged_metadata(q_lens, seq_lens, block_tables, block_size)
@@ -60,20 +66,24 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.xp = model.xp
 
-    def execute(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False):
+    def execute(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False,
+                spec_tokens: dict[Sequence, list[int]] | None = None):
         """Run the model over the scheduled chunks (their K/V land in the cache).
 
         Args:
             scheduled: ``(sequence, num_new_tokens)`` pairs whose blocks are allocated.
             all_logits: return logits for every row, not only the sampling ones.
+            spec_tokens: proposed tokens per speculating sequence (see :func:`build_batch`).
         Returns:
             ``(logits, sample_seqs)``: ``logits [S, vocab]`` float32 NumPy for the sequences
-            that sample this step (or ``[T, vocab]`` for every row when ``all_logits``).
+            that sample this step, ``1 + k`` rows for one with ``k`` proposals (or
+            ``[T, vocab]`` for every row when ``all_logits``).
         """
         xp = self.xp
         if xp is np:
             adapt_threads()  # CPU threads: fewer while other processes hold cores (refengine/threads.py)
-        ids, positions, meta, sample_rows, sample_seqs = build_batch(scheduled, self.kv_cache.block_size)
+        ids, positions, meta, sample_rows, sample_seqs = build_batch(scheduled, self.kv_cache.block_size,
+                                                                     spec_tokens)
         rows = np.arange(ids.shape[0]) if all_logits else sample_rows
         logits = self.model.forward(xp.asarray(ids), positions, self.kv_cache, meta, xp.asarray(rows))
         if xp is not np:

@@ -17,6 +17,12 @@ One step, as vLLM's scheduler does it (continuous batching with chunked prefill)
 A preempted sequence comes back as a prefill of its prompt plus what it already
 generated (minus whatever of it is still cached), and continues exactly where it stopped.
 
+With speculative decoding (:mod:`refengine.spec_decode`), a decoding sequence may also get
+``k`` speculative tokens to verify: ``1 + k`` query tokens, ``k`` as many as the proposer
+has, the token budget and the free blocks allow (no preemption for them). Its
+``num_computed_tokens`` then advances only past the accepted ones, and the blocks reserved
+for rejected ones that it no longer needs go back to the pool.
+
 After the model has run, :meth:`Scheduler.postprocess` is the one place where a step's
 results are applied: computed tokens advance (blocks they fill become cached), sampled
 tokens are appended, the stop rules (:mod:`refengine.stop`) run, finished sequences leave
@@ -44,12 +50,15 @@ class SchedulerOutput:
 
     ``prefix_cache_queries`` / ``prefix_cache_hits``: tokens of the sequences admitted this
     step that were looked up in the prefix cache / found there (0 with caching off).
+    ``spec`` maps each sequence that verifies proposals to their number ``k`` (its
+    ``num_new_tokens`` is then ``1 + k``: its last token and the ``k`` proposals).
     """
 
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    spec: dict[Sequence, int] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -68,13 +77,16 @@ class Scheduler:
         block_manager: the KV pool.
         stop_checker: the stop rules :meth:`postprocess` applies (None: sequences end
             only when finished from outside, as in unit tests of scheduling alone).
+        speculator: speculative decoding's ``num_spec_tokens(seq, num_running) -> int``
+            (:class:`refengine.spec_decode.SpecDecoder`); None: no speculation.
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 stop_checker: StopChecker | None = None):
+                 stop_checker: StopChecker | None = None, speculator=None):
         self.config = config
         self.block_manager = block_manager
         self.stop_checker = stop_checker
+        self.speculator = speculator
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
 
@@ -101,6 +113,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
+        num_running = len(self.running)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -116,6 +129,13 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 break  # seq preempted itself; everything after it is gone too
             bm.allocate(seq, n)
+            # --- speculative decoding: a decoding sequence may verify k proposals too ---
+            if self.speculator is not None and n == seq.num_uncomputed_tokens == 1:
+                k = self._num_spec_tokens(seq, budget - n, num_running)
+                if k:
+                    out.spec[seq] = k
+                    n += k
+            # --- end speculative decoding ---
             out.scheduled.append((seq, n))
             budget -= n
             i += 1
@@ -146,13 +166,23 @@ class Scheduler:
             budget -= n
         return out
 
+    def _num_spec_tokens(self, seq: Sequence, budget: int, num_running: int) -> int:
+        """Speculative tokens for decoding ``seq``: what the proposer wants, within ``budget``
+        and the free blocks (reserved here; never preempting for them)."""
+        k = min(self.speculator.num_spec_tokens(seq, num_running), budget)
+        while k > 0 and not self.block_manager.can_allocate(seq, 1 + k):
+            k -= 1
+        if k:
+            self.block_manager.allocate(seq, 1 + k)
+        return k
+
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
 
-    def postprocess(self, scheduled: list[tuple[Sequence, int]], sampled: list[tuple[Sequence, int, dict | None]]
-                    ) -> list[tuple[Sequence, StopDecision | None]]:
+    def postprocess(self, scheduled: list[tuple[Sequence, int]], sampled: list[tuple[Sequence, int, dict | None]],
+                    num_rejected: dict[Sequence, int] | None = None) -> list[tuple[Sequence, StopDecision | None]]:
         """Apply a step's results: the only place a step changes sequences.
 
         All or nothing: the sampled tokens are appended and the stop rules run first (the
@@ -166,6 +196,12 @@ class Scheduler:
                 counts as computed, and the blocks it filled become cached.
             sampled: ``(sequence, token id, logprobs or None)`` for each sequence that
                 sampled this step (logprobs: ``{token_id: logprob}``, kept when asked for).
+                A sequence that verified proposals has a list of token ids (the accepted
+                proposals, then one more) and a list of logprobs (or None); they are
+                appended one by one, and a stop rule met by one of them ends the sequence
+                there, the rest dropped.
+            num_rejected: sequence -> proposals it rejected: its chunk counts as computed
+                only up to the last accepted one (default: none rejected).
         Returns:
             ``(sequence, decision)`` per sampled sequence; a sequence whose decision is not
             None has finished (``finish_reason``/``stop_reason`` set, blocks freed).
@@ -175,20 +211,30 @@ class Scheduler:
         try:
             for seq, token, logprobs in sampled:
                 checkpoints.append((seq, seq.checkpoint()))
-                if logprobs is not None:
-                    seq.logprobs.append(logprobs)
-                if self.stop_checker is None:
-                    seq.output_token_ids.append(token)
-                    decisions.append(None)
-                else:
-                    decisions.append(self.stop_checker.append_and_check(seq, token))
+                if not isinstance(token, list):
+                    token, logprobs = [token], [logprobs]
+                elif logprobs is None:
+                    logprobs = [None] * len(token)
+                decision = None
+                for t, lp in zip(token, logprobs):  # one by one: a stop inside a run ends it there
+                    if lp is not None:
+                        seq.logprobs.append(lp)
+                    if self.stop_checker is None:
+                        seq.output_token_ids.append(t)
+                    else:
+                        decision = self.stop_checker.append_and_check(seq, t)
+                        if decision is not None:
+                            break
+                decisions.append(decision)
         except BaseException:
             for seq, checkpoint in reversed(checkpoints):
                 seq.rollback(checkpoint)
             raise
+        rejected = num_rejected or {}
         for seq, n in scheduled:
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - rejected.get(seq, 0)
             self.block_manager.cache_full_blocks(seq)
+        self._release_rejected_slots(rejected)
         results = []
         for (seq, _, _), decision in zip(sampled, decisions):
             if decision is not None:
@@ -196,6 +242,13 @@ class Scheduler:
                 self.finish(seq)
             results.append((seq, decision))
         return results
+
+    def _release_rejected_slots(self, rejected: dict[Sequence, int]) -> None:
+        """Speculative decoding: blocks reserved for proposals that were rejected, past what
+        the sequence now needs (its next token's slot included), go back to the pool."""
+        for seq, n in rejected.items():
+            if n:
+                self.block_manager.free_tail(seq, len(seq))
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence from either queue and free its blocks."""

@@ -33,6 +33,8 @@ def bad_engine_values(fld: dataclasses.Field) -> list:
         values = [True, "0.5", NAN, INF, -INF, [0.5], -0.5, 0.0]
     elif kind == "bool":
         values = ["yes", 1, 0.0, [True]] + ([] if optional else [None])
+    elif kind == "dict":
+        values = [1, "{}", ["ngram"], True]
     else:  # str: a choice or a path
         values = [1, "", ["cpu"], b"cpu"] + (["tpu"] if fld.metadata["choices"] else [])
         values += [] if optional else [None]
@@ -65,8 +67,8 @@ def test_bad_engine_option(tiny_llama_dir, nothing_allocated, name, value):
     message = str(e.value)
     # the option, the value, and what is allowed
     assert message.startswith(f"{name}={value!r} "), message
-    assert re.search(r"is invalid: must be (an integer|a finite number|True or False|a non-empty str|one of '\w+')"
-                     r"|is not one of '\w+', '", message), message
+    assert re.search(r"is invalid: must be (an integer|a finite number|True or False|a non-empty str|a dict"
+                     r"|one of '\w+')|is not one of '\w+', '", message), message
 
 
 # Values of the right type that no engine can run with: refused from the model's sizes,

@@ -57,6 +57,16 @@ def format_run(run: RunResult) -> str:
     return "\n".join(head) + "\n" + format_table(["latency (ms)"] + [c[:-3] for c in cols], rows)
 
 
+def format_spec_decode(s: dict) -> str:
+    """Speculative decoding's figures (:func:`refengine.metrics.spec_decode_summary`) as a few lines."""
+    per_pos = ", ".join(f"{r:.3f}" for r in s["acceptance_rate_per_pos"])
+    return (f"speculative decoding:   {s['num_drafts']} drafts, {s['num_accepted_tokens']}/{s['num_draft_tokens']} "
+            f"proposed tokens accepted\n"
+            f"acceptance rate:        {100 * s['acceptance_rate']:.1f}%\n"
+            f"mean acceptance length: {s['mean_acceptance_length']:.2f} tokens per verify\n"
+            f"acceptance by position: {per_pos}")
+
+
 def environment() -> dict:
     """Where the numbers came from: Python, NumPy, OS, CPU count, thread settings."""
     env = {

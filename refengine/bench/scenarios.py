@@ -11,6 +11,7 @@ prompt fits one step (left unset, the engine picks one that does).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import os
@@ -22,7 +23,8 @@ import click
 from refengine.bench.driver import RunResult, build_llm, run_engine, warm_up
 from refengine.bench.hf_baseline import HF_DEFAULT_BATCH, compare, run_transformers
 from refengine.bench.plot import plot_report
-from refengine.bench.report import busy_warning, environment, format_run, format_table, format_value, write_json
+from refengine.bench.report import (busy_warning, environment, format_run, format_spec_decode, format_table,
+                                    format_value, write_json)
 from refengine.bench.sweep import concurrency_levels, sweep_table
 from refengine.bench.workload import load_corpus, sample_requests
 from refengine.resources import bench_data_dir
@@ -156,15 +158,39 @@ def _maybe_compare(ctx: BenchContext, ours: RunResult, requests) -> tuple[list[R
     return [theirs], cmp
 
 
+def _spec_decode_since(engine, before: dict | None) -> dict | None:
+    """Speculative decoding's figures since ``before`` (a copy of ``metrics.spec_totals``);
+    None when the engine did not speculate."""
+    totals = getattr(getattr(engine, "metrics", None), "spec_totals", None)
+    if not totals or before is None or totals["num_drafts"] == before["num_drafts"]:
+        return None
+    from refengine.metrics import spec_decode_summary
+
+    per_pos = [n - (before["num_accepted_tokens_per_pos"][i] if i < len(before["num_accepted_tokens_per_pos"]) else 0)
+               for i, n in enumerate(totals["num_accepted_tokens_per_pos"])]
+    return spec_decode_summary({**{k: totals[k] - before[k] for k in ("num_drafts", "num_draft_tokens",
+                                                                       "num_accepted_tokens")},
+                                "num_accepted_tokens_per_pos": per_pos})
+
+
 def run_simple(ctx: BenchContext, scenario: str, llm_factory=build_llm) -> dict:
     """One workload, one engine (``throughput``, ``chat``, ``generation``), optional comparison."""
     ctx.raise_max_num_seqs(ctx.max_concurrency)
     settings: list[dict] = []
     llm, engine, _, requests = _prepare(ctx, settings, llm_factory)
+    totals = getattr(getattr(engine, "metrics", None), "spec_totals", None)
+    before = copy.deepcopy(totals) if totals is not None else None  # the warm-up left out
     ours = run_engine(engine, requests, max_concurrency=ctx.max_concurrency, progress=ctx.progress)
     ctx.echo(format_run(ours))
+    extra = {}
+    spec = _spec_decode_since(engine, before)
+    if spec is not None:
+        ctx.echo(format_spec_decode(spec))
+        extra["speculative_decoding"] = spec
     theirs, cmp = _maybe_compare(ctx, ours, requests)
-    return _finish(ctx, scenario, [ours] + theirs, engine, settings, extra={"comparison": cmp} if cmp else None)
+    if cmp:
+        extra["comparison"] = cmp
+    return _finish(ctx, scenario, [ours] + theirs, engine, settings, extra=extra or None)
 
 
 def run_long_context(ctx: BenchContext, llm_factory=build_llm) -> dict:
