@@ -227,3 +227,19 @@ def load_gpu_check():
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
     return gpu_check
+
+
+# --- scheduler unit tests ------------------------------------------------------------------
+
+def stub_step(sched):
+    """One scheduler step with a stub model: ``postprocess`` gets token 7 for each sequence
+    whose chunk reached its end, as the engine hands it sampled tokens."""
+    out = sched.schedule()
+    sampled = [(s, 7, None) for s, n in out.scheduled if s.num_computed_tokens + n == len(s)]
+    sched.postprocess(out.scheduled, sampled)
+    return out
+
+
+def plan(out) -> list[tuple[str, int]]:
+    """``(request_id, num_new_tokens)`` of a ``SchedulerOutput``, for readable asserts."""
+    return [(s.request_id, n) for s, n in out.scheduled]

@@ -18,6 +18,7 @@ from refengine.kv_cache import BlockManager, hash_block_tokens
 from refengine.sampling_params import SamplingParams
 from refengine.scheduler import Scheduler
 from refengine.sequence import Sequence
+from helpers import plan, stub_step
 
 BS = 4
 
@@ -206,17 +207,6 @@ def make(num_blocks=64, **kw) -> Scheduler:
     cfg = SchedulerConfig(**{"max_num_batched_tokens": 64, "max_num_seqs": 8, "enable_chunked_prefill": True,
                              "max_model_len": 1000, **kw})
     return Scheduler(cfg, BlockManager(num_blocks, BS, enable_prefix_caching=True))
-
-
-def stub_step(sched: Scheduler):
-    out = sched.schedule()
-    sampled = [(s, 7, None) for s, n in out.scheduled if s.num_computed_tokens + n == len(s)]
-    sched.postprocess(out.scheduled, sampled)
-    return out
-
-
-def plan(out) -> list[tuple[str, int]]:
-    return [(s.request_id, n) for s, n in out.scheduled]
 
 
 def test_admission_computes_only_the_uncached_rest():

@@ -13,21 +13,11 @@ from refengine.kv_cache import BlockManager
 from refengine.sampling_params import SamplingParams
 from refengine.scheduler import Scheduler
 from refengine.sequence import Sequence, SequenceStatus
+from helpers import plan, stub_step
 
 
 def seq(name: str, prompt_len: int) -> Sequence:
     return Sequence(name, None, list(range(prompt_len)), SamplingParams(max_tokens=100))
-
-
-def stub_step(sched: Scheduler):
-    out = sched.schedule()
-    sampled = [(s, 7, None) for s, n in out.scheduled if s.num_computed_tokens + n == len(s)]
-    sched.postprocess(out.scheduled, sampled)
-    return out
-
-
-def plan(out) -> list[tuple[str, int]]:
-    return [(s.request_id, n) for s, n in out.scheduled]
 
 
 def make(num_blocks=100, block_size=4, **kw) -> Scheduler:
