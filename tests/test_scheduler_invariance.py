@@ -103,9 +103,9 @@ def test_mixed_lengths_together(llm16, prompts, reference):
 
 
 @pytest.mark.parametrize("backend", ["numpy", "numba"])
-def test_mixed_lengths_together_with_backend(smollm2_dir, prompts, reference, backend):
+def test_mixed_lengths_together_with_backend(smollm2_dir, caching, prompts, reference, backend):
     """The numba CPU kernels (attention and layer ops) under the same schedule test."""
-    llm = make_llm(smollm2_dir, block_size=16, max_num_batched_tokens=48, attention_backend=backend)
+    llm = make_llm(smollm2_dir, caching, block_size=16, max_num_batched_tokens=48, attention_backend=backend)
     names = list(prompts) * 2
     outs = llm.generate([prompts[n] for n in names], GREEDY, use_tqdm=False)
     check(outs, names, reference)

@@ -6,6 +6,7 @@ decode(token_ids)`` for every request, and every KV block is accounted for."""
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import pytest
 
@@ -31,10 +32,15 @@ def new_engine(model_dir) -> LLMEngine:
 
 
 def blocks_accounted(engine: LLMEngine) -> bool:
-    """Every block is free or in the block table of exactly one unfinished sequence."""
-    held = [b for req in engine.requests.values() for s in req.seqs if not s.is_finished for b in s.block_table]
-    free = engine.block_manager.free_blocks
-    return len(held) == len(set(held)) and sorted(held + free) == list(range(engine.block_manager.num_blocks))
+    """Every block is either free (cached content or not) or held by unfinished sequences'
+    block tables exactly as often as its reference count says (prefix caching shares blocks)."""
+    bm = engine.block_manager
+    held = Counter(b for req in engine.requests.values() for s in req.seqs if not s.is_finished
+                   for b in s.block_table)
+    free = list(bm.free_blocks) + list(bm.cached_free)
+    return (all(bm.ref_counts[b] == (held[b] if b in held else 0) for b in range(bm.num_blocks))
+            and len(free) == len(set(free)) and not set(free) & set(held)
+            and sorted([*free, *held]) == list(range(bm.num_blocks)))
 
 
 def run(engine: LLMEngine, steps_before: int = 0, fault=None) -> tuple[dict, int]:
