@@ -87,3 +87,14 @@ def tiny_llama_tok_dir(tiny_llama_dir, tmp_path_factory) -> Path:
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>",
                                                             "chat_template": chat}))
     return path
+
+
+@pytest.fixture
+def nothing_allocated(monkeypatch):
+    """Fail the test if the engine gets as far as reading weights or allocating the KV pool
+    (bad input must be refused before either)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("bad input was found only after loading the weights / allocating the KV pool")
+
+    monkeypatch.setattr("refengine.engine.load_model", refuse)
+    monkeypatch.setattr("refengine.engine.KVCache", refuse)

@@ -48,16 +48,6 @@ def test_every_engine_option_is_in_the_table():
     assert {name for name, _ in ENGINE_CASES} == {f.name for f in dataclasses.fields(EngineArgs)}
 
 
-@pytest.fixture
-def nothing_allocated(monkeypatch):
-    """Fail the test if the engine gets as far as reading weights or allocating the pool."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("a bad value was found only after loading the weights / allocating")
-
-    monkeypatch.setattr("refengine.engine.load_model", refuse)
-    monkeypatch.setattr("refengine.engine.KVCache", refuse)
-
-
 @pytest.mark.parametrize("name, value", ENGINE_CASES, ids=lambda x: repr(x)[:20])
 def test_bad_engine_option(tiny_llama_dir, nothing_allocated, name, value):
     kwargs = {name: value} if name != "model" else {}

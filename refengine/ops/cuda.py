@@ -13,6 +13,7 @@ import numpy as np
 
 from refengine.kernels.build import KernelModule, cupy_kernels
 from refengine.kernels.plans import LAYER_THREADS, RMS_NORM_SHARED_BYTES, Launch, dtype_tag
+from refengine.ops.numpy_ops import linear_f32
 
 
 @dataclass
@@ -52,7 +53,7 @@ class CudaLayerOps:
         return DevicePositions(positions, self.kernels.int32(positions))
 
     def linear(self, x, w):
-        return (x.astype(w.dtype, copy=False) @ w).astype(np.float32, copy=False)
+        return linear_f32(x, w)
 
     def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
         """``x / sqrt(mean(x**2, -1) + eps) * weight`` with float32 statistics (HF LlamaRMSNorm).

@@ -7,6 +7,13 @@ import numpy as np
 from refengine.layers import rms_norm, silu_and_mul
 
 
+def linear_f32(x, w):
+    """``x [T, in] @ w [in, out]`` -> ``[T, out]`` float32, ``x`` cast to ``w``'s dtype first
+    (no copies when both are float32; on a GPU cuBLAS accumulates 16-bit products in float32).
+    Works for NumPy and CuPy arrays alike."""
+    return (x.astype(w.dtype, copy=False) @ w).astype(np.float32, copy=False)
+
+
 class NumpyOps:
     """Layer operations in NumPy (or CuPy when ``xp`` is ``cupy``). float32 activations."""
 
@@ -19,8 +26,7 @@ class NumpyOps:
         return self.xp.asarray(positions)
 
     def linear(self, x, w):
-        """``x [T, in] @ w [in, out]``; no copies when both are float32."""
-        return (x.astype(w.dtype, copy=False) @ w).astype(self.xp.float32, copy=False)
+        return linear_f32(x, w)
 
     def rms_norm(self, x, weight, eps: float):
         return rms_norm(x, weight, eps, self.xp)
