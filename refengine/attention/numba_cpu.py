@@ -85,6 +85,66 @@ def _write_kv(k_cache, v_cache, k, v, slot_mapping):  # pragma: no cover - compi
         v_cache[block, off] = v[t]
 
 
+@njit(cache=True, fastmath=_FM)
+def _decode_partition(p, q, k_cache, v_cache, block_tables, seqs, rows, part_seq, part_start, part_end,
+                      scale32, part_max, part_sum, part_acc):  # pragma: no cover - compiled
+    """Partition ``p`` of :func:`_paged_decode`: its scores, their max and exp-sum, and the
+    unnormalised output, into ``part_max[p]``, ``part_sum[p]``, ``part_acc[p]``."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv
+    seq, row = seqs[part_seq[p]], rows[part_seq[p]]
+    start, end = part_start[p], part_end[p]
+    qg = np.empty((num_kv, group, head_dim), dtype=np.float32)
+    for h in range(num_kv):
+        for g in range(group):
+            qg[h, g] = q[row, h * group + g] * scale32
+    scores = np.empty((num_kv, group, end - start), dtype=np.float32)
+    bits = np.empty(end - start, dtype=np.int32)
+    for b in range(start // block_size, (end + block_size - 1) // block_size):
+        block = block_tables[seq, b]
+        for pos in range(max(start, b * block_size), min(end, (b + 1) * block_size)):
+            for h in range(num_kv):  # a position's keys for all heads are contiguous: read them together
+                krow = k_cache[block, pos - b * block_size, h]  # read once for the whole group
+                for g in range(group):
+                    qr = qg[h, g]
+                    s = np.float32(0.0)
+                    for d in range(head_dim):
+                        s += qr[d] * krow[d]
+                    scores[h, g, pos - start] = s
+    for h in range(num_kv):
+        for g in range(group):
+            m = scores[h, g, 0]
+            for j in range(1, end - start):
+                m = max(m, scores[h, g, j])
+            part_max[p, h, g] = m
+            part_sum[p, h, g] = _exp_and_sum(scores[h, g], end - start, m, bits)
+    for b in range(start // block_size, (end + block_size - 1) // block_size):
+        block = block_tables[seq, b]
+        lo, hi = max(start, b * block_size), min(end, (b + 1) * block_size)
+        for h in range(num_kv):
+            acc = part_acc[p, h]
+            pos = lo
+            while pos + 4 <= hi:  # four values per pass: one load/store of acc per four FMAs
+                off = pos - b * block_size
+                v0, v1, v2, v3 = (v_cache[block, off, h], v_cache[block, off + 1, h], v_cache[block, off + 2, h],
+                                  v_cache[block, off + 3, h])
+                for g in range(group):
+                    sg = scores[h, g]
+                    p0, p1, p2, p3 = sg[pos - start], sg[pos - start + 1], sg[pos - start + 2], sg[pos - start + 3]
+                    a = acc[g]
+                    for d in range(head_dim):
+                        a[d] += (p0 * v0[d] + p1 * v1[d]) + (p2 * v2[d] + p3 * v3[d])
+                pos += 4
+            for pos in range(pos, hi):
+                vrow = v_cache[block, pos - b * block_size, h]
+                for g in range(group):
+                    pj = scores[h, g, pos - start]
+                    a = acc[g]
+                    for d in range(head_dim):
+                        a[d] += pj * vrow[d]
+
+
 @parallel_kernel(fastmath=_FM)
 def _paged_decode(q, k_cache, v_cache, block_tables, seqs, rows, part_seq, part_start, part_end,
                   scale, out):  # pragma: no cover - compiled
@@ -100,68 +160,29 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seqs, rows, part_seq, part_
             of one sequence are consecutive and start at 0.
         out: ``[T, H, D]`` float32; the rows ``rows`` are written.
     """
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv
     num_parts = part_seq.shape[0]
+    part_max, part_sum, part_acc = _decode_scratch(num_parts, k_cache.shape[2], q.shape[1], q.shape[2])
     scale32 = np.float32(scale)
-    part_max = np.empty((num_parts, num_kv, group), dtype=np.float32)
-    part_sum = np.empty((num_parts, num_kv, group), dtype=np.float32)
-    part_acc = np.zeros((num_parts, num_kv, group, head_dim), dtype=np.float32)
-
     for p in prange(num_parts):
-        seq, row = seqs[part_seq[p]], rows[part_seq[p]]
-        start, end = part_start[p], part_end[p]
-        qg = np.empty((num_kv, group, head_dim), dtype=np.float32)
-        for h in range(num_kv):
-            for g in range(group):
-                qg[h, g] = q[row, h * group + g] * scale32
-        scores = np.empty((num_kv, group, end - start), dtype=np.float32)
-        bits = np.empty(end - start, dtype=np.int32)
-        for b in range(start // block_size, (end + block_size - 1) // block_size):
-            block = block_tables[seq, b]
-            for pos in range(max(start, b * block_size), min(end, (b + 1) * block_size)):
-                for h in range(num_kv):  # a position's keys for all heads are contiguous: read them together
-                    krow = k_cache[block, pos - b * block_size, h]  # read once for the whole group
-                    for g in range(group):
-                        qr = qg[h, g]
-                        s = np.float32(0.0)
-                        for d in range(head_dim):
-                            s += qr[d] * krow[d]
-                        scores[h, g, pos - start] = s
-        for h in range(num_kv):
-            for g in range(group):
-                m = scores[h, g, 0]
-                for j in range(1, end - start):
-                    m = max(m, scores[h, g, j])
-                part_max[p, h, g] = m
-                part_sum[p, h, g] = _exp_and_sum(scores[h, g], end - start, m, bits)
-        for b in range(start // block_size, (end + block_size - 1) // block_size):
-            block = block_tables[seq, b]
-            lo, hi = max(start, b * block_size), min(end, (b + 1) * block_size)
-            for h in range(num_kv):
-                acc = part_acc[p, h]
-                pos = lo
-                while pos + 4 <= hi:  # four values per pass: one load/store of acc per four FMAs
-                    off = pos - b * block_size
-                    v0, v1, v2, v3 = (v_cache[block, off, h], v_cache[block, off + 1, h], v_cache[block, off + 2, h],
-                                      v_cache[block, off + 3, h])
-                    for g in range(group):
-                        sg = scores[h, g]
-                        p0, p1, p2, p3 = sg[pos - start], sg[pos - start + 1], sg[pos - start + 2], sg[pos - start + 3]
-                        a = acc[g]
-                        for d in range(head_dim):
-                            a[d] += (p0 * v0[d] + p1 * v1[d]) + (p2 * v2[d] + p3 * v3[d])
-                    pos += 4
-                for pos in range(pos, hi):
-                    vrow = v_cache[block, pos - b * block_size, h]
-                    for g in range(group):
-                        pj = scores[h, g, pos - start]
-                        a = acc[g]
-                        for d in range(head_dim):
-                            a[d] += pj * vrow[d]
+        _decode_partition(p, q, k_cache, v_cache, block_tables, seqs, rows, part_seq, part_start, part_end,
+                          scale32, part_max, part_sum, part_acc)
+    _merge_partitions(part_seq, rows, part_max, part_sum, part_acc, out)
 
-    # merge each sequence's partitions: rescale to the common max, then normalise once
+
+@njit(cache=True)
+def _decode_scratch(num_parts, num_kv, num_heads, head_dim):  # pragma: no cover - compiled
+    """Per-partition max, exp-sum and output of :func:`_paged_decode`."""
+    group = num_heads // num_kv
+    return (np.empty((num_parts, num_kv, group), dtype=np.float32),
+            np.empty((num_parts, num_kv, group), dtype=np.float32),
+            np.zeros((num_parts, num_kv, group, head_dim), dtype=np.float32))
+
+
+@njit(cache=True, fastmath=_FM)
+def _merge_partitions(part_seq, rows, part_max, part_sum, part_acc, out):  # pragma: no cover - compiled
+    """Merge each sequence's partitions into its output row: rescale to the common max, normalise once."""
+    num_parts, num_kv, group, head_dim = part_acc.shape
+    o = np.empty(head_dim, dtype=np.float32)
     first = 0
     while first < num_parts:
         last = first
@@ -174,7 +195,7 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seqs, rows, part_seq, part_
                 for p in range(first + 1, last + 1):
                     m = max(m, part_max[p, h, g])
                 total = np.float32(0.0)
-                o = np.zeros(head_dim, dtype=np.float32)
+                o[:] = 0.0
                 for p in range(first, last + 1):
                     w = np.float32(math.exp(part_max[p, h, g] - m))
                     total += part_sum[p, h, g] * w
@@ -184,6 +205,87 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seqs, rows, part_seq, part_
                 for d in range(head_dim):
                     out[row, h * group + g, d] = o[d] * inv
         first = last + 1
+
+
+@njit(cache=True, fastmath=_FM)
+def _prefill_task(task, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, tile_seq, tile_q0,
+                  scale32, q_tile, k_tile, out):  # pragma: no cover - compiled
+    """Task ``task`` of :func:`_flash_prefill`: one query tile of one sequence, one KV head."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv
+    d4 = head_dim - head_dim % 4
+    tile, h = task // num_kv, task % num_kv
+    seq = tile_seq[tile]
+    first_row = query_start_loc[seq]
+    q_len = query_start_loc[seq + 1] - first_row
+    first_pos = seq_lens[seq] - q_len  # position of the sequence's first query row
+    q0 = tile_q0[tile]
+    n_rows = min(q_tile, q_len - q0)
+    qs = np.empty((n_rows, group, head_dim), dtype=np.float32)
+    for r in range(n_rows):
+        for g in range(group):
+            qs[r, g] = q[first_row + q0 + r, h * group + g] * scale32
+    row_max = np.full((n_rows, group), -np.inf, dtype=np.float32)
+    row_sum = np.zeros((n_rows, group), dtype=np.float32)
+    acc = np.zeros((n_rows, group, head_dim), dtype=np.float32)
+    kt = np.empty((head_dim, k_tile), dtype=np.float32)  # keys transposed: scores vectorise over keys
+    vt = np.empty((k_tile, head_dim), dtype=np.float32)
+    s = np.empty(k_tile, dtype=np.float32)
+    bits = np.empty(k_tile, dtype=np.int32)
+    end_key = first_pos + q0 + n_rows  # keys at or after this are in every row's future
+    for k0 in range(0, end_key, k_tile):
+        n_keys = min(k_tile, end_key - k0)
+        for b in range(k0 // block_size, (k0 + n_keys + block_size - 1) // block_size):
+            block = block_tables[seq, b]
+            for pos in range(max(k0, b * block_size), min(k0 + n_keys, (b + 1) * block_size)):
+                krow = k_cache[block, pos - b * block_size, h]
+                vt[pos - k0] = v_cache[block, pos - b * block_size, h]
+                for d in range(head_dim):
+                    kt[d, pos - k0] = krow[d]
+        for r in range(n_rows):
+            n_valid = min(n_keys, first_pos + q0 + r - k0 + 1)  # keys k0 ..= this row's position
+            if n_valid <= 0:
+                continue
+            for g in range(group):
+                qr = qs[r, g]
+                s[:n_valid] = 0.0
+                for d in range(0, d4, 4):  # four dims per pass: one load/store of s per four FMAs
+                    x0, x1, x2, x3 = qr[d], qr[d + 1], qr[d + 2], qr[d + 3]
+                    kr0, kr1, kr2, kr3 = kt[d], kt[d + 1], kt[d + 2], kt[d + 3]
+                    for j in range(n_valid):
+                        s[j] += x0 * kr0[j] + x1 * kr1[j] + x2 * kr2[j] + x3 * kr3[j]
+                for d in range(d4, head_dim):
+                    qd = qr[d]
+                    for j in range(n_valid):
+                        s[j] += qd * kt[d, j]
+                m_old = row_max[r, g]
+                m_new = m_old
+                for j in range(n_valid):
+                    m_new = max(m_new, s[j])
+                alpha = np.float32(math.exp(m_old - m_new))  # 0 on the first tile (m_old = -inf)
+                row_sum[r, g] = row_sum[r, g] * alpha + _exp_and_sum(s, n_valid, m_new, bits)
+                row_max[r, g] = m_new
+                a = acc[r, g]
+                for d in range(head_dim):
+                    a[d] *= alpha
+                j4 = n_valid - n_valid % 4
+                for j in range(0, j4, 4):  # four keys per pass: one load/store of acc per four FMAs
+                    p0, p1, p2, p3 = s[j], s[j + 1], s[j + 2], s[j + 3]
+                    v0, v1, v2, v3 = vt[j], vt[j + 1], vt[j + 2], vt[j + 3]
+                    for d in range(head_dim):
+                        a[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d]
+                for j in range(j4, n_valid):
+                    pj = s[j]
+                    vj = vt[j]
+                    for d in range(head_dim):
+                        a[d] += pj * vj[d]
+    for r in range(n_rows):
+        for g in range(group):
+            inv = np.float32(1.0) / row_sum[r, g]
+            o = out[first_row + q0 + r, h * group + g]
+            for d in range(head_dim):
+                o[d] = acc[r, g, d] * inv
 
 
 @parallel_kernel(fastmath=_FM)
@@ -198,83 +300,11 @@ def _flash_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
             (clipped to the sequence) of sequence ``tile_seq[i]``, counted from its first row.
         out: ``[T, H, D]`` float32, the tiles' rows are written.
     """
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv
-    d4 = head_dim - head_dim % 4
+    num_kv = k_cache.shape[2]
     scale32 = np.float32(scale)
     for task in prange(tile_seq.shape[0] * num_kv):
-        tile, h = task // num_kv, task % num_kv
-        seq = tile_seq[tile]
-        first_row = query_start_loc[seq]
-        q_len = query_start_loc[seq + 1] - first_row
-        first_pos = seq_lens[seq] - q_len  # position of the sequence's first query row
-        q0 = tile_q0[tile]
-        n_rows = min(q_tile, q_len - q0)
-        qs = np.empty((n_rows, group, head_dim), dtype=np.float32)
-        for r in range(n_rows):
-            for g in range(group):
-                qs[r, g] = q[first_row + q0 + r, h * group + g] * scale32
-        row_max = np.full((n_rows, group), -np.inf, dtype=np.float32)
-        row_sum = np.zeros((n_rows, group), dtype=np.float32)
-        acc = np.zeros((n_rows, group, head_dim), dtype=np.float32)
-        kt = np.empty((head_dim, k_tile), dtype=np.float32)  # keys transposed: scores vectorise over keys
-        vt = np.empty((k_tile, head_dim), dtype=np.float32)
-        s = np.empty(k_tile, dtype=np.float32)
-        bits = np.empty(k_tile, dtype=np.int32)
-        end_key = first_pos + q0 + n_rows  # keys at or after this are in every row's future
-        for k0 in range(0, end_key, k_tile):
-            n_keys = min(k_tile, end_key - k0)
-            for b in range(k0 // block_size, (k0 + n_keys + block_size - 1) // block_size):
-                block = block_tables[seq, b]
-                for pos in range(max(k0, b * block_size), min(k0 + n_keys, (b + 1) * block_size)):
-                    krow = k_cache[block, pos - b * block_size, h]
-                    vt[pos - k0] = v_cache[block, pos - b * block_size, h]
-                    for d in range(head_dim):
-                        kt[d, pos - k0] = krow[d]
-            for r in range(n_rows):
-                n_valid = min(n_keys, first_pos + q0 + r - k0 + 1)  # keys k0 ..= this row's position
-                if n_valid <= 0:
-                    continue
-                for g in range(group):
-                    qr = qs[r, g]
-                    s[:n_valid] = 0.0
-                    for d in range(0, d4, 4):  # four dims per pass: one load/store of s per four FMAs
-                        x0, x1, x2, x3 = qr[d], qr[d + 1], qr[d + 2], qr[d + 3]
-                        kr0, kr1, kr2, kr3 = kt[d], kt[d + 1], kt[d + 2], kt[d + 3]
-                        for j in range(n_valid):
-                            s[j] += x0 * kr0[j] + x1 * kr1[j] + x2 * kr2[j] + x3 * kr3[j]
-                    for d in range(d4, head_dim):
-                        qd = qr[d]
-                        for j in range(n_valid):
-                            s[j] += qd * kt[d, j]
-                    m_old = row_max[r, g]
-                    m_new = m_old
-                    for j in range(n_valid):
-                        m_new = max(m_new, s[j])
-                    alpha = np.float32(math.exp(m_old - m_new))  # 0 on the first tile (m_old = -inf)
-                    row_sum[r, g] = row_sum[r, g] * alpha + _exp_and_sum(s, n_valid, m_new, bits)
-                    row_max[r, g] = m_new
-                    a = acc[r, g]
-                    for d in range(head_dim):
-                        a[d] *= alpha
-                    j4 = n_valid - n_valid % 4
-                    for j in range(0, j4, 4):  # four keys per pass: one load/store of acc per four FMAs
-                        p0, p1, p2, p3 = s[j], s[j + 1], s[j + 2], s[j + 3]
-                        v0, v1, v2, v3 = vt[j], vt[j + 1], vt[j + 2], vt[j + 3]
-                        for d in range(head_dim):
-                            a[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d]
-                    for j in range(j4, n_valid):
-                        pj = s[j]
-                        vj = vt[j]
-                        for d in range(head_dim):
-                            a[d] += pj * vj[d]
-        for r in range(n_rows):
-            for g in range(group):
-                inv = np.float32(1.0) / row_sum[r, g]
-                o = out[first_row + q0 + r, h * group + g]
-                for d in range(head_dim):
-                    o[d] = acc[r, g, d] * inv
+        _prefill_task(task, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, tile_seq, tile_q0,
+                      scale32, q_tile, k_tile, out)
 
 
 class _Plan:

@@ -64,6 +64,9 @@ def _options(*, num_prompts: int, input_len: str, output_len: str, max_concurren
             click.option("--disable-tqdm", is_flag=True, show_default="off",
                          help="No progress bars (there are none anyway when stderr is not a terminal)."),
             click.option("--no-warmup", is_flag=True, show_default="off", help="Skip the two warm-up requests."),
+            click.option("--breakdown", is_flag=True, show_default="off",
+                         help="Also print where a step's time goes: matrix products, attention, elementwise "
+                              "layers, sampler, the rest (decode and prefill steps apart)."),
         ]
         if compare:
             opts += [
@@ -105,7 +108,7 @@ def _context(kw: dict) -> BenchContext:
                        trace_path=kw["trace_path"], data_dir=kw["dataset_dir"], progress=not kw["disable_tqdm"],
                        compare_transformers=kw.get("compare_transformers", False),
                        hf_batch_size=kw.get("hf_batch_size"), hf_dtype=kw.get("hf_dtype", "float32"),
-                       warmup=not kw["no_warmup"])
+                       warmup=not kw["no_warmup"], breakdown=kw["breakdown"])
     _check_workload(ctx, args)
     return ctx
 
@@ -190,6 +193,61 @@ def long_context_cmd(**kw):
 def sweep_cmd(latency_metric, min_gain, **kw):
     """One workload at concurrency 1, 2, 4 .. N: throughput and latency curves, and the knee."""
     run_sweep(_context(kw), latency_metric, min_gain, _build_llm)
+
+
+def _row_counts(ctx, param, value: str) -> list[int]:
+    try:
+        rows = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers", ctx, param) from None
+    if not rows or min(rows) < 1:
+        raise click.BadParameter(f"{value!r}: give at least one row count, each >= 1", ctx, param)
+    return rows
+
+
+@bench.command("forward")
+@click.option("--rows", default="1,2,4,8,16,32,256,512", show_default=True, callback=_row_counts,
+              help="Comma-separated rows (tokens) per forward pass.")
+@click.option("--context-len", type=click.IntRange(min=0), default=512, show_default=True,
+              help="Tokens already cached per decode row.")
+@click.option("--decode-max-rows", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Row counts up to this are decode steps (one token per sequence); above, one prefill chunk.")
+@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Timed passes per row count (the best is reported), after one warm-up pass.")
+@click.option("--json", "json_path", default=None, callback=_output_path, show_default="none",
+              help="Write the table, the limits and the engine settings here.")
+@engine_options
+def forward_cmd(rows, context_len, decode_max_rows, repeats, json_path, **kw):
+    """One forward pass at each row count, its parts, against this machine's measured
+    memory bandwidth and compute (the roofline): where the next gap is."""
+    from refengine.bench.forward import run_forward_bench
+    from refengine.bench.report import environment, write_json
+
+    try:
+        args = EngineArgs.from_cli(kw)
+    except ValueError as e:
+        fail(str(e))
+    engine_kw = dataclasses.asdict(args)
+    engine_kw["model"] = str(resolve_model_dir(engine_kw["model"]))
+    longest = max([context_len + 1] + [r for r in rows if r > decode_max_rows])
+    if engine_kw["max_model_len"] is None:
+        engine_kw["max_model_len"] = longest
+    elif engine_kw["max_model_len"] < longest:
+        fail(f"--max-model-len={engine_kw['max_model_len']} is shorter than the longest pass "
+             f"({longest} tokens: --context-len + 1 or the largest prefill row count)")
+    engine_kw["max_num_batched_tokens"] = max(engine_kw["max_num_batched_tokens"] or 0, max(rows))
+    engine_kw["max_num_seqs"] = max(engine_kw["max_num_seqs"], max([r for r in rows if r <= decode_max_rows] or [1]))
+    llm = _build_llm(engine_kw)
+    engine = llm.llm_engine
+    click.echo(f"engine: {engine.config.summary()}")
+    try:
+        report = run_forward_bench(engine, rows, context_len, decode_max_rows, repeats, echo=click.echo)
+    except ValueError as e:
+        fail(str(e))
+    if json_path:
+        write_json(json_path, {"scenario": "forward", "engine_settings": engine_kw, "environment": environment(),
+                               **report})
+        click.echo(f"wrote {json_path}")
 
 
 def _register_serve_bench() -> None:

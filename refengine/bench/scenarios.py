@@ -20,6 +20,7 @@ from typing import Callable
 
 import click
 
+from refengine.bench.breakdown import StepBreakdown, format_breakdown
 from refengine.bench.driver import RunResult, build_llm, run_engine, warm_up
 from refengine.bench.hf_baseline import HF_DEFAULT_BATCH, compare, run_transformers
 from refengine.bench.plot import plot_report
@@ -53,6 +54,7 @@ class BenchContext:
     hf_batch_size: int | None = None
     hf_dtype: str = "float32"
     warmup: bool = True
+    breakdown: bool = False
     echo: Callable[[str], None] = click.echo
 
     def needed_model_len(self) -> int:
@@ -173,6 +175,19 @@ def _spec_decode_since(engine, before: dict | None) -> dict | None:
                                 "num_accepted_tokens_per_pos": per_pos})
 
 
+def _run(ctx: BenchContext, engine, requests, breakdowns: list, **kw) -> RunResult:
+    """:func:`run_engine`; with ``--breakdown``, under a :class:`StepBreakdown` whose table
+    is printed and whose summary is appended to ``breakdowns`` (labelled by the run)."""
+    if not ctx.breakdown:
+        return run_engine(engine, requests, progress=ctx.progress, **kw)
+    with StepBreakdown(engine) as timer:
+        run = run_engine(engine, requests, progress=ctx.progress, **kw)
+    summary = timer.summary()
+    ctx.echo(f"{run.label}: " + format_breakdown(summary))
+    breakdowns.append({"run": run.label, **summary})
+    return run
+
+
 def run_simple(ctx: BenchContext, scenario: str, llm_factory=build_llm) -> dict:
     """One workload, one engine (``throughput``, ``chat``, ``generation``), optional comparison."""
     ctx.raise_max_num_seqs(ctx.max_concurrency)
@@ -180,9 +195,10 @@ def run_simple(ctx: BenchContext, scenario: str, llm_factory=build_llm) -> dict:
     llm, engine, _, requests = _prepare(ctx, settings, llm_factory)
     totals = getattr(getattr(engine, "metrics", None), "spec_totals", None)
     before = copy.deepcopy(totals) if totals is not None else None  # the warm-up left out
-    ours = run_engine(engine, requests, max_concurrency=ctx.max_concurrency, progress=ctx.progress)
+    breakdowns: list = []
+    ours = _run(ctx, engine, requests, breakdowns, max_concurrency=ctx.max_concurrency)
     ctx.echo(format_run(ours))
-    extra = {}
+    extra = {"step_breakdown": breakdowns} if breakdowns else {}
     spec = _spec_decode_since(engine, before)
     if spec is not None:
         ctx.echo(format_spec_decode(spec))
@@ -196,12 +212,12 @@ def run_simple(ctx: BenchContext, scenario: str, llm_factory=build_llm) -> dict:
 def run_long_context(ctx: BenchContext, llm_factory=build_llm) -> dict:
     """The same long-prompt workload with chunked prefill on, then off (a fresh engine each)."""
     ctx.raise_max_num_seqs(ctx.max_concurrency)
-    runs, settings, requests = [], [], None
+    runs, settings, requests, breakdowns = [], [], None, []
     for chunked in (True, False):
         ctx.engine_kwargs["enable_chunked_prefill"] = chunked
         llm, engine, _, requests = _prepare(ctx, settings, llm_factory)
-        run = run_engine(engine, requests, max_concurrency=ctx.max_concurrency, progress=ctx.progress,
-                         label=f"refengine chunked_prefill={'on' if chunked else 'off'}")
+        run = _run(ctx, engine, requests, breakdowns, max_concurrency=ctx.max_concurrency,
+                   label=f"refengine chunked_prefill={'on' if chunked else 'off'}")
         ctx.echo(format_run(run))
         runs.append(run)
         if ctx.trace_path:  # one trace per mode: NAME.chunked-on.json, NAME.chunked-off.json
@@ -219,7 +235,10 @@ def run_long_context(ctx: BenchContext, llm_factory=build_llm) -> dict:
         [["on", ttft_on["median_ms"], ttft_on["p99_ms"], itl_on["median_ms"], itl_on["p99_ms"], on.output_throughput],
          ["off", ttft_off["median_ms"], ttft_off["p99_ms"], itl_off["median_ms"], itl_off["p99_ms"], off.output_throughput]]))
     theirs, cmp = _maybe_compare(ctx, on, requests)
-    return _finish(ctx, "long-context", runs + theirs, None, settings, extra={"comparison": cmp} if cmp else None)
+    extra = {"step_breakdown": breakdowns} if breakdowns else {}
+    if cmp:
+        extra["comparison"] = cmp
+    return _finish(ctx, "long-context", runs + theirs, None, settings, extra=extra or None)
 
 
 def run_sweep(ctx: BenchContext, latency_metric: str, min_gain: float, llm_factory=build_llm) -> dict:
@@ -229,10 +248,10 @@ def run_sweep(ctx: BenchContext, latency_metric: str, min_gain: float, llm_facto
     ctx.raise_max_num_seqs(top)
     settings: list[dict] = []
     llm, engine, _, requests = _prepare(ctx, settings, llm_factory)
-    runs = []
+    runs, breakdowns = [], []
     for c in levels:
         reqs = [dataclasses.replace(r, request_id=f"c{c}-{r.request_id}") for r in requests]
-        run = run_engine(engine, reqs, max_concurrency=c, progress=ctx.progress, label=f"concurrency {c}")
+        run = _run(ctx, engine, reqs, breakdowns, max_concurrency=c, label=f"concurrency {c}")
         runs.append(run)
         ctx.echo(f"concurrency {c}: {run.output_throughput:.2f} output tok/s, "
                  f"median TTFT {format_value(run.latencies()['ttft']['median_ms'])} ms, "
@@ -247,4 +266,5 @@ def run_sweep(ctx: BenchContext, latency_metric: str, min_gain: float, llm_facto
     ctx.echo(f"knee: concurrency {knee} (beyond it output throughput grows < {min_gain:.0%} "
              f"while median {latency_metric.upper()} climbs)" if knee is not None
              else f"no knee up to concurrency {top}: throughput still grows >= {min_gain:.0%} per step")
-    return _finish(ctx, "sweep", runs, engine, settings, sweep=sweep)
+    return _finish(ctx, "sweep", runs, engine, settings, sweep=sweep,
+                   extra={"step_breakdown": breakdowns} if breakdowns else None)

@@ -56,8 +56,16 @@ _FMA = {"contract"}
 
 
 class ParallelKernel:
-    """One ``prange`` loop nest compiled twice: spread over numba's threads, and as a plain
+    """One ``prange`` loop compiled twice: spread over numba's threads, and as a plain
     loop on the calling thread, which runs when numba is set to one thread.
+
+    A kernel compiled with ``parallel=True`` holds only its ``prange`` loop and plain calls:
+    the loop body is one call to an ``@njit`` task function, and allocations and
+    array expressions before or after the loop are calls too (:func:`zeros_f32_3d`). Numba
+    turns every ``np.zeros``, slice assignment and array expression in a parallel function
+    into a parallel loop of its own, each a thread-pool launch (~40-70 us with passive
+    waits): the paged decode kernel's merge, with one small ``np.zeros`` per head, ran
+    10x slower on two threads than on one (16 sequences: 7.4 ms against 0.74 ms).
 
     Why both: a parallel launch hands the work to pool threads even at one thread, and a
     woken thread waits for a core; on a busy machine that wait (milliseconds) dwarfs a
@@ -134,89 +142,117 @@ def start_thread_pool() -> None:
     _fill_range(np.empty(64, dtype=np.int64))
 
 
-@parallel_kernel(fastmath=_FMA)
+@njit(cache=True, fastmath=_FMA)
+def _matmul_rows_range(x, w, acc, i0, i1):  # pragma: no cover - compiled
+    """``acc [T, N] += x[:, i0:i1] @ w[i0:i1]``: one task of :func:`_matmul_rows`.
+
+    Eight weight rows at a time are applied to every input row while they are in L1, two
+    input rows per pass sharing each weight load, and each output element is loaded and
+    stored once per eight products.
+    """
+    rows, n = x.shape[0], w.shape[1]
+    i8 = i0 + (i1 - i0) // 8 * 8
+    for i in range(i0, i8, 8):
+        w0, w1, w2, w3 = w[i], w[i + 1], w[i + 2], w[i + 3]
+        w4, w5, w6, w7 = w[i + 4], w[i + 5], w[i + 6], w[i + 7]
+        for t in range(0, rows, 2):
+            xa = x[t]
+            a0, a1, a2, a3 = xa[i], xa[i + 1], xa[i + 2], xa[i + 3]
+            a4, a5, a6, a7 = xa[i + 4], xa[i + 5], xa[i + 6], xa[i + 7]
+            acc_a = acc[t]
+            if t + 1 == rows:  # an odd row out
+                for j in range(n):  # sums as a tree: short dependency chains
+                    acc_a[j] += (((a0 * w0[j] + a1 * w1[j]) + (a2 * w2[j] + a3 * w3[j]))
+                                 + ((a4 * w4[j] + a5 * w5[j]) + (a6 * w6[j] + a7 * w7[j])))
+                continue
+            xb = x[t + 1]
+            b0, b1, b2, b3 = xb[i], xb[i + 1], xb[i + 2], xb[i + 3]
+            b4, b5, b6, b7 = xb[i + 4], xb[i + 5], xb[i + 6], xb[i + 7]
+            acc_b = acc[t + 1]
+            for j in range(n):
+                u0, u1, u2, u3, u4, u5, u6, u7 = w0[j], w1[j], w2[j], w3[j], w4[j], w5[j], w6[j], w7[j]
+                acc_a[j] += ((a0 * u0 + a1 * u1) + (a2 * u2 + a3 * u3)) + ((a4 * u4 + a5 * u5) + (a6 * u6 + a7 * u7))
+                acc_b[j] += ((b0 * u0 + b1 * u1) + (b2 * u2 + b3 * u3)) + ((b4 * u4 + b5 * u5) + (b6 * u6 + b7 * u7))
+    for i in range(i8, i1):
+        wi = w[i]
+        for t in range(rows):
+            acc_t = acc[t]
+            xi = x[t, i]
+            for j in range(n):
+                acc_t[j] += xi * wi[j]
+
+
+@njit(cache=True)
+def zeros_f32_3d(a, b, c):  # pragma: no cover - compiled
+    """``np.zeros((a, b, c), float32)`` as a plain call, for parallel kernels (see :class:`ParallelKernel`)."""
+    return np.zeros((a, b, c), dtype=np.float32)
+
+
+@njit(cache=True)
+def _sum_partials(partial, out):  # pragma: no cover - compiled
+    """``out = partial.sum(axis=0)``, summed in order (``partial [C, T, N]``)."""
+    out[:] = partial[0]
+    for c in range(1, partial.shape[0]):
+        out += partial[c]
+
+
+@parallel_kernel()
 def _matmul_rows(x, w, out, chunks):  # pragma: no cover - compiled
     """``out [T, N] = x [T, K] @ w [K, N]`` for few rows, ``w`` C-contiguous float32.
 
     The weight rows are split into ``chunks`` contiguous ranges, one task each, so every
     task streams its part of the matrix front to back (the hardware prefetcher's best
-    case). Eight weight rows at a time are applied to every input row while they are in
-    L1, two input rows per pass sharing each weight load, and each output element is
-    loaded and stored once per eight products. Each task sums into its own ``[T, N]``
-    partial; the partials are added at the end.
+    case). Each task sums into its own ``[T, N]`` partial (:func:`_matmul_rows_range`);
+    the partials are added at the end.
     """
-    rows, k_dim = x.shape
-    n = w.shape[1]
+    k_dim = x.shape[1]
     per = -(-k_dim // chunks)
     per += -per % 8  # whole groups of eight weight rows per task
-    partial = np.zeros((chunks, rows, n), dtype=np.float32)
+    partial = zeros_f32_3d(chunks, x.shape[0], w.shape[1])
     for c in prange(chunks):
-        i0, i1 = min(k_dim, c * per), min(k_dim, (c + 1) * per)
-        i8 = i0 + (i1 - i0) // 8 * 8
-        acc = partial[c]
-        for i in range(i0, i8, 8):
-            w0, w1, w2, w3 = w[i], w[i + 1], w[i + 2], w[i + 3]
-            w4, w5, w6, w7 = w[i + 4], w[i + 5], w[i + 6], w[i + 7]
-            for t in range(0, rows, 2):
-                xa = x[t]
-                a0, a1, a2, a3 = xa[i], xa[i + 1], xa[i + 2], xa[i + 3]
-                a4, a5, a6, a7 = xa[i + 4], xa[i + 5], xa[i + 6], xa[i + 7]
-                acc_a = acc[t]
-                if t + 1 == rows:  # an odd row out
-                    for j in range(n):  # sums as a tree: short dependency chains
-                        acc_a[j] += (((a0 * w0[j] + a1 * w1[j]) + (a2 * w2[j] + a3 * w3[j]))
-                                     + ((a4 * w4[j] + a5 * w5[j]) + (a6 * w6[j] + a7 * w7[j])))
-                    continue
-                xb = x[t + 1]
-                b0, b1, b2, b3 = xb[i], xb[i + 1], xb[i + 2], xb[i + 3]
-                b4, b5, b6, b7 = xb[i + 4], xb[i + 5], xb[i + 6], xb[i + 7]
-                acc_b = acc[t + 1]
-                for j in range(n):
-                    u0, u1, u2, u3, u4, u5, u6, u7 = w0[j], w1[j], w2[j], w3[j], w4[j], w5[j], w6[j], w7[j]
-                    acc_a[j] += ((a0 * u0 + a1 * u1) + (a2 * u2 + a3 * u3)) + ((a4 * u4 + a5 * u5) + (a6 * u6 + a7 * u7))
-                    acc_b[j] += ((b0 * u0 + b1 * u1) + (b2 * u2 + b3 * u3)) + ((b4 * u4 + b5 * u5) + (b6 * u6 + b7 * u7))
-        for i in range(i8, i1):
-            wi = w[i]
-            for t in range(rows):
-                acc_t = acc[t]
-                xi = x[t, i]
-                for j in range(n):
-                    acc_t[j] += xi * wi[j]
-    out[:] = partial[0]
-    for c in range(1, chunks):
-        out += partial[c]
+        _matmul_rows_range(x, w, partial[c], min(k_dim, c * per), min(k_dim, (c + 1) * per))
+    _sum_partials(partial, out)
 
 
-@parallel_kernel(fastmath=_DOT)
-def _matmul_rows_t(x, wt, out, block):  # pragma: no cover - compiled
-    """``out [T, N] = x [T, K] @ wt.T`` for ``wt [N, K]`` C-contiguous float32 (the tied lm_head).
+@njit(cache=True, fastmath=_DOT)
+def _matmul_rows_t_block(x, wt, out, j0, j1):  # pragma: no cover - compiled
+    """``out[:, j] = x @ wt[j]`` for ``j0 <= j < j1``: one task of :func:`_matmul_rows_t`.
 
     Output column ``j`` is the dot product of each input row with the contiguous row
     ``wt[j]``, read from memory once; four input rows at a time share each load of it.
-    Tasks own ``block`` consecutive rows of ``wt``, so each thread streams a contiguous part.
     """
     rows, k_dim = x.shape
-    n = wt.shape[0]
     rows4 = rows - rows % 4
+    for j in range(j0, j1):
+        wj = wt[j]
+        for t in range(0, rows4, 4):
+            x0, x1, x2, x3 = x[t], x[t + 1], x[t + 2], x[t + 3]
+            s0 = s1 = s2 = s3 = np.float32(0.0)
+            for i in range(k_dim):
+                wi = wj[i]
+                s0 += x0[i] * wi
+                s1 += x1[i] * wi
+                s2 += x2[i] * wi
+                s3 += x3[i] * wi
+            out[t, j], out[t + 1, j], out[t + 2, j], out[t + 3, j] = s0, s1, s2, s3
+        for t in range(rows4, rows):
+            xt = x[t]
+            s = np.float32(0.0)
+            for i in range(k_dim):
+                s += xt[i] * wj[i]
+            out[t, j] = s
+
+
+@parallel_kernel()
+def _matmul_rows_t(x, wt, out, block):  # pragma: no cover - compiled
+    """``out [T, N] = x [T, K] @ wt.T`` for ``wt [N, K]`` C-contiguous float32 (the tied lm_head).
+
+    Tasks own ``block`` consecutive rows of ``wt`` (:func:`_matmul_rows_t_block`), so each
+    thread streams a contiguous part.
+    """
+    n = wt.shape[0]
     for blk in prange((n + block - 1) // block):
-        for j in range(blk * block, min(blk * block + block, n)):
-            wj = wt[j]
-            for t in range(0, rows4, 4):
-                x0, x1, x2, x3 = x[t], x[t + 1], x[t + 2], x[t + 3]
-                s0 = s1 = s2 = s3 = np.float32(0.0)
-                for i in range(k_dim):
-                    wi = wj[i]
-                    s0 += x0[i] * wi
-                    s1 += x1[i] * wi
-                    s2 += x2[i] * wi
-                    s3 += x3[i] * wi
-                out[t, j], out[t + 1, j], out[t + 2, j], out[t + 3, j] = s0, s1, s2, s3
-            for t in range(rows4, rows):
-                xt = x[t]
-                s = np.float32(0.0)
-                for i in range(k_dim):
-                    s += xt[i] * wj[i]
-                out[t, j] = s
+        _matmul_rows_t_block(x, wt, out, blk * block, min(blk * block + block, n))
 
 
 @njit(cache=True, fastmath=_DOT)

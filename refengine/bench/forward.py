@@ -1,0 +1,178 @@
+"""``refengine bench forward``: one forward pass at 1, 2, 4 ... rows against this machine's limits.
+
+A row is one token in the flat batch. Up to ``decode_max_rows`` rows the pass is a decode
+step: that many sequences, each with ``context_len`` tokens already cached, bring one
+token each and all get logits. Above it the pass is one prefill chunk of that many
+prompt tokens (positions ``0 .. rows - 1``), logits for its last row only. The KV cache is
+the engine's own pool, addressed through shuffled block tables as a long-running engine
+would leave them.
+
+The limits are measured here, now, with the engine's thread count:
+
+* **memory bandwidth**: the best of a few sums over a 512 MiB float32 array (far larger
+  than any cache), one part per thread, NumPy's SIMD sum in each (bytes read per second);
+* **compute**: the best of a few float32 BLAS products ``[1024, 1024] @ [1024, 1024]``
+  (``2 * 1024**3`` flops each).
+
+The roofline time of a pass is ``max(bytes / bandwidth, flops / compute)`` with ``bytes``
+every weight the pass reads once (the layer matrices, the norms, ``lm_head``; the
+embedding table only for the rows looked up) plus the K and V the attention reads, and
+``flops`` twice the multiply-adds of the matrix products plus attention's ``Q K^T`` and
+``P V`` (causal for prefill). Williams, Waterman & Patterson 2009, "Roofline".
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from refengine.attention import paged_metadata
+from refengine.bench.breakdown import PartTimer
+from refengine.bench.report import format_table
+from refengine.threads import max_threads
+
+#: Parts of a pass, in the table's order (a forward pass has no sampler).
+FORWARD_PARTS = ("matmul", "lm_head", "attention", "elementwise", "python")
+
+
+def measure_bandwidth(nbytes: int = 512 << 20, repeats: int = 5, num_threads: int | None = None) -> float:
+    """Read bandwidth in bytes/s: the best of ``repeats`` sums over ``nbytes`` of float32,
+    split in ``num_threads`` parts (default: the engine's thread count) summed at once
+    (NumPy releases the GIL in the sum)."""
+    n = num_threads or max_threads()
+    x = np.ones(nbytes // 4, dtype=np.float32)
+    parts = np.array_split(x, n)
+    with ThreadPoolExecutor(n) as pool:
+        def read_all():
+            list(pool.map(np.add.reduce, parts))
+        read_all()
+        best = min(_timed(read_all) for _ in range(repeats))
+    return x.nbytes / best
+
+
+def measure_compute(n: int = 1024, repeats: int = 5) -> float:
+    """float32 BLAS throughput in flop/s: the best of ``repeats`` ``[n, n] @ [n, n]`` products."""
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((n, n), dtype=np.float32), rng.standard_normal((n, n), dtype=np.float32)
+    a @ b
+    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    return 2 * n ** 3 / best
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def pass_cost(model, rows: int, context_len: int, decode: bool) -> tuple[float, float]:
+    """``(bytes, flops)`` one forward pass must at least move and compute (see the module docstring)."""
+    cfg = model.config
+    layer_bytes = sum(a.nbytes for layer in model.layers for a in vars(layer).values() if hasattr(a, "nbytes"))
+    matrix_params = sum(a.size for layer in model.layers for a in vars(layer).values()
+                        if hasattr(a, "ndim") and a.ndim == 2)
+    head = model.lm_head
+    itemsize = model.embed.dtype.itemsize
+    logit_rows = rows if decode else 1
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4  # float32 cache
+    q_dims = cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
+    if decode:
+        kv_tokens = rows * context_len
+        attn_flops = 4 * rows * context_len * q_dims
+    else:
+        kv_tokens = rows
+        attn_flops = 2 * rows * (rows + 1) * q_dims  # causal: row i reads i + 1 keys
+    nbytes = layer_bytes + head.nbytes + model.norm.nbytes + rows * cfg.hidden_size * itemsize + kv_tokens * kv_per_token
+    flops = 2 * rows * matrix_params + 2 * logit_rows * head.size + attn_flops
+    return float(nbytes), float(flops)
+
+
+def _blocks_needed(block_size: int, rows: int, context_len: int, decode: bool) -> int:
+    return rows * -(-(context_len + 1) // block_size) if decode else -(-rows // block_size)
+
+
+def _fill_cache(engine, num_blocks: int, rng) -> None:
+    """Write random K and V into the first ``num_blocks`` blocks of every layer: the pages are
+    then mapped (a fresh pool is lazily allocated; a first write would fault) and the
+    softmax sees varied scores."""
+    kv = engine.kv_cache
+    for pool in (*kv.k, *kv.v):
+        block = rng.standard_normal(pool.shape[1:], dtype=np.float32)
+        pool[:num_blocks] = engine.model.xp.asarray(block.astype(pool.dtype))
+
+
+def _inputs(engine, rows: int, context_len: int, decode: bool, rng):
+    """Token ids, positions, metadata and logit rows of one pass, on a fresh shuffle of
+    the blocks :func:`_fill_cache` wrote."""
+    kv = engine.kv_cache
+    bs = kv.block_size
+    if decode:
+        q_lens = np.ones(rows, dtype=np.int32)
+        seq_lens = np.full(rows, context_len + 1, dtype=np.int32)
+        positions = np.full(rows, context_len, dtype=np.int64)
+        logit_rows = np.arange(rows)
+    else:
+        q_lens = seq_lens = np.array([rows], dtype=np.int32)
+        positions = np.arange(rows, dtype=np.int64)
+        logit_rows = np.array([rows - 1])
+    per_seq = -(-int(seq_lens.max()) // bs)
+    need = per_seq * q_lens.shape[0]
+    block_tables = rng.permutation(need).reshape(-1, per_seq).astype(np.int32)
+    meta = paged_metadata(q_lens, seq_lens, block_tables, bs)
+    ids = rng.integers(0, engine.model.config.vocab_size, size=int(q_lens.sum()), dtype=np.int64)
+    return ids, positions, meta, logit_rows
+
+
+def run_forward_bench(engine, rows_list, context_len: int, decode_max_rows: int, repeats: int,
+                      echo=print) -> dict:
+    """Time one forward pass per entry of ``rows_list`` (best of ``repeats`` after one warm-up
+    pass) with its parts, against the measured limits; print and return the table.
+
+    Raises:
+        ValueError: the pool has too few KV blocks for a row count at ``context_len``.
+    """
+    model = engine.model
+    xp = model.xp
+    rng = np.random.default_rng(0)
+    blocks = max(_blocks_needed(engine.kv_cache.block_size, r, context_len, r <= decode_max_rows) for r in rows_list)
+    if blocks > engine.kv_cache.num_blocks:
+        raise ValueError(f"the largest pass needs {blocks} KV blocks at a context of {context_len} tokens; the pool "
+                         f"has {engine.kv_cache.num_blocks} (raise --kv-cache-memory or --gpu-memory-utilization)")
+    _fill_cache(engine, blocks, rng)
+    bandwidth, compute = measure_bandwidth(), measure_compute()
+    echo(f"this machine, now: memory read bandwidth {bandwidth / 1e9:.1f} GB/s, "
+         f"float32 BLAS {compute / 1e9:.1f} GFLOP/s")
+    results = []
+    for rows in rows_list:
+        decode = rows <= decode_max_rows
+        inputs = [_inputs(engine, rows, context_len, decode, rng) for _ in range(repeats + 1)]
+        best, parts = None, None
+        for i, (ids, positions, meta, logit_rows) in enumerate(inputs):
+            with PartTimer(model) as timer:
+                t0 = time.perf_counter()
+                model.forward(xp.asarray(ids), positions, engine.kv_cache, meta, xp.asarray(logit_rows))
+                if xp is not np:
+                    xp.cuda.get_current_stream().synchronize()
+                elapsed = time.perf_counter() - t0
+            if i and (best is None or elapsed < best):  # pass 0 warms up
+                best, parts = elapsed, dict(timer.current)
+        parts["python"] = max(0.0, best - sum(parts.values()))
+        nbytes, flops = pass_cost(model, rows, context_len, decode)
+        bound = max(nbytes / bandwidth, flops / compute)
+        results.append({"rows": rows, "kind": "decode" if decode else "prefill", "ms": 1e3 * best,
+                        "tokens_per_s": rows / best, "roofline_ms": 1e3 * bound,
+                        "bound": "memory" if nbytes / bandwidth >= flops / compute else "compute",
+                        "parts_ms": {p: 1e3 * parts.get(p, 0.0) for p in FORWARD_PARTS}})
+    one = next((r["ms"] for r in results if r["rows"] == 1), None)
+    table = []
+    for r in results:
+        table.append([r["rows"], r["kind"], r["ms"], f"x{r['ms'] / one:.2f}" if one else "-", r["tokens_per_s"],
+                      r["roofline_ms"], r["bound"], f"{100 * r['roofline_ms'] / r['ms']:.0f}%"]
+                     + [r["parts_ms"][p] for p in FORWARD_PARTS])
+    echo(f"one forward pass, decode rows at a context of {context_len} tokens, best of {repeats}")
+    echo(format_table(["rows", "kind", "ms", "vs 1 row", "tok/s", "roofline ms", "bound", "of roofline"]
+                      + [f"{p} ms" for p in FORWARD_PARTS], table))
+    return {"memory_bandwidth_bytes_per_s": bandwidth, "compute_flops_per_s": compute,
+            "context_len": context_len, "repeats": repeats, "passes": results}
