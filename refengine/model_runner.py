@@ -80,10 +80,10 @@ class ModelRunner:
             ``[T, vocab]`` for every row when ``all_logits``).
         """
         xp = self.xp
-        if xp is np:
-            adapt_threads()  # CPU threads: fewer while other processes hold cores (refengine/threads.py)
         ids, positions, meta, sample_rows, sample_seqs = build_batch(scheduled, self.kv_cache.block_size,
                                                                      spec_tokens)
+        if xp is np:  # CPU threads: one pool per step, fewer while other processes hold cores (refengine/threads.py)
+            adapt_threads(blas_step=ids.shape[0] >= getattr(self.model.ops, "blas_min_rows", 0))
         rows = np.arange(ids.shape[0]) if all_logits else sample_rows
         logits = self.model.forward(xp.asarray(ids), positions, self.kv_cache, meta, xp.asarray(rows))
         if xp is not np:

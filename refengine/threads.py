@@ -4,40 +4,37 @@ The engine calls :func:`configure_threads` once at start on the CPU and
 :func:`adapt_threads` once per step. Choices, and why:
 
 * **Thread count**: the cores this process may run on (``os.sched_getaffinity``, so
-  ``taskset``, cpusets and containers count), for both BLAS (through ``threadpoolctl``)
-  and numba (``numba.set_num_threads``), **minus the cores other processes keep busy**.
-  A parallel kernel waits for its slowest thread, and a thread sharing a core with
+  ``taskset``, cpusets and containers count), **minus the cores other processes keep
+  busy**. A parallel kernel waits for its slowest thread, and a thread sharing a core with
   another process waits for a time slice, at each of a decode step's ~150 parallel
   launches. So :func:`adapt_threads` reads, at most every :data:`ADAPT_INTERVAL_S`, how
   much CPU time this process's cores gave other processes (``/proc/stat`` minus our own
   ``os.times``) and uses one thread fewer per core they kept more than
   :data:`BUSY_CORE_SHARE` busy, never fewer than one. An explicit ``num_threads`` turns
-  this off. Measured on 2 cores (SmolLM2 decode step, 1 and 2 numba threads alternating
-  in one process, passive waits, with other processes at load ~7): 1 row 67 vs 87 ms,
-  8 rows 181 vs 229 ms; with a busy loop added, 1 row 146 vs 173 ms.
-* **No oversubscription by construction**: the model calls one kernel at a time from one
-  Python thread, so a numba parallel region and a BLAS call never overlap, and both pools
-  can use every core. What remains is idle threads of one pool *spinning* while the other
-  works, or against other processes.
-* **numba's threading layer and wait policy**: OpenMP (GNU libgomp) with
-  ``OMP_WAIT_POLICY=PASSIVE``: idle threads sleep at once instead of spinning. A spinning
-  thread never sleeps, so the scheduler gives it no wake-up preference over other busy
-  threads, and every launch that needs it waits for a time slice: with other processes
-  running, libgomp's default spin made a decode step 135-740 ms against 47-87 ms passive,
-  and a short spin (``GOMP_SPINCOUNT=10000``) was as bad
-  (``benchmarks/bench_cpu_kernels.py --threads``). Without libgomp numba falls back to its
-  ``workqueue`` layer (threads also sleep; it measured between the two). The variable is
-  set only while numba loads libgomp, then restored, so OpenMP runtimes loaded later
-  (PyTorch's) keep their defaults; a value the user set (``OMP_WAIT_POLICY`` or
-  ``GOMP_SPINCOUNT``) is kept.
-* **One thread means no pool**: with one thread the numba kernels run their serial
-  twins on the calling thread (:class:`refengine.ops.numba_ops.ParallelKernel`), so no
-  launch waits for another thread.
+  this off.
+* **One pool per step**: a step whose batch is big enough for BLAS
+  (``blas_step``: prefill, or decode from :data:`refengine.ops.numba_ops.BLAS_MIN_ROWS`
+  rows) gives BLAS the threads and numba one (its kernels then run their serial twins on
+  the calling thread, :class:`refengine.ops.numba_ops.ParallelKernel`); any other step
+  gives numba the threads and BLAS one. The model calls one kernel at a time, so the
+  pools never run together, but an idle pool's threads *wait* (spin) for a while after
+  each call and take the core from the other pool's threads. Measured on 2 cores,
+  SmolLM2, one forward pass with both pools at 2 threads against one pool per step:
+  512-token prefill 3.2 s against 0.8 s (numba's spinning threads against OpenBLAS),
+  16-row decode 275 against 145 ms.
+* **numba's threading layer and wait policy**: OpenMP (GNU libgomp) with idle threads
+  spinning :data:`GOMP_SPINCOUNT` rounds (about a millisecond) before they sleep. A decode
+  step launches ~150 parallel loops a few tens of microseconds apart; a sleeping thread
+  takes ~40-50 us to wake on this VM (``OMP_WAIT_POLICY=PASSIVE``), a spinning one ~1.5
+  us: 1-row decode 33 against 24 ms. With other processes running, spinning threads steal
+  their time slices; :func:`adapt_threads` then drops to one thread (no pool at all).
+  The variable is set only while numba loads libgomp, then restored, so OpenMP runtimes
+  loaded later (PyTorch's) keep their defaults; a value the user set (``OMP_WAIT_POLICY``
+  or ``GOMP_SPINCOUNT``) is kept. Without libgomp numba falls back to its ``workqueue``
+  layer (threads sleep).
 
 OpenBLAS's own idle threads spin for a while after each call (``OPENBLAS_THREAD_TIMEOUT``,
-read once when NumPy loads it, too early for this module). The numba backend only calls
-BLAS from :data:`refengine.ops.numba_ops.BLAS_MIN_ROWS` rows up (prefill), so decode steps
-never wake them.
+read once when NumPy loads it, too early for this module); at one thread it has none.
 """
 
 from __future__ import annotations
@@ -46,8 +43,8 @@ import os
 import sys
 import time
 
-#: libgomp's wait policy for numba's threads (see the module docstring).
-OMP_WAIT_POLICY = "PASSIVE"
+#: How long libgomp's idle threads spin before they sleep, in its rounds (see the module docstring).
+GOMP_SPINCOUNT = "100000"
 #: numba threading layers in order of preference (numba wants all three named).
 NUMBA_LAYERS = ("omp", "workqueue", "tbb")
 
@@ -59,6 +56,7 @@ BUSY_CORE_SHARE = 0.25
 _requested: int | None = None  # the thread count asked for (fixed), or all usable cores
 _adaptive = False
 _current: int | None = None
+_pools: tuple[int, int] | None = None  # (BLAS threads, numba threads) last set
 _blas = None  # threadpoolctl's handle on the BLAS libraries
 _last_sample: tuple[float, float, float] | None = None  # (wall s, busy s of our cores, own CPU s)
 
@@ -93,13 +91,16 @@ def configure_threads(num_threads: int | None = None) -> int:
     return _requested
 
 
-def adapt_threads() -> int:
+def adapt_threads(blas_step: bool | None = None) -> int:
     """Call once per engine step, from the thread that runs the model. After
-    :func:`configure_threads` ``(None)``, every :data:`ADAPT_INTERVAL_S` seconds, sets both
-    pools to the usable cores minus those other processes kept busy since the last look (at
-    least 1); always makes the calling thread's numba count match (numba keeps one per
-    Python thread). Returns the thread count in use (1 before :func:`configure_threads`).
-    Cost: ~1 us, plus one ``/proc/stat`` read (~0.1 ms) per interval."""
+    :func:`configure_threads` ``(None)``, every :data:`ADAPT_INTERVAL_S` seconds, sets the
+    thread count to the usable cores minus those other processes kept busy since the last
+    look (at least 1). ``blas_step`` True gives that count to BLAS and one thread to numba,
+    False the reverse, None both pools the count (module docstring). Always makes the
+    calling thread's numba count match (numba keeps one per Python thread). Returns the
+    thread count in use (1 before :func:`configure_threads`).
+    Cost: ~1 us, plus one ``/proc/stat`` read (~0.1 ms) per interval, plus ~20 us when
+    the pools change."""
     global _last_sample
     if _current is None:
         return 1
@@ -111,9 +112,10 @@ def adapt_threads() -> int:
             _last_sample = sample
             taken = int(others + 1.0 - BUSY_CORE_SHARE)  # cores others used more than BUSY_CORE_SHARE of
             _set_threads(max(1, _requested - taken))
-    if "numba" in sys.modules:
-        _numba_set(_current)
-    return _current
+    n = _current
+    blas_n, numba_n = (n, n) if blas_step is None else (n, 1) if blas_step else (1, n)
+    _set_pools(blas_n, numba_n)
+    return n
 
 
 def current_threads() -> int | None:
@@ -149,22 +151,31 @@ def _sample() -> tuple[float, float, float] | None:
 
 
 def _set_threads(n: int) -> None:
-    global _current, _blas
+    global _current
     if n == _current:
         return
-    if _blas is None:
-        from threadpoolctl import ThreadpoolController
-
-        _blas = ThreadpoolController().select(user_api="blas")
-    _blas.limit(limits=n)
     _current = n
+    _set_pools(n, n)
+
+
+def _set_pools(blas_n: int, numba_n: int) -> None:
+    """BLAS to ``blas_n`` threads (when it changed), this thread's numba count to ``numba_n``."""
+    global _blas, _pools
+    if _pools is None or _pools[0] != blas_n:
+        if _blas is None:
+            from threadpoolctl import ThreadpoolController
+
+            _blas = ThreadpoolController().select(user_api="blas")
+        _blas.limit(limits=blas_n)
+    _pools = (blas_n, numba_n)
     if "numba" in sys.modules:
-        _numba_set(n)
+        _numba_set(numba_n)
 
 
 def _numba_set(n: int) -> None:
     import numba
 
+    _start_numba_layer()  # set_num_threads would start it, without the wait policy
     n = min(n, numba.config.NUMBA_NUM_THREADS)
     if numba.get_num_threads() != n:
         numba.set_num_threads(n)
@@ -198,7 +209,7 @@ def _start_numba_layer() -> None:
         return
     if os.environ.get("NUMBA_THREADING_LAYER") is None and numba.config.THREADING_LAYER == "default":
         numba.config.THREADING_LAYER_PRIORITY = list(NUMBA_LAYERS)
-    wanted = {"OMP_WAIT_POLICY": OMP_WAIT_POLICY}
+    wanted = {"GOMP_SPINCOUNT": GOMP_SPINCOUNT}
     if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:  # the user's choice stands
         wanted = {}
     saved = {k: os.environ.get(k) for k in wanted}

@@ -137,17 +137,19 @@ def test_flash_prefill_whole_and_chunked(head_dim, group):
     run_both(make_batch(rng, seqs, heads, kv, head_dim, BS))
 
 
-@pytest.mark.parametrize("numba_only", [False, True])
-def test_long_prefill_numpy_and_numba_paths(numba_only, monkeypatch):
-    """Long chunks go to the NumPy twin by default; the numba kernel must be right there too."""
+@pytest.mark.parametrize("blas", [True, False])
+def test_long_prefill_blas_and_flash_paths(blas, monkeypatch):
+    """Long chunks go to the BLAS-tiled path by default (several query tiles, chunks that
+    start mid-context); the flash kernel must be right there too."""
     from refengine.attention import numba_cpu
 
-    if numba_only:
-        monkeypatch.setattr(numba_cpu, "NUMPY_PREFILL_MIN_ROWS", 1 << 30)
     rng = np.random.default_rng(3)
-    seqs = [(800, 70), (numba_cpu.NUMPY_PREFILL_MIN_CONTEXT, 64), (900, 1), (300, 300)]
+    tile, low = numba_cpu.BLAS_PREFILL_Q_TILE, numba_cpu.BLAS_PREFILL_MIN_ROWS
+    seqs = [(800, 70), (low + 5, low), (900, 1), (300, 300), (2 * tile + 9, 2 * tile + 3), (140, low - 1)]
     b = make_batch(rng, seqs, 9, 3, 64, BS)
-    assert len(_Plan(b.meta, BS).numpy_prefill) == (0 if numba_only else 2)
+    if not blas:
+        monkeypatch.setattr(numba_cpu, "BLAS_PREFILL_MIN_ROWS", 1 << 30)
+    assert _Plan(b.meta, BS).blas_prefill == ([0, 1, 3, 4] if blas else [])
     run_both(b)
 
 
@@ -356,23 +358,49 @@ def test_configure_and_adapt_threads(monkeypatch):
         assert threads.configure_threads(None) == cores
         assert threads.adapt_threads() == max(1, cores - 2)
         assert numba.get_num_threads() == max(1, cores - 2)
+
+        # one pool per step: a BLAS step leaves numba one thread, any other step leaves BLAS one
+        monkeypatch.setattr(threads, "_sample", lambda: None)
+        blas_threads = lambda: {lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"}  # noqa: E731
+        n = max(1, cores - 2)
+        assert threads.adapt_threads(blas_step=True) == n
+        assert numba.get_num_threads() == 1 and blas_threads() == {n}
+        assert threads.adapt_threads(blas_step=False) == n
+        assert numba.get_num_threads() == n and blas_threads() == {1}
+        threads.adapt_threads()
+        assert numba.get_num_threads() == n and blas_threads() == {n}
     finally:
         monkeypatch.undo()
         threads.configure_threads(None)
 
 
-def test_wait_policy_is_set_only_while_numba_starts():
-    """The pool starts with its layer at import; OMP_WAIT_POLICY is back to unset after."""
+@pytest.mark.parametrize("first", ["numba_ops", "configure_threads"])
+def test_wait_policy_is_set_only_while_numba_starts(first):
+    """numba's pool starts with GOMP_SPINCOUNT set, whether the kernels' import or the
+    engine's thread set-up (numba already imported) starts it; the variable is back to
+    unset after."""
     import subprocess
     import sys
 
-    code = ("import os; from refengine.ops.numba_ops import NumbaOps; from refengine.threads import "
-            "numba_threading_layer as t; print(t(), os.environ.get('OMP_WAIT_POLICY'))")
+    start = ("from refengine.ops.numba_ops import NumbaOps" if first == "numba_ops"
+             else "from refengine import threads as th; th.configure_threads(2)")
+    code = ("import os, numba, numba.np.ufunc.parallel as par\n"
+            "seen = []\n"
+            "launch = par._launch_threads\n"
+            "def spy():\n"
+            "    if not seen: seen.append(os.environ.get('GOMP_SPINCOUNT'))\n"
+            "    launch()\n"
+            "par._launch_threads = spy\n"
+            f"{start}\n"
+            "from refengine.threads import numba_threading_layer as t\n"
+            "print(t(), seen[0], os.environ.get('GOMP_SPINCOUNT'))\n")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True)
-    layer, policy = out.stdout.split()
-    assert layer in ("omp", "workqueue", "tbb") and policy == "None"
+    layer, at_start, after = out.stdout.split()
+    from refengine.threads import GOMP_SPINCOUNT
+
+    assert layer in ("omp", "workqueue", "tbb") and at_start == GOMP_SPINCOUNT and after == "None"
 
 
 def test_exp_affine_accuracy_and_edges():
@@ -382,10 +410,10 @@ def test_exp_affine_accuracy_and_edges():
 
     x = np.linspace(-87.0, 88.3, 400_001).astype(np.float32)
     out = np.empty_like(x)
-    exp_affine(x, 1.0, 0.0, out, np.empty(x.size, np.int32))
+    exp_affine(x, 1.0, 0.0, out, np.empty(2 * x.size, np.int32))
     want = np.exp(x.astype(np.float64))
     assert (np.abs(out - want) / want).max() <= 4 * U32
     y = np.array([-200.0, 100.0, np.nan, 1.0], np.float32)
-    exp_affine(y, -1.0, 0.5, y, np.empty(4, np.int32))  # exp(-x + 0.5), in place
+    exp_affine(y, -1.0, 0.5, y, np.empty(8, np.int32))  # exp(-x + 0.5), in place
     assert y[0] == np.inf and np.isnan(y[2])
     np.testing.assert_allclose(y[[1, 3]], np.exp([-87.0, -0.5]), rtol=4 * U32)

@@ -31,7 +31,7 @@ import numpy as np
 from refengine.attention import paged_metadata
 from refengine.bench.breakdown import PartTimer
 from refengine.bench.report import format_table
-from refengine.threads import max_threads
+from refengine.threads import adapt_threads, max_threads
 
 #: Parts of a pass, in the table's order (a forward pass has no sampler).
 FORWARD_PARTS = ("matmul", "lm_head", "attention", "elementwise", "python")
@@ -150,6 +150,8 @@ def run_forward_bench(engine, rows_list, context_len: int, decode_max_rows: int,
         inputs = [_inputs(engine, rows, context_len, decode, rng) for _ in range(repeats + 1)]
         best, parts = None, None
         for i, (ids, positions, meta, logit_rows) in enumerate(inputs):
+            if xp is np:  # the thread pools as the model runner sets them for a step of this many rows
+                adapt_threads(blas_step=rows >= getattr(model.ops, "blas_min_rows", 0))
             with PartTimer(model) as timer:
                 t0 = time.perf_counter()
                 model.forward(xp.asarray(ids), positions, engine.kv_cache, meta, xp.asarray(logit_rows))

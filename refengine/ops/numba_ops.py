@@ -15,8 +15,9 @@ Why these kernels exist:
   :data:`BLAS_MIN_ROWS` rows the product is compute-bound and OpenBLAS's packed GEMM
   wins, so ``linear`` hands over to it.
 * **RMSNorm, RoPE, SiLU-and-mul.** At one row NumPy spends its time dispatching 4-7
-  temporaries-making ufuncs per call; one loop per call is cheaper. They run on one thread:
-  at decode sizes a parallel launch costs more than the work.
+  temporaries-making ufuncs per call; one loop per call is cheaper. They run on one thread
+  at decode sizes (a parallel launch costs more than the work) and over row blocks in
+  parallel from :data:`ELEMENTWISE_PARALLEL_MIN_ROWS` rows (prefill).
 
 Numerics (float32 in and out, as the twins):
 
@@ -43,13 +44,23 @@ from numba import get_num_threads, njit, prange
 from refengine import threads as _threads
 
 
-#: From this many rows ``linear`` hands ``[in, out]`` C-contiguous weights to BLAS (compute-bound
-#: there: OpenBLAS's packed GEMM wins). One Zen 4 core, CPU time of SmolLM2's 120 layer
-#: matrices, numba vs BLAS: 8 rows 53 vs 64 ms, 12 rows 73 vs 70, 16 rows 98 vs 80.
-BLAS_MIN_ROWS = 12
-#: The same for the transposed (tied lm_head) layout: 16 rows 25 vs 33 ms, 20 rows 33 vs 34,
-#: 24 rows 38 vs 37.
-BLAS_MIN_ROWS_T = 24
+#: From this many rows ``linear`` hands ``[in, out]`` C-contiguous weights to BLAS, and the step
+#: gives BLAS the threads (:func:`refengine.threads.adapt_threads`). Below it the step is
+#: numba's: BLAS's product is faster from ~32 rows on its own, but a BLAS step runs the
+#: decode attention on one thread. SmolLM2 decode pass at a 512-token context, 2 cores,
+#: numba step vs BLAS step: 16 rows 95 vs 131 ms, 32 rows 178 vs 222, 48 rows 246 vs 331,
+#: 64 rows 318 vs 417 (``refengine bench forward``).
+BLAS_MIN_ROWS = 64
+#: The same for the transposed (tied lm_head) layout. Kept equal to :data:`BLAS_MIN_ROWS`: a
+#: step of that many rows gives its threads to BLAS and runs numba on one
+#: (:func:`refengine.threads.adapt_threads`), where BLAS's product wins (16 rows, 2 cores:
+#: 17 against 27 ms).
+BLAS_MIN_ROWS_T = BLAS_MIN_ROWS
+
+#: From this many rows RMSNorm, RoPE and SiLU-and-mul run over row blocks in parallel; below,
+#: on the calling thread (a parallel launch, ~50 us with sleeping threads, is more than a
+#: decode step's elementwise work).
+ELEMENTWISE_PARALLEL_MIN_ROWS = 32
 
 _DOT = {"contract", "reassoc"}  # FMA + reassociation of sums (vectorised reductions); never nnan/ninf
 _FMA = {"contract"}
@@ -96,8 +107,8 @@ _LN2_LO = np.float32(-2.12194440e-4)
 
 
 @njit(cache=True, fastmath={"contract"})
-def exp_affine(x, a, b, out, bits):  # pragma: no cover - compiled
-    """``out[j] = exp(a * x[j] + b)`` for float32 ``x``, ``out [n]``; ``bits``: int32 scratch ``[>= n]``.
+def exp_affine(x, a, b, out, scratch):  # pragma: no cover - compiled
+    """``out[j] = exp(a * x[j] + b)`` for float32 ``x``, ``out [n]``; ``scratch``: int32 ``[>= 2n]``.
 
     A loop LLVM vectorises, where calling the C library's ``expf`` per element does not
     (about 3x faster here): ``exp(y) = 2**k * exp(r)`` with ``k = round(y / ln 2)``,
@@ -105,10 +116,15 @@ def exp_affine(x, a, b, out, bits):  # pragma: no cover - compiled
     built as float32 bits. Within 2 ulp of the true value (as NumPy's ``exp``) on
     [-87, 88.3]; below, ``exp(-87)`` (1.6e-38) instead of smaller or 0; from 88.4 (where
     ``k`` reaches 128), ``inf``, a little before float32's own overflow at 88.72.
-    NaN stays NaN. ``out`` may be ``x``.
+    NaN stays NaN. ``out`` may be ``x``: the first loop writes only to ``scratch`` (were it
+    to write ``out``, LLVM could not rule out a shifted overlap with ``x`` and would run its
+    scalar fallback: 6x slower in place, measured).
     """
     a32, b32 = np.float32(a), np.float32(b)
-    for j in range(x.shape[0]):
+    n = x.shape[0]
+    bits = scratch[:n]
+    poly = scratch[n:2 * n].view(np.float32)
+    for j in range(n):
         y = a32 * x[j] + b32
         if y < np.float32(-87.0):
             y = np.float32(-87.0)
@@ -124,10 +140,10 @@ def exp_affine(x, a, b, out, bits):  # pragma: no cover - compiled
         p = p * r + np.float32(1.0)
         p = p * r + np.float32(1.0)
         bits[j] = (np.int32(k) + np.int32(127)) << 23  # the float32 2**k: biased exponent, zero mantissa
-        out[j] = p
+        poly[j] = p
     two_k = bits.view(np.float32)
-    for j in range(x.shape[0]):
-        out[j] *= two_k[j]
+    for j in range(n):
+        out[j] = poly[j] * two_k[j]
 
 
 @njit(cache=True, parallel=True)
@@ -256,11 +272,11 @@ def _matmul_rows_t(x, wt, out, block):  # pragma: no cover - compiled
 
 
 @njit(cache=True, fastmath=_DOT)
-def _rms_norm(x, weight, eps, out):  # pragma: no cover - compiled
-    """``out[t] = x[t] * (1 / sqrt(mean(x[t]**2) + eps)) * weight`` for ``x [T, d]`` float32."""
-    rows, d = x.shape
+def _rms_norm(x, weight, eps, out, t0, t1):  # pragma: no cover - compiled
+    """``out[t] = x[t] * (1 / sqrt(mean(x[t]**2) + eps)) * weight`` for rows ``t0 .. t1 - 1`` of ``x [T, d]`` float32."""
+    d = x.shape[1]
     eps32 = np.float32(eps)
-    for t in range(rows):
+    for t in range(t0, t1):
         xt = x[t]
         ss = np.float32(0.0)
         for i in range(d):
@@ -272,14 +288,15 @@ def _rms_norm(x, weight, eps, out):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def _rope_inplace(x, positions, cos, sin):  # pragma: no cover - compiled
-    """Rotate ``x [T, H, D]`` in place, HF "rotate half" pairing: element ``i`` with ``i + D/2``.
+def _rope_inplace(x, positions, cos, sin, t0, t1):  # pragma: no cover - compiled
+    """Rotate rows ``t0 .. t1 - 1`` of ``x [T, H, D]`` in place, HF "rotate half" pairing:
+    element ``i`` with ``i + D/2``.
 
     The twin's operations in the twin's order, no FMA: results equal NumPy's bit for bit.
     """
-    tokens, heads, head_dim = x.shape
+    heads, head_dim = x.shape[1], x.shape[2]
     half = head_dim // 2
-    for t in range(tokens):
+    for t in range(t0, t1):
         c = cos[positions[t]]
         s = sin[positions[t]]
         for h in range(heads):
@@ -292,17 +309,36 @@ def _rope_inplace(x, positions, cos, sin):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def _silu_and_mul(x, out):  # pragma: no cover - compiled
-    """``out[t, i] = g / (1 + exp(-g)) * x[t, I + i]`` with ``g = x[t, i]``, ``x [T, 2I]`` float32."""
-    rows, two_i = x.shape
-    inter = two_i // 2
+def _silu_and_mul(x, out, t0, t1):  # pragma: no cover - compiled
+    """``out[t, i] = g / (1 + exp(-g)) * x[t, I + i]`` with ``g = x[t, i]``, ``x [T, 2I]`` float32,
+    for rows ``t0 .. t1 - 1``."""
+    inter = x.shape[1] // 2
     one = np.float32(1.0)
-    bits = np.empty(inter, dtype=np.int32)
-    for t in range(rows):
+    scratch = np.empty(2 * inter, dtype=np.int32)
+    for t in range(t0, t1):
         gate, up, ot = x[t, :inter], x[t, inter:], out[t]
-        exp_affine(gate, -1.0, 0.0, ot, bits)  # exp(-gate), vectorised
+        exp_affine(gate, -1.0, 0.0, ot, scratch)  # exp(-gate), vectorised
         for i in range(inter):
             ot[i] = gate[i] / (one + ot[i]) * up[i]
+
+
+# The elementwise layers over row blocks in parallel (prefill-sized batches; see NumbaOps).
+@njit(cache=True, parallel=True)
+def _rms_norm_parallel(x, weight, eps, out, per):  # pragma: no cover - compiled
+    for c in prange((x.shape[0] + per - 1) // per):
+        _rms_norm(x, weight, eps, out, c * per, min(x.shape[0], (c + 1) * per))
+
+
+@njit(cache=True, parallel=True)
+def _rope_parallel(x, positions, cos, sin, per):  # pragma: no cover - compiled
+    for c in prange((x.shape[0] + per - 1) // per):
+        _rope_inplace(x, positions, cos, sin, c * per, min(x.shape[0], (c + 1) * per))
+
+
+@njit(cache=True, parallel=True)
+def _silu_and_mul_parallel(x, out, per):  # pragma: no cover - compiled
+    for c in prange((x.shape[0] + per - 1) // per):
+        _silu_and_mul(x, out, c * per, min(x.shape[0], (c + 1) * per))
 
 
 class NumbaOps:
@@ -338,11 +374,24 @@ class NumbaOps:
                 return out
         return (x.astype(w.dtype, copy=False) @ w).astype(np.float32, copy=False)
 
+    @staticmethod
+    def _parallel_rows(rows: int) -> int:
+        """Rows per task when an elementwise layer should run in parallel, else 0 (one thread)."""
+        threads = get_num_threads()
+        if threads > 1 and rows >= ELEMENTWISE_PARALLEL_MIN_ROWS:
+            return -(-rows // (4 * threads))  # a few tasks per thread: uneven cores still finish together
+        return 0
+
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         """RMSNorm over the last axis of ``x [..., d]`` float32 (any leading shape)."""
         x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
         out = np.empty_like(x2)
-        _rms_norm(x2, np.ascontiguousarray(weight, dtype=np.float32), float(eps), out)
+        weight = np.ascontiguousarray(weight, dtype=np.float32)
+        per = self._parallel_rows(x2.shape[0])
+        if per:
+            _rms_norm_parallel(x2, weight, float(eps), out, per)
+        else:
+            _rms_norm(x2, weight, float(eps), out, 0, x2.shape[0])
         return out.reshape(x.shape)
 
     def rope(self, q: np.ndarray, k: np.ndarray, positions: np.ndarray, rope) -> tuple[np.ndarray, np.ndarray]:
@@ -354,15 +403,23 @@ class NumbaOps:
         """
         if positions.shape[0] and (positions.min() < 0 or positions.max() >= rope.cos.shape[0]):
             raise IndexError(f"positions outside the RoPE tables [0, {rope.cos.shape[0]})")
-        _rope_inplace(q, positions, rope.cos, rope.sin)
-        _rope_inplace(k, positions, rope.cos, rope.sin)
+        per = self._parallel_rows(q.shape[0])
+        for x in (q, k):
+            if per:
+                _rope_parallel(x, positions, rope.cos, rope.sin, per)
+            else:
+                _rope_inplace(x, positions, rope.cos, rope.sin, 0, x.shape[0])
         return q, k
 
     def silu_and_mul(self, x: np.ndarray) -> np.ndarray:
         """``silu(x[:, :I]) * x[:, I:]`` -> ``[T, I]`` float32."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         out = np.empty((x.shape[0], x.shape[1] // 2), dtype=np.float32)
-        _silu_and_mul(x, out)
+        per = self._parallel_rows(x.shape[0])
+        if per:
+            _silu_and_mul_parallel(x, out, per)
+        else:
+            _silu_and_mul(x, out, 0, x.shape[0])
         return out
 
 
