@@ -13,7 +13,12 @@ transformers runs a plain loop over ``model(...)`` with its KV cache,
 which is what ``generate`` does at batch 1 minus its bookkeeping. Each measurement is
 repeated ``--repeats`` times after one warm-up; the median is reported.
 
-    python benchmarks/bench_single.py [--model DIR] [--prompt-len 512] [--decode-steps 128] [--json FILE]
+``--busy-core``: refengine once more with a second process keeping one core busy (a
+Python busy loop this benchmark starts, and stops when done), after a warm-up request
+so the engine has seen the load (``refengine.threads.adapt_threads``); both figures and
+their ratio are reported.
+
+    python benchmarks/bench_single.py [--model DIR] [--prompt-len 512] [--decode-steps 128] [--busy-core] [--json FILE]
 """
 
 from __future__ import annotations
@@ -35,27 +40,46 @@ from refengine.engine_args import resolve_model_dir  # noqa: E402
 
 
 def bench_refengine(model_dir: str, prompt_ids: list[int], decode_steps: int, repeats: int, device: str,
-                    attention_backend: str | None = None) -> dict:
-    """Prefill seconds and decode tokens/s of refengine at batch 1 (medians over repeats)."""
+                    attention_backend: str | None = None, busy_core: bool = False) -> dict:
+    """Prefill seconds and decode tokens/s of refengine at batch 1 (medians over repeats);
+    with ``busy_core``, also under ``"busy_core"`` with another process spinning on one core."""
     from refengine import LLM, SamplingParams
 
     n = len(prompt_ids)
     max_len = -(-(n + decode_steps + 1) // 16) * 16
     llm = LLM(model=model_dir, device=device, attention_backend=attention_backend, block_size=16, max_num_seqs=1,
               max_num_batched_tokens=max(n, 16),
-              enable_chunked_prefill=True, max_model_len=max_len, log_stats=False)
+              enable_chunked_prefill=True, max_model_len=max_len, log_stats=False,
+              enable_prefix_caching=False)  # every repeat prefills the whole prompt
     params = SamplingParams(max_tokens=decode_steps + 1, temperature=0.0, ignore_eos=True)
     llm.generate([prompt_ids[:16]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
                  use_tqdm=False)  # warm-up
-    prefill, decode, tokens = [], [], None
-    for _ in range(repeats):
-        out = llm.generate([prompt_ids], params, use_tqdm=False)[0]
-        m = out.metrics
-        prefill.append(m.ttft)
-        decode.append(decode_steps / (m.token_times[-1] - m.token_times[0]))
-        tokens = list(out.outputs[0].token_ids)
-    return {"prefill_s": statistics.median(prefill), "decode_tok_per_s": statistics.median(decode),
-            "prefill_s_all": prefill, "decode_tok_per_s_all": decode, "token_ids": tokens}
+
+    def measure() -> dict:
+        prefill, decode, tokens = [], [], None
+        for _ in range(repeats):
+            out = llm.generate([prompt_ids], params, use_tqdm=False)[0]
+            m = out.metrics
+            prefill.append(m.ttft)
+            decode.append(decode_steps / (m.token_times[-1] - m.token_times[0]))
+            tokens = list(out.outputs[0].token_ids)
+        return {"prefill_s": statistics.median(prefill), "decode_tok_per_s": statistics.median(decode),
+                "prefill_s_all": prefill, "decode_tok_per_s_all": decode, "token_ids": tokens}
+
+    quiet = measure()
+    if busy_core:
+        import subprocess
+
+        spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            time.sleep(1.5)  # the engine's thread count looks back one second (refengine/threads.py)
+            llm.generate([prompt_ids[:64]], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True),
+                         use_tqdm=False)
+            quiet["busy_core"] = measure()
+        finally:
+            spinner.kill()
+            spinner.wait()
+    return quiet
 
 
 def bench_transformers(model_dir: str, prompt_ids: list[int], decode_steps: int, repeats: int, device: str) -> dict:
@@ -115,8 +139,10 @@ def matching_prefix(a: list[int], b: list[int]) -> int:
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--attention-backend", default=None, help="numpy, numba, cuda (default: follows the device)")
 @click.option("--skip-transformers", is_flag=True, help="Only time refengine.")
+@click.option("--busy-core", is_flag=True, help="Also time refengine with another process keeping one core busy.")
 @click.option("--json", "json_path", default=None, help="Write the figures here.")
-def main(model, prompt_len, decode_steps, repeats, device, attention_backend, skip_transformers, json_path):
+def main(model, prompt_len, decode_steps, repeats, device, attention_backend, skip_transformers, busy_core,
+         json_path):
     """Batch-1 prefill time and decode tokens/s, refengine vs transformers."""
     from tokenizers import Tokenizer
 
@@ -130,8 +156,13 @@ def main(model, prompt_len, decode_steps, repeats, device, attention_backend, sk
         click.echo(busy_warning())
     click.echo(f"model {model}, prompt {prompt_len} tokens, {decode_steps} decode steps, batch 1, {device}"
                f"{', attention ' + attention_backend if attention_backend else ''}")
-    ours = bench_refengine(model, prompt_ids, decode_steps, repeats, device, attention_backend)
+    ours = bench_refengine(model, prompt_ids, decode_steps, repeats, device, attention_backend, busy_core)
     click.echo(f"refengine:    prefill {ours['prefill_s'] * 1000:9.1f} ms   decode {ours['decode_tok_per_s']:8.2f} tok/s")
+    if busy_core:
+        busy = ours["busy_core"]
+        click.echo(f"refengine, one core busy: prefill {busy['prefill_s'] * 1000:9.1f} ms   decode "
+                   f"{busy['decode_tok_per_s']:8.2f} tok/s ({busy['decode_tok_per_s'] / ours['decode_tok_per_s']:.0%} "
+                   "of the quiet decode)")
     report = {"model": model, "prompt_len": prompt_len, "decode_steps": decode_steps, "device": device,
               "attention_backend": attention_backend, "repeats": repeats, "refengine": ours}
     if not skip_transformers:

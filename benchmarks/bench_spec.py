@@ -1,7 +1,8 @@
 """Batch-1 decode speed with and without n-gram speculative decoding, in one run.
 
-Two workloads, each generated greedily twice by the same engine settings, speculation off
-then on (a fresh engine each, the same prompt):
+Two workloads, each generated greedily by two engines of the same settings, speculation
+off and on, ``--runs`` times each, alternating (the median rate is reported, so a
+moment of load on the machine hits both sides alike):
 
 - ``grounded``: the model is asked to repeat a passage that is in its prompt, so the
   continuation copies the prompt and n-gram proposals are often right;
@@ -15,7 +16,7 @@ and the time of one target forward pass that returns logits at 1, 2, 4, 6 and 8 
 after a prompt-length context (a verify of k proposals is k + 1 rows): on a
 memory-bound machine the extra rows should cost little.
 
-    python benchmarks/bench_spec.py [--model DIR] [--max-tokens 128] [-k 4] [--json FILE]
+    python benchmarks/bench_spec.py [--model DIR] [--max-tokens 128] [-k 4] [--runs 3] [--json FILE]
 """
 
 from __future__ import annotations
@@ -43,12 +44,19 @@ WORKLOADS = {
 }
 
 
-def generate(model: str, prompt_ids: list[int], max_tokens: int, spec: dict | None) -> dict:
-    """One greedy generation (after a warm-up); its decode rate, tokens and acceptance."""
+def build(model: str, spec: dict | None):
+    """An engine for one side of the comparison, warmed up."""
     from refengine import LLM, SamplingParams
 
     llm = LLM(model=model, max_num_seqs=1, log_stats=False, speculative_config=spec)
-    llm.generate([prompt_ids[:8]], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
+    llm.generate([[1, 2, 3, 4, 5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    return llm
+
+
+def generate(llm, prompt_ids: list[int], max_tokens: int) -> dict:
+    """One greedy generation; its decode rate, tokens and acceptance."""
+    from refengine import SamplingParams
+
     before = dict(llm.llm_engine.metrics.spec_totals)
     out = llm.generate([prompt_ids], SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)[0]
     times = out.metrics.token_times
@@ -60,6 +68,12 @@ def generate(model: str, prompt_ids: list[int], max_tokens: int, spec: dict | No
             "num_tokens": len(out.outputs[0].token_ids), "token_ids": list(out.outputs[0].token_ids),
             "acceptance_rate": accepted / drafted if drafted else None,
             "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median decode rate, with every run's rate beside it."""
+    ordered = sorted(runs, key=lambda r: r["decode_tok_per_s"])
+    return {**ordered[len(ordered) // 2], "decode_tok_per_s_all": [r["decode_tok_per_s"] for r in runs]}
 
 
 def forward_times(model: str, prompt_ids: list[int], rows: tuple[int, ...], repeats: int) -> dict[int, float]:
@@ -95,9 +109,10 @@ def forward_times(model: str, prompt_ids: list[int], rows: tuple[int, ...], repe
 @click.option("-k", "--num-speculative-tokens", "k", default=4, show_default=True, help="proposals per step")
 @click.option("--prompt-lookup-max", default=4, show_default=True)
 @click.option("--prompt-lookup-min", default=2, show_default=True)
+@click.option("--runs", default=3, show_default=True, help="generations per workload and side (median reported)")
 @click.option("--repeats", default=10, show_default=True, help="timed repeats per forward-pass size")
 @click.option("--json", "json_path", default=None, help="write every figure to this file")
-def main(model, max_tokens, k, prompt_lookup_max, prompt_lookup_min, repeats, json_path):
+def main(model, max_tokens, k, prompt_lookup_max, prompt_lookup_min, runs, repeats, json_path):
     from refengine.tokenizer import Tokenizer
 
     warning = busy_warning()
@@ -109,17 +124,22 @@ def main(model, max_tokens, k, prompt_lookup_max, prompt_lookup_min, repeats, js
             "prompt_lookup_min": prompt_lookup_min}
     report = {"speculative_config": spec, "max_tokens": max_tokens, "environment": environment(), "workloads": {}}
     rows = []
+    engines = {"off": build(model, None), "on": build(model, spec)}
     for name, text in WORKLOADS.items():
         ids = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True)
-        off = generate(model, ids, max_tokens, None)
-        on = generate(model, ids, max_tokens, spec)
-        same = off["token_ids"] == on["token_ids"]
+        sides = {"off": [], "on": []}
+        for _ in range(runs):
+            for side, llm in engines.items():
+                sides[side].append(generate(llm, ids, max_tokens))
+        off, on = median_run(sides["off"]), median_run(sides["on"])
+        same = all(r["token_ids"] == off["token_ids"] for r in sides["off"] + sides["on"])
         report["workloads"][name] = {"prompt_tokens": len(ids), "off": off, "on": on, "identical_outputs": same}
         rows.append([name, len(ids), off["num_tokens"], off["decode_tok_per_s"], on["decode_tok_per_s"],
                      on["decode_tok_per_s"] / off["decode_tok_per_s"], on["acceptance_rate"],
                      on["mean_acceptance_length"], same])
     click.echo(format_table(["workload", "prompt", "tokens", "off tok/s", "n-gram tok/s", "speed-up",
                              "acceptance", "mean acc. len", "same output"], rows))
+    del engines
     ids = tok.encode(WORKLOADS["grounded"])
     fwd = forward_times(model, ids, (1, 2, 4, 6, 8), repeats)
     report["forward_s_by_rows"] = fwd

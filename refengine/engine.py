@@ -48,6 +48,7 @@ from refengine.sequence import CompletionOutput, RequestOutput, Sequence, Sequen
 from refengine.spec_decode import DraftModelProposer, SpecDecoder
 from refengine.stop import StopChecker
 from refengine.text import check_unicode
+from refengine.malloc import keep_freed_memory
 from refengine.threads import configure_threads
 
 logger = logging.getLogger("refengine")
@@ -181,6 +182,7 @@ class LLMEngine:
             import cupy as xp
         else:
             configure_threads(config.num_threads)  # BLAS and numba threads sized to this process's cores
+            keep_freed_memory()  # activations reuse freed heap memory, not fresh pages (refengine/malloc.py)
         attention = get_attention_backend(config.attention_backend)
         ops = get_layer_ops(config.layer_ops, xp)  # CUDA ops share the attention backend's compiled module
         self.model = load_model(model_dir, model_config, attention, ops, xp=xp, dtype=config.dtype)

@@ -417,3 +417,19 @@ def test_exp_affine_accuracy_and_edges():
     exp_affine(y, -1.0, 0.5, y, np.empty(8, np.int32))  # exp(-x + 0.5), in place
     assert y[0] == np.inf and np.isnan(y[2])
     np.testing.assert_allclose(y[[1, 3]], np.exp([-87.0, -0.5]), rtol=4 * U32)
+
+
+def test_keep_freed_memory_applies_once_and_respects_the_user(monkeypatch):
+    import platform
+
+    from refengine import malloc
+
+    monkeypatch.setattr(malloc, "_applied", False)
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
+    assert malloc.keep_freed_memory() is False  # the user's glibc settings stand
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
+    for name in malloc._USER_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    assert malloc.keep_freed_memory() is glibc
+    assert malloc.keep_freed_memory() is glibc  # a second call changes nothing

@@ -141,6 +141,8 @@ def run_forward_bench(engine, rows_list, context_len: int, decode_max_rows: int,
         raise ValueError(f"the largest pass needs {blocks} KV blocks at a context of {context_len} tokens; the pool "
                          f"has {engine.kv_cache.num_blocks} (raise --kv-cache-memory or --gpu-memory-utilization)")
     _fill_cache(engine, blocks, rng)
+    if xp is np:
+        adapt_threads(blas_step=True)  # BLAS with every thread for the compute limit
     bandwidth, compute = measure_bandwidth(), measure_compute()
     echo(f"this machine, now: memory read bandwidth {bandwidth / 1e9:.1f} GB/s, "
          f"float32 BLAS {compute / 1e9:.1f} GFLOP/s")
