@@ -404,3 +404,26 @@ def test_bench_single_smoke(tmp_path, smollm2_dir):
     doc = json.loads(out.read_text())
     assert doc["refengine"]["prefill_s"] > 0 and doc["transformers"]["decode_tok_per_s"] > 0
     assert len(doc["refengine"]["token_ids"]) == 3 and doc["greedy_matching_prefix"] == 3
+
+
+@pytest.mark.slow
+def test_bench_spec_smoke(tmp_path, smollm2_dir):
+    """benchmarks/bench_spec.py at tiny sizes: both sides run, the outputs agree, every figure is there."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "bench_spec.py"
+    spec = importlib.util.spec_from_file_location("bench_spec", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "spec.json"
+    res = CliRunner().invoke(mod.main, ["--model", str(smollm2_dir), "--max-tokens", "6", "--runs", "2",
+                                        "--repeats", "1", "--json", str(out)])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    doc = json.loads(out.read_text())
+    for name in ("grounded", "free"):
+        w = doc["workloads"][name]
+        assert w["identical_outputs"] is True
+        assert len(w["off"]["decode_tok_per_s_all"]) == len(w["on"]["decode_tok_per_s_all"]) == 2
+        assert w["off"]["num_tokens"] == w["on"]["num_tokens"] == 6
+    assert sorted(int(n) for n in doc["forward_s_by_rows"]) == [1, 2, 4, 6, 8]

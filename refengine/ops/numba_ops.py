@@ -21,7 +21,7 @@ Why these kernels exist:
 
 Numerics (float32 in and out, as the twins):
 
-* ``_matmul_rows`` sums over the inner dimension in a fixed order (groups of eight products
+* ``_matmul_rows`` sums over the inner dimension in a fixed order (groups of four products
   as a tree, the groups in sequence; ``fastmath={"contract"}``: FMA only, no reassociation)
   within each of :func:`refengine.threads.max_threads` ranges, then adds the partial sums:
   a row's result depends neither on how many rows share the call nor on how many threads
@@ -162,34 +162,47 @@ def start_thread_pool() -> None:
 def _matmul_rows_range(x, w, acc, i0, i1):  # pragma: no cover - compiled
     """``acc [T, N] += x[:, i0:i1] @ w[i0:i1]``: one task of :func:`_matmul_rows`.
 
-    Eight weight rows at a time are applied to every input row while they are in L1, two
-    input rows per pass sharing each weight load, and each output element is loaded and
-    stored once per eight products.
+    Four weight rows at a time are applied to the input rows, four input rows per pass
+    (then two, then one) sharing each weight load; each output element is loaded and stored
+    once per four products. Every pass adds the same expression, ``(a0 w0 + a1 w1) + (a2 w2
+    + a3 w3)``, so a row's result does not depend on which pass it fell in. Four input rows
+    per pass against two: 8 rows 0.53 -> 0.42 ms, 32 rows 1.57 -> 1.03 ms per 576 x 3072
+    product read from memory, 2 threads.
     """
     rows, n = x.shape[0], w.shape[1]
-    i8 = i0 + (i1 - i0) // 8 * 8
-    for i in range(i0, i8, 8):
+    i4 = i0 + (i1 - i0) // 4 * 4
+    for i in range(i0, i4, 4):
         w0, w1, w2, w3 = w[i], w[i + 1], w[i + 2], w[i + 3]
-        w4, w5, w6, w7 = w[i + 4], w[i + 5], w[i + 6], w[i + 7]
-        for t in range(0, rows, 2):
-            xa = x[t]
-            a0, a1, a2, a3 = xa[i], xa[i + 1], xa[i + 2], xa[i + 3]
-            a4, a5, a6, a7 = xa[i + 4], xa[i + 5], xa[i + 6], xa[i + 7]
-            acc_a = acc[t]
-            if t + 1 == rows:  # an odd row out
-                for j in range(n):  # sums as a tree: short dependency chains
-                    acc_a[j] += (((a0 * w0[j] + a1 * w1[j]) + (a2 * w2[j] + a3 * w3[j]))
-                                 + ((a4 * w4[j] + a5 * w5[j]) + (a6 * w6[j] + a7 * w7[j])))
-                continue
-            xb = x[t + 1]
-            b0, b1, b2, b3 = xb[i], xb[i + 1], xb[i + 2], xb[i + 3]
-            b4, b5, b6, b7 = xb[i + 4], xb[i + 5], xb[i + 6], xb[i + 7]
-            acc_b = acc[t + 1]
+        t = 0
+        while t + 4 <= rows:
+            a0, a1, a2, a3 = x[t, i], x[t, i + 1], x[t, i + 2], x[t, i + 3]
+            b0, b1, b2, b3 = x[t + 1, i], x[t + 1, i + 1], x[t + 1, i + 2], x[t + 1, i + 3]
+            c0, c1, c2, c3 = x[t + 2, i], x[t + 2, i + 1], x[t + 2, i + 2], x[t + 2, i + 3]
+            d0, d1, d2, d3 = x[t + 3, i], x[t + 3, i + 1], x[t + 3, i + 2], x[t + 3, i + 3]
+            acc_a, acc_b, acc_c, acc_d = acc[t], acc[t + 1], acc[t + 2], acc[t + 3]
             for j in range(n):
-                u0, u1, u2, u3, u4, u5, u6, u7 = w0[j], w1[j], w2[j], w3[j], w4[j], w5[j], w6[j], w7[j]
-                acc_a[j] += ((a0 * u0 + a1 * u1) + (a2 * u2 + a3 * u3)) + ((a4 * u4 + a5 * u5) + (a6 * u6 + a7 * u7))
-                acc_b[j] += ((b0 * u0 + b1 * u1) + (b2 * u2 + b3 * u3)) + ((b4 * u4 + b5 * u5) + (b6 * u6 + b7 * u7))
-    for i in range(i8, i1):
+                u0, u1, u2, u3 = w0[j], w1[j], w2[j], w3[j]
+                acc_a[j] += (a0 * u0 + a1 * u1) + (a2 * u2 + a3 * u3)
+                acc_b[j] += (b0 * u0 + b1 * u1) + (b2 * u2 + b3 * u3)
+                acc_c[j] += (c0 * u0 + c1 * u1) + (c2 * u2 + c3 * u3)
+                acc_d[j] += (d0 * u0 + d1 * u1) + (d2 * u2 + d3 * u3)
+            t += 4
+        if t + 2 <= rows:
+            a0, a1, a2, a3 = x[t, i], x[t, i + 1], x[t, i + 2], x[t, i + 3]
+            b0, b1, b2, b3 = x[t + 1, i], x[t + 1, i + 1], x[t + 1, i + 2], x[t + 1, i + 3]
+            acc_a, acc_b = acc[t], acc[t + 1]
+            for j in range(n):
+                u0, u1, u2, u3 = w0[j], w1[j], w2[j], w3[j]
+                acc_a[j] += (a0 * u0 + a1 * u1) + (a2 * u2 + a3 * u3)
+                acc_b[j] += (b0 * u0 + b1 * u1) + (b2 * u2 + b3 * u3)
+            t += 2
+        if t < rows:
+            a0, a1, a2, a3 = x[t, i], x[t, i + 1], x[t, i + 2], x[t, i + 3]
+            acc_a = acc[t]
+            for j in range(n):
+                u0, u1, u2, u3 = w0[j], w1[j], w2[j], w3[j]
+                acc_a[j] += (a0 * u0 + a1 * u1) + (a2 * u2 + a3 * u3)
+    for i in range(i4, i1):
         wi = w[i]
         for t in range(rows):
             acc_t = acc[t]
@@ -223,7 +236,7 @@ def _matmul_rows(x, w, out, chunks):  # pragma: no cover - compiled
     """
     k_dim = x.shape[1]
     per = -(-k_dim // chunks)
-    per += -per % 8  # whole groups of eight weight rows per task
+    per += -per % 4  # whole groups of four weight rows per task
     partial = zeros_f32_3d(chunks, x.shape[0], w.shape[1])
     for c in prange(chunks):
         _matmul_rows_range(x, w, partial[c], min(k_dim, c * per), min(k_dim, (c + 1) * per))
