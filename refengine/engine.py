@@ -38,7 +38,7 @@ from refengine.detokenizer import IncrementalDetokenizer
 from refengine.engine_args import EngineArgs
 from refengine.kv_cache import BlockManager, KVCache, cdiv
 from refengine.metrics import EngineMetrics, RequestMetrics
-from refengine.model_runner import ModelRunner
+from refengine.model_runner import ModelRunner, warm_up_cpu_kernels
 from refengine.models import load_model
 from refengine.ops import get_layer_ops
 from refengine.sampler import Sampler
@@ -201,6 +201,8 @@ class LLMEngine:
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.kv_cache)
+        if config.layer_ops == "numba":  # compile (or load) every CPU kernel now, not during the first requests
+            warm_up_cpu_kernels(self.model, self.kv_cache, config.max_num_batched_tokens, config.max_model_len)
         self.sampler = Sampler(eos_token_id=sorted(self.eos_token_ids))
         self.spec_decoder = None
         if spec_cfg is not None:

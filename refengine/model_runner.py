@@ -7,12 +7,17 @@ says which rows belong to which sequence and where their K/V go in the paged cac
 
 from __future__ import annotations
 
+import logging
+import time
+
 import numpy as np
 
 from refengine.attention import paged_metadata
 from refengine.kv_cache import KVCache
 from refengine.sequence import Sequence
 from refengine.threads import adapt_threads
+
+logger = logging.getLogger(__name__)
 
 
 def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int,
@@ -89,3 +94,48 @@ class ModelRunner:
         if xp is not np:
             logits = xp.asnumpy(logits)
         return logits, sample_seqs
+
+
+def warm_up_cpu_kernels(model, kv_cache: KVCache, max_rows: int, max_model_len: int) -> None:
+    """Run every compiled CPU kernel variant a step can use once, on the first blocks of the
+    (still empty) pool, so numba compiles them now, or loads them from its cache, rather
+    than in the middle of the first requests. On a cache miss (the first run after
+    installing or changing a kernel) says once how long compiling took.
+
+    The passes, with the thread pools as the model runner sets them
+    (:func:`refengine.threads.adapt_threads`): in a BLAS step (numba on one thread: the
+    serial twins) a prefill chunk of up to 64 rows, a decode row and a 2-row chunk; in a
+    numba step a decode row over 300 tokens (the parallel decode kernel), a 2-row chunk and
+    a 40-row chunk (parallel elementwise layers). ``max_rows`` (the token budget) and
+    ``max_model_len`` bound them; the tokens are id 0.
+    """
+    from refengine.ops import numba_ops
+
+    context = min(300, max_model_len - 1)
+    needed = -(-(context + 1) // kv_cache.block_size)
+    if context < 2 or needed > kv_cache.num_blocks:
+        return
+    block_table = np.arange(needed, dtype=np.int32)[None, :]
+    t0 = time.perf_counter()
+    misses_before = numba_ops.kernel_cache_misses()
+
+    def run(q_len: int, seq_len: int) -> None:
+        meta = paged_metadata(np.array([q_len]), np.array([seq_len]), block_table, kv_cache.block_size)
+        positions = np.arange(seq_len - q_len, seq_len, dtype=np.int64)
+        model.forward(np.zeros(q_len, dtype=np.int64), positions, kv_cache, meta, np.array([q_len - 1]))
+
+    blas_min_rows = getattr(model.ops, "blas_min_rows", 0)
+    adapt_threads(blas_step=True)
+    run(min(max(blas_min_rows, 2), max_rows, context), min(max(blas_min_rows, 2), max_rows, context))
+    run(1, context + 1)
+    run(2, context)
+    adapt_threads(blas_step=False)
+    run(1, context + 1)
+    run(2, context)
+    if min(max_rows, context) >= 40 and 40 < blas_min_rows:
+        run(40, context)
+    misses = numba_ops.kernel_cache_misses() - misses_before
+    if misses:
+        logger.warning("compiled %d numba CPU kernels in %.1f s on first use; numba caches them (%s), so later "
+                       "runs load them in about a second", misses, time.perf_counter() - t0,
+                       numba_ops.kernel_cache_dirs())

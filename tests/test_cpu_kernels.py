@@ -433,3 +433,29 @@ def test_keep_freed_memory_applies_once_and_respects_the_user(monkeypatch):
     glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
     assert malloc.keep_freed_memory() is glibc
     assert malloc.keep_freed_memory() is glibc  # a second call changes nothing
+
+
+def test_warm_up_says_once_what_compiling_took(tiny_llama_dir, monkeypatch, caplog):
+    """The engine warms the numba kernels up at start; a cache miss is reported in one line,
+    a run that loads everything from the cache says nothing."""
+    import logging
+
+    from refengine import LLM
+    from refengine.model_runner import warm_up_cpu_kernels
+    from refengine.ops import numba_ops
+
+    llm = LLM(str(tiny_llama_dir), max_model_len=128, log_stats=False)
+    engine = llm.llm_engine
+    counts = iter([5, 9])  # before and after: 4 kernels compiled
+    monkeypatch.setattr(numba_ops, "kernel_cache_misses", lambda: next(counts))
+    with caplog.at_level(logging.WARNING, logger="refengine.model_runner"):
+        warm_up_cpu_kernels(engine.model, engine.kv_cache, 2048, 128)
+    (record,) = caplog.records
+    assert record.getMessage().startswith("compiled 4 numba CPU kernels in ")
+    caplog.clear()
+    monkeypatch.setattr(numba_ops, "kernel_cache_misses", lambda: 7)  # all from the cache
+    with caplog.at_level(logging.WARNING, logger="refengine.model_runner"):
+        warm_up_cpu_kernels(engine.model, engine.kv_cache, 2048, 128)
+        warm_up_cpu_kernels(engine.model, engine.kv_cache, 1, 2)  # too short a context: nothing runs
+    assert not caplog.records
+    assert numba_ops.kernel_cache_dirs()  # where they are cached is known

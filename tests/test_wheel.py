@@ -113,16 +113,20 @@ backend = sys.argv[2] or None
 llm = LLM(sys.argv[1], attention_backend=backend, **json.loads(sys.argv[3]))
 params = SamplingParams(max_tokens=int(sys.argv[5]), temperature=0.0, ignore_eos=True)
 outs = llm.generate(json.loads(sys.argv[4]), params, use_tqdm=False)
+from refengine.ops import numba_ops
 print(json.dumps({"file": refengine.__file__, "cuda_dir": str(cuda_source_dir()), "data_dir": str(bench_data_dir()),
                   "cache_dir": str(build_cache_dir()), "corpus": load_corpus(),
-                  "tokens": [o.outputs[0].token_ids for o in outs]}))
+                  "tokens": [o.outputs[0].token_ids for o in outs],
+                  "kernels_compiled": numba_ops.kernel_cache_misses(), "kernel_cache": numba_ops.kernel_cache_dirs()}))
 """
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "REFENGINE_CACHE_DIR")}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "REFENGINE_CACHE_DIR", "NUMBA_CACHE_DIR")}
     env.update(PYTHONPATH=str(site_dir), REFENGINE_CACHE_DIR=str(cwd / "cache"))
     r = subprocess.run([sys.executable, "-c", script, str(model), backend or "", json.dumps(ENGINE_KW),
                         json.dumps(PROMPTS), str(MAX_TOKENS)], capture_output=True, text=True, env=env, cwd=cwd)
     assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got["stderr"] = r.stderr
+    return got
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +145,13 @@ def test_installed_wheel_runs_outside_the_checkout(site_dir, tiny_llama_dir, che
     assert Path(got["cache_dir"]) == tmp_path / "cache"
     assert got["corpus"] == load_corpus() and len(got["corpus"]) > 20_000
     assert got["tokens"] == checkout_tokens and [len(t) for t in got["tokens"]] == [MAX_TOKENS] * len(PROMPTS)
+    # the numba kernels: compiled at the first engine's start, said once, cached beside the installed package...
+    assert got["kernels_compiled"] > 0 and "numba CPU kernels in" in got["stderr"]
+    assert all(Path(d).is_relative_to(site_dir) for d in got["kernel_cache"].split(", "))
+    # ... and loaded from there by the next process, silently
+    again = run_installed(site_dir, tiny_llama_dir, None, tmp_path)
+    assert again["kernels_compiled"] == 0 and "numba CPU kernels in" not in again["stderr"]
+    assert again["tokens"] == checkout_tokens
 
 
 def test_installed_wheel_runs_the_emulated_kernels(site_dir, tiny_llama_dir, checkout_tokens, tmp_path):

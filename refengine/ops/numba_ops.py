@@ -436,4 +436,28 @@ class NumbaOps:
         return out
 
 
+def _dispatchers():
+    """Every compiled function of the numba backend (layer ops and attention), twins included."""
+    import refengine.attention.numba_cpu as attention
+
+    for module in (__import__(__name__, fromlist=["_"]), attention):
+        for value in vars(module).values():
+            if isinstance(value, ParallelKernel):
+                yield value.parallel
+                yield value.serial
+            elif hasattr(value, "py_func") and hasattr(value, "stats"):
+                yield value
+
+
+def kernel_cache_misses() -> int:
+    """How many kernel versions numba compiled (not found in its cache) in this process."""
+    return sum(sum(d.stats.cache_misses.values()) for d in _dispatchers())
+
+
+def kernel_cache_dirs() -> str:
+    """Where numba keeps the compiled kernels (``__pycache__`` beside the sources, or
+    numba's user-wide cache directory when that is not writable)."""
+    return ", ".join(sorted({d.stats.cache_path for d in _dispatchers() if d.stats.cache_path}))
+
+
 _threads.configure_numba()  # thread count and wait policy before the first kernel runs
