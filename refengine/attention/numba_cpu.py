@@ -24,7 +24,7 @@ twin (:mod:`refengine.attention.numpy_ref`), written as loops over the cache lay
   (:func:`_causal_softmax`) masks the future and normalises in place, and ``P V`` is a
   second BLAS product. The two products are the attention's flops and BLAS does them at
   its packed-GEMM rate; the softmax is one vectorised pass. The score tile
-  (``group x 256 x context`` float32, 24 MB at 8k tokens for SmolLM2) replaces the online
+  (``group x 128 x context`` float32, 12 MB at 8k tokens for SmolLM2) replaces the online
   softmax: it is bounded by the tile, not by the prompt. Measured on 2 cores, one layer of
   SmolLM2, a 512-token prompt: 13.7 ms in the flash kernel, 12.6 ms in the NumPy twin,
   see the class docstring for this path.
@@ -60,8 +60,11 @@ PREFILL_Q_TILE = 32
 PREFILL_K_TILE = 128
 #: Prefill chunks with at least this many query rows use BLAS products for ``Q K^T`` and ``P V``.
 BLAS_PREFILL_MIN_ROWS = 64
-#: Query rows per BLAS prefill tile.
-BLAS_PREFILL_Q_TILE = 256
+#: Query rows per BLAS prefill tile: smaller tiles compute fewer scores above the diagonal,
+#: larger ones make bigger products. One layer, 2 cores, seven 290-token prompts / one
+#: 2048-token prompt: 64 rows 12.2 / 52.0 ms, 128 rows 12.0 / 51.7, 256 rows 13.8 / 56.0,
+#: 512 rows 14.2 / 57.4.
+BLAS_PREFILL_Q_TILE = 128
 #: Score rows per task of :func:`_causal_softmax`.
 SOFTMAX_ROWS_PER_TASK = 32
 
