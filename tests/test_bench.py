@@ -387,16 +387,22 @@ def test_scenario_smoke_real_engine(tmp_path, smollm2_dir, scenario, extra):
         assert (tmp_path / "r.png").exists() and json.loads((tmp_path / "t.json").read_text())["traceEvents"]
 
 
-@pytest.mark.slow
-def test_bench_single_smoke(tmp_path, smollm2_dir):
-    """benchmarks/bench_single.py at tiny sizes: both engines run and agree on greedy tokens."""
+def load_benchmark_script(name: str):
+    """``benchmarks/NAME.py`` as a module (the scripts are not a package)."""
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "bench_single.py"
-    spec = importlib.util.spec_from_file_location("bench_single", path)
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.slow
+def test_bench_single_smoke(tmp_path, smollm2_dir):
+    """benchmarks/bench_single.py at tiny sizes: both engines run and agree on greedy tokens."""
+    mod = load_benchmark_script("bench_single")
     out = tmp_path / "single.json"
     res = CliRunner().invoke(mod.main, ["--model", str(smollm2_dir), "--prompt-len", "8", "--decode-steps", "2",
                                         "--json", str(out)])
@@ -409,13 +415,7 @@ def test_bench_single_smoke(tmp_path, smollm2_dir):
 @pytest.mark.slow
 def test_bench_spec_smoke(tmp_path, smollm2_dir):
     """benchmarks/bench_spec.py at tiny sizes: both sides run, the outputs agree, every figure is there."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "bench_spec.py"
-    spec = importlib.util.spec_from_file_location("bench_spec", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark_script("bench_spec")
     out = tmp_path / "spec.json"
     res = CliRunner().invoke(mod.main, ["--model", str(smollm2_dir), "--max-tokens", "6", "--runs", "2",
                                         "--repeats", "1", "--json", str(out)])

@@ -85,6 +85,18 @@ def _options(*, num_prompts: int, input_len: str, output_len: str, max_concurren
     return deco
 
 
+def _engine_kwargs(kw: dict) -> tuple[EngineArgs, dict]:
+    """The engine flags as ``EngineArgs`` and as ``LLMEngine`` keyword arguments (model
+    directory resolved); bad values end the command with their message."""
+    try:
+        args = EngineArgs.from_cli(kw)
+    except ValueError as e:
+        fail(str(e))
+    engine_kw = dataclasses.asdict(args)
+    engine_kw["model"] = str(resolve_model_dir(engine_kw["model"]))
+    return args, engine_kw
+
+
 def _context(kw: dict) -> BenchContext:
     """The scenario's context from the command's flags, every one checked before the
     model is loaded: the engine flags resolved against the model's config.json with the
@@ -92,12 +104,7 @@ def _context(kw: dict) -> BenchContext:
     longest request against the model's context and ``--max-model-len``, and the optional
     libraries ``--plot`` and ``--compare-transformers`` need.
     """
-    try:
-        args = EngineArgs.from_cli(kw)
-    except ValueError as e:
-        fail(str(e))
-    engine_kw = dataclasses.asdict(args)
-    engine_kw["model"] = str(resolve_model_dir(engine_kw["model"]))
+    args, engine_kw = _engine_kwargs(kw)
     if kw["plot_path"] and not matplotlib_available():
         fail(MISSING_MATPLOTLIB, exit_code=1)
     if kw.get("compare_transformers") and not transformers_available():
@@ -223,12 +230,7 @@ def forward_cmd(rows, context_len, decode_max_rows, repeats, json_path, **kw):
     from refengine.bench.forward import run_forward_bench
     from refengine.bench.report import environment, write_json
 
-    try:
-        args = EngineArgs.from_cli(kw)
-    except ValueError as e:
-        fail(str(e))
-    engine_kw = dataclasses.asdict(args)
-    engine_kw["model"] = str(resolve_model_dir(engine_kw["model"]))
+    _, engine_kw = _engine_kwargs(kw)
     longest = max([context_len + 1] + [r for r in rows if r > decode_max_rows])
     if engine_kw["max_model_len"] is None:
         engine_kw["max_model_len"] = longest
