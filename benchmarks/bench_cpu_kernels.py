@@ -27,23 +27,35 @@ import sys
 import time
 
 import click
-import numpy as np
+
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")  # as `import refengine` sets it (refengine/threads.py)
+
+import numpy as np  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 
-def best_of(fns: dict, repeats: int, inner: int = 1) -> dict:
+#: Which thread pool each side's calls get (``refengine.threads.adapt_threads(blas_step=...)``),
+#: as the model runner would give a step of that kind: BLAS and the NumPy backend run on
+#: BLAS's threads, the numba kernels below BLAS_MIN_ROWS on numba's.
+BLAS_SIDES = {"numpy": True, "blas": True, "numba": False}
+
+
+def best_of(fns: dict, repeats: int, inner: int = 1, blas_step: dict | None = None) -> dict:
     """Best wall time (s) per call of each function, the functions interleaved; the thread
-    count adapted to the machine's load before each round, as the engine does per step."""
+    count adapted to the machine's load, and the pools set as for a step of that side
+    (``blas_step``: name -> bool, default :data:`BLAS_SIDES`), before each call."""
     from refengine.threads import adapt_threads
 
-    for f in fns.values():
+    sides = {**BLAS_SIDES, **(blas_step or {})}
+    for k, f in fns.items():
+        adapt_threads(blas_step=sides.get(k))
         f()
     best = {k: float("inf") for k in fns}
     for _ in range(repeats):
-        adapt_threads()
         for k, f in fns.items():
+            adapt_threads(blas_step=sides.get(k))
             t = time.perf_counter()
             for _ in range(inner):
                 f()
@@ -58,10 +70,12 @@ def row(name: str, t: dict, a: str, b: str) -> None:
 
 def load_model(model_dir: str, backend: str):
     from refengine.attention import get_attention_backend
-    from refengine.model import LlamaModel
+    from refengine.engine_args import EngineArgs
+    from refengine.models import load_model as load
     from refengine.ops import get_layer_ops
 
-    return LlamaModel(model_dir, get_attention_backend(backend), get_layer_ops(backend))
+    model_dir, config = EngineArgs(model=model_dir).model_config()
+    return load(model_dir, config, get_attention_backend(backend), get_layer_ops(backend))
 
 
 def section_kernels(model, repeats: int) -> None:
@@ -190,13 +204,14 @@ def section_step(model_np, model_nb, repeats: int) -> None:
     last = np.array([511])
     row("prefill 512 tokens", best_of({"numpy": lambda: model_np.forward(ids, pos, kv, meta, last),
                                       "numba": lambda: model_nb.forward(ids, pos, kv, meta, last)},
-                                     max(2, repeats // 2)), "numpy", "numba")
+                                     max(2, repeats // 2), blas_step={"numba": True}), "numpy", "numba")
 
 
 THREAD_POLICIES = {  # name: (environment, num_threads for configure_threads; None = adaptive)
     "2 threads, omp, libgomp default spin": ({"NUMBA_THREADING_LAYER": "omp", "GOMP_SPINCOUNT": "300000"}, 2),
     "2 threads, omp, short spin": ({"NUMBA_THREADING_LAYER": "omp", "GOMP_SPINCOUNT": "10000"}, 2),
-    "2 threads, omp, passive (threads.py)": ({"NUMBA_THREADING_LAYER": "omp"}, 2),
+    "2 threads, omp, GOMP_SPINCOUNT=100000 (threads.py)": ({"NUMBA_THREADING_LAYER": "omp"}, 2),
+    "2 threads, omp, passive": ({"NUMBA_THREADING_LAYER": "omp", "OMP_WAIT_POLICY": "PASSIVE"}, 2),
     "2 threads, workqueue": ({"NUMBA_THREADING_LAYER": "workqueue"}, 2),
     "1 thread (serial kernels)": ({}, 1),
     "adaptive (threads.py default)": ({}, None),
@@ -225,7 +240,7 @@ def thread_child(model_dir: str, repeats: int) -> None:
                 ts = []
                 for _ in range(repeats):
                     t = time.perf_counter()
-                    used[phase] = adapt_threads()
+                    used[phase] = adapt_threads(blas_step=False)  # a decode step: numba's pool
                     model.forward(ids, pos, kv, meta, last)
                     ts.append(time.perf_counter() - t)
                 res[f"{phase} {rows}r"] = (min(ts) * 1e3, float(np.median(ts)) * 1e3)
@@ -257,9 +272,9 @@ def section_threads(model_dir: str, repeats: int) -> None:
 @click.option("--threads", "threads_study", is_flag=True, help="also the threading-policy study (slow)")
 @click.option("--thread-child", "as_child", is_flag=True, hidden=True)
 def main(model_dir, repeats, sections, threads_study, as_child):
-    from refengine.bench import default_model_dir
+    from refengine.engine_args import resolve_model_dir
 
-    model_dir = model_dir or default_model_dir()
+    model_dir = str(resolve_model_dir(model_dir))
     if as_child:
         thread_child(model_dir, repeats)
         return

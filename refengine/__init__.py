@@ -4,8 +4,14 @@ Start at :class:`refengine.engine.LLM` (offline generation) or
 :class:`refengine.engine.LLMEngine` (add_request / step / abort).
 """
 
-from refengine.beam_search import BeamSearchParams
-from refengine.sampling_params import SamplingParams
+import os as _os
+import sys as _sys
+
+if "numpy" not in _sys.modules:  # OpenBLAS reads this once, as NumPy loads it (see refengine/threads.py)
+    _os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
+from refengine.beam_search import BeamSearchParams  # noqa: E402
+from refengine.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

@@ -33,8 +33,13 @@ The engine calls :func:`configure_threads` once at start on the CPU and
   or ``GOMP_SPINCOUNT``) is kept. Without libgomp numba falls back to its ``workqueue``
   layer (threads sleep).
 
-OpenBLAS's own idle threads spin for a while after each call (``OPENBLAS_THREAD_TIMEOUT``,
-read once when NumPy loads it, too early for this module); at one thread it has none.
+OpenBLAS's own idle threads spin after each call for ``2**OPENBLAS_THREAD_TIMEOUT``
+cycles (default 2**28, ~0.1 s), so the first numba step after a BLAS step lost its second
+core to them: a 1-row decode right after a 256-token prefill took 52-120 ms against 24 ms.
+OpenBLAS reads the variable once, when NumPy loads it, so ``import refengine`` sets it to
+its minimum, 4 (threads sleep almost at once), when NumPy is not loaded yet and the user
+has not set it: then no penalty, and prefill unchanged (512 tokens: 782 vs 781 ms). A
+program that imports NumPy before refengine keeps OpenBLAS's default.
 """
 
 from __future__ import annotations

@@ -460,3 +460,18 @@ def test_warm_up_says_once_what_compiling_took(tiny_llama_dir, monkeypatch, capl
         warm_up_cpu_kernels(engine.model, engine.kv_cache, 1, 2)  # too short a context: nothing runs
     assert not caplog.records
     assert numba_ops.kernel_cache_dirs()  # where they are cached is known
+
+
+@pytest.mark.parametrize("setup,expected", [("", "4"), ("import numpy; ", "None"),
+                                            ("os.environ['OPENBLAS_THREAD_TIMEOUT'] = '10'; ", "10")])
+def test_openblas_thread_timeout_is_set_before_numpy_loads(setup, expected):
+    """`import refengine` sets OpenBLAS's idle spin to its minimum only when NumPy has not
+    loaded OpenBLAS yet (it reads the variable once) and the user has not set it."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    code = f"import os; {setup}import refengine; print(os.environ.get('OPENBLAS_THREAD_TIMEOUT'))"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == expected

@@ -52,7 +52,8 @@ from refengine.ops.numba_ops import exp_affine, parallel_kernel
 #: Context tokens per decode task (a multiple of the block size is used).
 DECODE_PARTITION = 128
 #: Decode batches whose contexts add up to fewer tokens than this run on the calling thread:
-#: about 30 ns per (token, KV head) of work against a parallel launch of ~8 us (passive waits).
+#: about 30 ns per (token, KV head) of work against a parallel launch (2-50 us, spinning or
+#: sleeping threads).
 SERIAL_DECODE_MAX_TOKENS = 256
 #: Query rows per prefill task.
 PREFILL_Q_TILE = 32
