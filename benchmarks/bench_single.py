@@ -24,7 +24,6 @@ their ratio are reported.
 from __future__ import annotations
 
 import inspect
-import json
 import os
 import statistics
 import sys
@@ -34,7 +33,7 @@ import click
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from refengine.bench.report import busy_warning, environment  # noqa: E402
+from refengine.bench.report import busy_warning, environment, write_json  # noqa: E402
 from refengine.bench.workload import load_corpus  # noqa: E402
 from refengine.engine_args import resolve_model_dir  # noqa: E402
 
@@ -178,8 +177,7 @@ def main(model, prompt_len, decode_steps, repeats, device, attention_backend, sk
                       greedy_matching_prefix=same)
     report["environment"] = environment()
     if json_path:
-        with open(json_path, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
+        write_json(json_path, report)
         click.echo(f"wrote {json_path}")
 
 

@@ -21,7 +21,6 @@ memory-bound machine the extra rows should cost little.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -31,7 +30,7 @@ import click
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from refengine.bench.report import busy_warning, environment, format_table  # noqa: E402
+from refengine.bench.report import busy_warning, environment, format_table, write_json  # noqa: E402
 from refengine.engine_args import resolve_model_dir  # noqa: E402
 
 PASSAGE = ("The paged KV cache stores the keys and values of every sequence in fixed-size blocks. "
@@ -146,8 +145,7 @@ def main(model, max_tokens, k, prompt_lookup_max, prompt_lookup_min, runs, repea
     click.echo(f"\none forward pass after {len(ids)} context tokens (median of {repeats}):")
     click.echo(format_table(["rows", "ms", "x 1 row"], [[n, 1e3 * t, t / fwd[1]] for n, t in fwd.items()]))
     if json_path:
-        with open(json_path, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
+        write_json(json_path, report)
         click.echo(f"wrote {json_path}")
 
 

@@ -105,10 +105,10 @@ class Utf8Text(click.ParamType):
         return value
 
 
-class TokenIds(click.ParamType):
-    """Comma-separated token ids (``"2,13"``) -> ``list[int]``."""
+class IntList(click.ParamType):
+    """Comma-separated integers (``"2,13"``) -> ``list[int]``."""
 
-    name = "ids"
+    name = "n,n,..."
 
     def convert(self, value, param, ctx):
         if isinstance(value, list):
@@ -117,6 +117,12 @@ class TokenIds(click.ParamType):
             return [int(t) for t in value.split(",") if t.strip()]
         except ValueError:
             self.fail(f"{value!r} is not a comma-separated list of integers", param, ctx)
+
+
+class TokenIds(IntList):
+    """Comma-separated token ids (``"2,13"``) -> ``list[int]``."""
+
+    name = "ids"
 
 
 TEXT = Utf8Text()

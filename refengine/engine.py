@@ -37,6 +37,7 @@ from refengine.config import read_generation_config
 from refengine.detokenizer import IncrementalDetokenizer
 from refengine.engine_args import EngineArgs
 from refengine.kv_cache import BlockManager, KVCache, cdiv
+from refengine.malloc import keep_freed_memory
 from refengine.metrics import EngineMetrics, RequestMetrics
 from refengine.model_runner import ModelRunner, warm_up_cpu_kernels
 from refengine.models import load_model
@@ -48,7 +49,6 @@ from refengine.sequence import CompletionOutput, RequestOutput, Sequence, Sequen
 from refengine.spec_decode import DraftModelProposer, SpecDecoder
 from refengine.stop import StopChecker
 from refengine.text import check_unicode
-from refengine.malloc import keep_freed_memory
 from refengine.threads import configure_threads
 
 logger = logging.getLogger("refengine")

@@ -63,6 +63,13 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int,
     return ids, positions.astype(np.int64), meta, np.array(sample_rows, dtype=np.int64), sample_seqs
 
 
+def is_blas_step(model, num_rows: int) -> bool:
+    """Whether a CPU step of ``num_rows`` flat-batch rows is a BLAS step, whose threads go to
+    BLAS rather than numba (:func:`refengine.threads.adapt_threads`): its layer products go to
+    BLAS from the layer ops' ``blas_min_rows`` on, and always for ops that have none (NumPy)."""
+    return num_rows >= getattr(model.ops, "blas_min_rows", 0)
+
+
 class ModelRunner:
     """Holds the model and its KV cache; runs one flat batch per call."""
 
@@ -88,7 +95,7 @@ class ModelRunner:
         ids, positions, meta, sample_rows, sample_seqs = build_batch(scheduled, self.kv_cache.block_size,
                                                                      spec_tokens)
         if xp is np:  # CPU threads: one pool per step, fewer while other processes hold cores (refengine/threads.py)
-            adapt_threads(blas_step=ids.shape[0] >= getattr(self.model.ops, "blas_min_rows", 0))
+            adapt_threads(blas_step=is_blas_step(self.model, ids.shape[0]))
         rows = np.arange(ids.shape[0]) if all_logits else sample_rows
         logits = self.model.forward(xp.asarray(ids), positions, self.kv_cache, meta, xp.asarray(rows))
         if xp is not np:
@@ -104,10 +111,11 @@ def warm_up_cpu_kernels(model, kv_cache: KVCache, max_rows: int, max_model_len: 
 
     The passes, with the thread pools as the model runner sets them
     (:func:`refengine.threads.adapt_threads`): in a BLAS step (numba on one thread: the
-    serial twins) a prefill chunk of up to 64 rows, a decode row and a 2-row chunk; in a
-    numba step a decode row over 300 tokens (the parallel decode kernel), a 2-row chunk and
-    a 40-row chunk (parallel elementwise layers). ``max_rows`` (the token budget) and
-    ``max_model_len`` bound them; the tokens are id 0.
+    serial twins) a prefill chunk of up to ``model.ops.blas_min_rows`` rows, a decode row and a 2-row
+    chunk; in a numba step a decode row over 300 tokens (the parallel decode kernel), a
+    2-row chunk and an ``ELEMENTWISE_PARALLEL_MIN_ROWS``-row chunk (parallel elementwise
+    layers). ``max_rows`` (the token budget) and ``max_model_len`` bound them; the tokens
+    are id 0. Writes K/V into the pool's first blocks, which no sequence holds yet.
     """
     from refengine.ops import numba_ops
 
@@ -124,16 +132,17 @@ def warm_up_cpu_kernels(model, kv_cache: KVCache, max_rows: int, max_model_len: 
         positions = np.arange(seq_len - q_len, seq_len, dtype=np.int64)
         model.forward(np.zeros(q_len, dtype=np.int64), positions, kv_cache, meta, np.array([q_len - 1]))
 
-    blas_min_rows = getattr(model.ops, "blas_min_rows", 0)
     adapt_threads(blas_step=True)
-    run(min(max(blas_min_rows, 2), max_rows, context), min(max(blas_min_rows, 2), max_rows, context))
+    prefill = min(max(model.ops.blas_min_rows, 2), max_rows, context)
+    run(prefill, prefill)
     run(1, context + 1)
     run(2, context)
     adapt_threads(blas_step=False)
     run(1, context + 1)
     run(2, context)
-    if min(max_rows, context) >= 40 and 40 < blas_min_rows:
-        run(40, context)
+    chunk = numba_ops.ELEMENTWISE_PARALLEL_MIN_ROWS  # parallel elementwise layers, still a numba step
+    if chunk <= min(max_rows, context) and not is_blas_step(model, chunk):
+        run(chunk, context)
     misses = numba_ops.kernel_cache_misses() - misses_before
     if misses:
         logger.warning("compiled %d numba CPU kernels in %.1f s on first use; numba caches them (%s), so later "

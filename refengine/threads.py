@@ -62,6 +62,7 @@ _requested: int | None = None  # the thread count asked for (fixed), or all usab
 _adaptive = False
 _current: int | None = None
 _pools: tuple[int, int] | None = None  # (BLAS threads, numba threads) last set
+_numba_started = False  # numba's threading layer is running (started by _start_numba_layer)
 _blas = None  # threadpoolctl's handle on the BLAS libraries
 _last_sample: tuple[float, float, float] | None = None  # (wall s, busy s of our cores, own CPU s)
 
@@ -86,13 +87,14 @@ def configure_threads(num_threads: int | None = None) -> int:
     Raises:
         ValueError: ``num_threads < 1``.
     """
-    global _requested, _adaptive, _last_sample
+    global _requested, _adaptive, _last_sample, _current
     if num_threads is not None and int(num_threads) < 1:
         raise ValueError(f"num_threads={num_threads} must be >= 1")
     _adaptive = num_threads is None
     _requested = usable_cores() if num_threads is None else int(num_threads)
     _last_sample = _sample() if _adaptive else None
-    _set_threads(_requested)
+    _current = _requested
+    _set_pools(_current, _current)
     return _requested
 
 
@@ -106,7 +108,7 @@ def adapt_threads(blas_step: bool | None = None) -> int:
     thread count in use (1 before :func:`configure_threads`).
     Cost: ~1 us, plus one ``/proc/stat`` read (~0.1 ms) per interval, plus ~20 us when
     the pools change."""
-    global _last_sample
+    global _last_sample, _current
     if _current is None:
         return 1
     if _adaptive and _last_sample is not None and time.monotonic() - _last_sample[0] >= ADAPT_INTERVAL_S:
@@ -116,7 +118,7 @@ def adapt_threads(blas_step: bool | None = None) -> int:
             others = max(0.0, (sample[1] - _last_sample[1]) - (sample[2] - _last_sample[2])) / wall
             _last_sample = sample
             taken = int(others + 1.0 - BUSY_CORE_SHARE)  # cores others used more than BUSY_CORE_SHARE of
-            _set_threads(max(1, _requested - taken))
+            _current = max(1, _requested - taken)
     n = _current
     blas_n, numba_n = (n, n) if blas_step is None else (n, 1) if blas_step else (1, n)
     _set_pools(blas_n, numba_n)
@@ -155,14 +157,6 @@ def _sample() -> tuple[float, float, float] | None:
         return None
 
 
-def _set_threads(n: int) -> None:
-    global _current
-    if n == _current:
-        return
-    _current = n
-    _set_pools(n, n)
-
-
 def _set_pools(blas_n: int, numba_n: int) -> None:
     """BLAS to ``blas_n`` threads (when it changed), this thread's numba count to ``numba_n``."""
     global _blas, _pools
@@ -180,7 +174,8 @@ def _set_pools(blas_n: int, numba_n: int) -> None:
 def _numba_set(n: int) -> None:
     import numba
 
-    _start_numba_layer()  # set_num_threads would start it, without the wait policy
+    if not _numba_started:
+        _start_numba_layer()  # set_num_threads would start it, without the wait policy
     n = min(n, numba.config.NUMBA_NUM_THREADS)
     if numba.get_num_threads() != n:
         numba.set_num_threads(n)
@@ -208,9 +203,11 @@ def numba_threading_layer() -> str | None:
 
 
 def _start_numba_layer() -> None:
+    global _numba_started
     import numba
 
     if numba_threading_layer() is not None:
+        _numba_started = True
         return
     if os.environ.get("NUMBA_THREADING_LAYER") is None and numba.config.THREADING_LAYER == "default":
         numba.config.THREADING_LAYER_PRIORITY = list(NUMBA_LAYERS)
@@ -224,6 +221,7 @@ def _start_numba_layer() -> None:
         from refengine.ops.numba_ops import start_thread_pool
 
         start_thread_pool()  # loads the layer (libgomp reads the environment now)
+        _numba_started = True
     finally:
         for k, v in saved.items():
             if v is None:

@@ -12,7 +12,7 @@ from refengine.bench.hf_baseline import MISSING_TRANSFORMERS, transformers_avail
 from refengine.bench.plot import MISSING_MATPLOTLIB, matplotlib_available
 from refengine.bench.scenarios import BenchContext, llm_kwargs, run_long_context, run_simple, run_sweep
 from refengine.bench.workload import parse_len_range
-from refengine.cli import engine_options, fail, log_level_option
+from refengine.cli import IntList, engine_options, fail, log_level_option
 from refengine.engine_args import EngineArgs, resolve_model_dir
 
 
@@ -202,18 +202,14 @@ def sweep_cmd(latency_metric, min_gain, **kw):
     run_sweep(_context(kw), latency_metric, min_gain, _build_llm)
 
 
-def _row_counts(ctx, param, value: str) -> list[int]:
-    try:
-        rows = [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers", ctx, param) from None
+def _row_counts(ctx, param, rows: list[int]) -> list[int]:
     if not rows or min(rows) < 1:
-        raise click.BadParameter(f"{value!r}: give at least one row count, each >= 1", ctx, param)
+        raise click.BadParameter(f"{','.join(map(str, rows))!r}: give at least one row count, each >= 1", ctx, param)
     return rows
 
 
 @bench.command("forward")
-@click.option("--rows", default="1,2,4,8,16,32,256,512", show_default=True, callback=_row_counts,
+@click.option("--rows", type=IntList(), default="1,2,4,8,16,32,256,512", show_default=True, callback=_row_counts,
               help="Comma-separated rows (tokens) per forward pass.")
 @click.option("--context-len", type=click.IntRange(min=0), default=512, show_default=True,
               help="Tokens already cached per decode row.")

@@ -31,6 +31,7 @@ import numpy as np
 from refengine.attention import paged_metadata
 from refengine.bench.breakdown import PartTimer
 from refengine.bench.report import format_table
+from refengine.model_runner import is_blas_step
 from refengine.threads import adapt_threads, max_threads
 
 #: Parts of a pass, in the table's order (a forward pass has no sampler).
@@ -68,7 +69,18 @@ def _timed(fn) -> float:
 
 
 def pass_cost(model, rows: int, context_len: int, decode: bool) -> tuple[float, float]:
-    """``(bytes, flops)`` one forward pass must at least move and compute (see the module docstring)."""
+    """``(bytes, flops)`` one forward pass must at least move and compute (see the module docstring).
+
+    Args:
+        model: a loaded model (its weights are counted as they are held, in their dtype).
+        rows: tokens in the pass.
+        context_len: tokens already cached per decode row (unused for prefill).
+        decode: ``rows`` sequences of one new token each (logits for all), else one prefill
+            chunk from position 0 (logits for its last row).
+    Returns:
+        bytes read (weights once, embedding rows looked up, K/V in the cache dtype) and
+        floating-point operations, both as floats.
+    """
     cfg = model.config
     layer_bytes = sum(a.nbytes for layer in model.layers for a in vars(layer).values() if hasattr(a, "nbytes"))
     matrix_params = sum(a.size for layer in model.layers for a in vars(layer).values()
@@ -76,7 +88,7 @@ def pass_cost(model, rows: int, context_len: int, decode: bool) -> tuple[float, 
     head = model.lm_head
     itemsize = model.embed.dtype.itemsize
     logit_rows = rows if decode else 1
-    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4  # float32 cache
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * np.dtype(model.dtype).itemsize
     q_dims = cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
     if decode:
         kv_tokens = rows * context_len
@@ -130,6 +142,10 @@ def run_forward_bench(engine, rows_list, context_len: int, decode_max_rows: int,
     """Time one forward pass per entry of ``rows_list`` (best of ``repeats`` after one warm-up
     pass) with its parts, against the measured limits; print and return the table.
 
+    Returns:
+        ``{"memory_bandwidth_bytes_per_s", "compute_flops_per_s", "context_len", "repeats",
+        "passes"}``; each pass ``{"rows", "kind" ("decode"/"prefill"), "ms", "tokens_per_s",
+        "roofline_ms", "bound" ("memory"/"compute"), "parts_ms": {part: ms}}``.
     Raises:
         ValueError: the pool has too few KV blocks for a row count at ``context_len``.
     """
@@ -153,7 +169,7 @@ def run_forward_bench(engine, rows_list, context_len: int, decode_max_rows: int,
         best, parts = None, None
         for i, (ids, positions, meta, logit_rows) in enumerate(inputs):
             if xp is np:  # the thread pools as the model runner sets them for a step of this many rows
-                adapt_threads(blas_step=rows >= getattr(model.ops, "blas_min_rows", 0))
+                adapt_threads(blas_step=is_blas_step(model, rows))
             with PartTimer(model) as timer:
                 t0 = time.perf_counter()
                 model.forward(xp.asarray(ids), positions, engine.kv_cache, meta, xp.asarray(logit_rows))

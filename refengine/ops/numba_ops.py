@@ -36,6 +36,7 @@ Numerics (float32 in and out, as the twins):
 
 from __future__ import annotations
 
+import sys
 from types import FunctionType
 
 import numpy as np
@@ -335,21 +336,21 @@ def _silu_and_mul(x, out, t0, t1):  # pragma: no cover - compiled
             ot[i] = gate[i] / (one + ot[i]) * up[i]
 
 
-# The elementwise layers over row blocks in parallel (prefill-sized batches; see NumbaOps).
-@njit(cache=True, parallel=True)
-def _rms_norm_parallel(x, weight, eps, out, per):  # pragma: no cover - compiled
+# The elementwise layers over blocks of ``per`` rows (NumbaOps._over_rows picks the twin and ``per``).
+@parallel_kernel()
+def _rms_norm_blocks(x, weight, eps, out, per):  # pragma: no cover - compiled
     for c in prange((x.shape[0] + per - 1) // per):
         _rms_norm(x, weight, eps, out, c * per, min(x.shape[0], (c + 1) * per))
 
 
-@njit(cache=True, parallel=True)
-def _rope_parallel(x, positions, cos, sin, per):  # pragma: no cover - compiled
+@parallel_kernel()
+def _rope_blocks(x, positions, cos, sin, per):  # pragma: no cover - compiled
     for c in prange((x.shape[0] + per - 1) // per):
         _rope_inplace(x, positions, cos, sin, c * per, min(x.shape[0], (c + 1) * per))
 
 
-@njit(cache=True, parallel=True)
-def _silu_and_mul_parallel(x, out, per):  # pragma: no cover - compiled
+@parallel_kernel()
+def _silu_and_mul_blocks(x, out, per):  # pragma: no cover - compiled
     for c in prange((x.shape[0] + per - 1) // per):
         _silu_and_mul(x, out, c * per, min(x.shape[0], (c + 1) * per))
 
@@ -388,23 +389,22 @@ class NumbaOps:
         return (x.astype(w.dtype, copy=False) @ w).astype(np.float32, copy=False)
 
     @staticmethod
-    def _parallel_rows(rows: int) -> int:
-        """Rows per task when an elementwise layer should run in parallel, else 0 (one thread)."""
+    def _over_rows(kernel: ParallelKernel, rows: int, *args) -> None:
+        """Run a row-block kernel over ``rows`` rows: in parallel blocks from
+        :data:`ELEMENTWISE_PARALLEL_MIN_ROWS` rows when numba has threads, else as one block
+        on the calling thread (its serial twin)."""
         threads = get_num_threads()
         if threads > 1 and rows >= ELEMENTWISE_PARALLEL_MIN_ROWS:
-            return -(-rows // (4 * threads))  # a few tasks per thread: uneven cores still finish together
-        return 0
+            kernel.parallel(*args, -(-rows // (4 * threads)))  # a few blocks per thread: uneven cores finish together
+        else:
+            kernel.serial(*args, max(rows, 1))
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         """RMSNorm over the last axis of ``x [..., d]`` float32 (any leading shape)."""
         x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
         out = np.empty_like(x2)
-        weight = np.ascontiguousarray(weight, dtype=np.float32)
-        per = self._parallel_rows(x2.shape[0])
-        if per:
-            _rms_norm_parallel(x2, weight, float(eps), out, per)
-        else:
-            _rms_norm(x2, weight, float(eps), out, 0, x2.shape[0])
+        self._over_rows(_rms_norm_blocks, x2.shape[0], x2, np.ascontiguousarray(weight, dtype=np.float32),
+                        float(eps), out)
         return out.reshape(x.shape)
 
     def rope(self, q: np.ndarray, k: np.ndarray, positions: np.ndarray, rope) -> tuple[np.ndarray, np.ndarray]:
@@ -416,23 +416,15 @@ class NumbaOps:
         """
         if positions.shape[0] and (positions.min() < 0 or positions.max() >= rope.cos.shape[0]):
             raise IndexError(f"positions outside the RoPE tables [0, {rope.cos.shape[0]})")
-        per = self._parallel_rows(q.shape[0])
         for x in (q, k):
-            if per:
-                _rope_parallel(x, positions, rope.cos, rope.sin, per)
-            else:
-                _rope_inplace(x, positions, rope.cos, rope.sin, 0, x.shape[0])
+            self._over_rows(_rope_blocks, x.shape[0], x, positions, rope.cos, rope.sin)
         return q, k
 
     def silu_and_mul(self, x: np.ndarray) -> np.ndarray:
         """``silu(x[:, :I]) * x[:, I:]`` -> ``[T, I]`` float32."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         out = np.empty((x.shape[0], x.shape[1] // 2), dtype=np.float32)
-        per = self._parallel_rows(x.shape[0])
-        if per:
-            _silu_and_mul_parallel(x, out, per)
-        else:
-            _silu_and_mul(x, out, 0, x.shape[0])
+        self._over_rows(_silu_and_mul_blocks, x.shape[0], x, out)
         return out
 
 
@@ -440,7 +432,7 @@ def _dispatchers():
     """Every compiled function of the numba backend (layer ops and attention), twins included."""
     import refengine.attention.numba_cpu as attention
 
-    for module in (__import__(__name__, fromlist=["_"]), attention):
+    for module in (sys.modules[__name__], attention):
         for value in vars(module).values():
             if isinstance(value, ParallelKernel):
                 yield value.parallel
