@@ -4,9 +4,10 @@ Every row times both sides in the same process, interleaved, best of ``--repeats
 clock), and prints milliseconds and the ratio twin/numba (> 1: numba is faster). Sections:
 
 * ``kernels``: RMSNorm, RoPE, SiLU-and-mul, paged decode, flash prefill.
-* ``linear``: ``NumbaOps.linear`` vs BLAS (``x @ w``) at 1-32 rows, over all 30 layers'
+* ``linear``: ``NumbaOps.linear`` vs BLAS (``x @ w``) at 1-128 rows, over all 30 layers'
   real weights in turn (425 MB, so they come from DRAM as in a decode step), and the tied
-  lm_head (``embed.T``).
+  lm_head (``embed.T``); then the numba product's two register tiles against each other
+  at 2-16 rows (``DOT_4X4_MIN_ROWS``).
 * ``step``: one model forward: decode at 1, 2 and 8 rows (context 256), a 512-token prefill.
 * ``threads`` (``--threads``): the decode step in fresh processes under numba's threading
   policies, with the machine as it is and with a busy-loop process (``python -c 'while
@@ -129,31 +130,44 @@ def section_kernels(model, repeats: int) -> None:
                     repeats, inner), "numpy", "numba")
 
 
-def section_linear(model, repeats: int) -> None:
-    from refengine.ops.numba_ops import NumbaOps
-
-    nb = NumbaOps()
-    cfg = model.config
+def section_linear(model_np, model_nb, repeats: int) -> None:
+    """The layer products and the tied lm_head, each side with the weights in its own layout
+    (``LayerOps.weight``: ``[in, out]`` rows for BLAS, ``[out, in]`` rows for numba)."""
+    cfg = model_np.config
     rng = np.random.default_rng(1)
-    ws = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    print(f"linear (BLAS x @ w vs numba): all {len(ws)} layer matrices in turn, weights from DRAM")
-    for rows in (1, 2, 4, 8, 16, 32):
+
+    def matrices(model):
+        return [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+
+    ws_np, ws_nb = matrices(model_np), matrices(model_nb)
+    print(f"linear (BLAS x @ w vs numba): all {len(ws_np)} layer matrices in turn, weights from DRAM")
+    for rows in (1, 2, 4, 8, 16, 32, 64, 128):
         xs = {n: rng.standard_normal((rows, n), dtype=np.float32) for n in (cfg.hidden_size, cfg.intermediate_size)}
 
         def blas():
-            for w in ws:
+            for w in ws_np:
                 xs[w.shape[0]] @ w
 
         def numba_():
-            for w in ws:
-                nb.linear(xs[w.shape[0]], w)
+            for w in ws_nb:
+                model_nb.ops.linear(xs[w.shape[0]], w)
 
-        row(f"{rows:2d} rows, {len(ws)} matrices", best_of({"blas": blas, "numba": numba_}, repeats), "blas", "numba")
-    for rows in (1, 2, 4, 8, 16, 32):
+        row(f"{rows:3d} rows, {len(ws_np)} matrices", best_of({"blas": blas, "numba": numba_}, repeats), "blas", "numba")
+    for rows in (1, 2, 4, 8, 16, 32, 64, 128):
         x = rng.standard_normal((rows, cfg.hidden_size), dtype=np.float32)
-        row(f"{rows:2d} rows, lm_head embed.T {tuple(model.lm_head.shape)}",
-            best_of({"blas": lambda: x @ model.lm_head, "numba": lambda: nb.linear(x, model.lm_head)}, repeats),
-            "blas", "numba")
+        row(f"{rows:3d} rows, lm_head embed.T {tuple(model_nb.lm_head.shape)}",
+            best_of({"blas": lambda: x @ model_np.lm_head, "numba": lambda: model_nb.ops.linear(x, model_nb.lm_head)},
+                    repeats), "blas", "numba")
+    from refengine.ops.numba_ops import matmul_dot
+
+    for rows in (2, 4, 8, 16):
+        xs = {n: rng.standard_normal((rows, n), dtype=np.float32) for n in (cfg.hidden_size, cfg.intermediate_size)}
+        fns = {t: (lambda t=t: [matmul_dot(xs[w.shape[0]], w, t == "4x4") for w in ws_nb]) for t in ("4x1", "4x4")}
+        row(f"{rows:3d} rows, {len(ws_nb)} matrices, tiles", best_of(fns, repeats, blas_step={"4x1": False, "4x4": False}),
+            "4x1", "4x4")
+        x = xs[cfg.hidden_size]
+        fns = {t: (lambda t=t: matmul_dot(x, model_nb.lm_head, t == "4x4")) for t in ("4x1", "4x4")}
+        row(f"{rows:3d} rows, lm_head, tiles", best_of(fns, repeats, blas_step={"4x1": False, "4x4": False}), "4x1", "4x4")
 
 
 def decode_inputs(model, rows: int, ctx: int, block_size: int = 16):
@@ -284,13 +298,12 @@ def main(model_dir, repeats, sections, threads_study, as_child):
     wanted = [s for s in sections.split(",") if s]
     if wanted:
         model_np = load_model(model_dir, "numpy")
-        model_nb = load_model(model_dir, "numba")
-        model_nb.embed, model_nb.layers, model_nb.lm_head = model_np.embed, model_np.layers, model_np.lm_head
+        model_nb = load_model(model_dir, "numba")  # its own weights: the numba layout differs from BLAS's
     print(f"load average before: {os.getloadavg()}; {threads} threads; numba layer {numba_threading_layer()}")
     if "kernels" in wanted:
         section_kernels(model_np, repeats)
     if "linear" in wanted:
-        section_linear(model_np, repeats)
+        section_linear(model_np, model_nb, repeats)
     if "step" in wanted:
         section_step(model_np, model_nb, repeats)
     if threads_study:

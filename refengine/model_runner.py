@@ -64,9 +64,9 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int,
 
 
 def is_blas_step(model, num_rows: int) -> bool:
-    """Whether a CPU step of ``num_rows`` flat-batch rows is a BLAS step, whose threads go to
-    BLAS rather than numba (:func:`refengine.threads.adapt_threads`): its layer products go to
-    BLAS from the layer ops' ``blas_min_rows`` on, and always for ops that have none (NumPy)."""
+    """Whether a CPU step of ``num_rows`` flat-batch rows is a BLAS step, whose BLAS gets the
+    threads too (:func:`refengine.threads.adapt_threads`): its layer products go to BLAS from
+    the layer ops' ``blas_min_rows`` on, and always for ops that have none (NumPy)."""
     return num_rows >= getattr(model.ops, "blas_min_rows", 0)
 
 
@@ -94,7 +94,7 @@ class ModelRunner:
         xp = self.xp
         ids, positions, meta, sample_rows, sample_seqs = build_batch(scheduled, self.kv_cache.block_size,
                                                                      spec_tokens)
-        if xp is np:  # CPU threads: one pool per step, fewer while other processes hold cores (refengine/threads.py)
+        if xp is np:  # CPU threads: BLAS's only in BLAS steps, fewer while other processes hold cores (refengine/threads.py)
             adapt_threads(blas_step=is_blas_step(self.model, ids.shape[0]))
         rows = np.arange(ids.shape[0]) if all_logits else sample_rows
         logits = self.model.forward(xp.asarray(ids), positions, self.kv_cache, meta, xp.asarray(rows))
@@ -110,13 +110,17 @@ def warm_up_cpu_kernels(model, kv_cache: KVCache, max_rows: int, max_model_len: 
     installing or changing a kernel) says once how long compiling took.
 
     The passes, with the thread pools as the model runner sets them
-    (:func:`refengine.threads.adapt_threads`): in a BLAS step (numba on one thread: the
-    serial twins) a prefill chunk of up to ``model.ops.blas_min_rows`` rows, a decode row and a 2-row
-    chunk; in a numba step a decode row over 300 tokens (the parallel decode kernel), a
-    2-row chunk and an ``ELEMENTWISE_PARALLEL_MIN_ROWS``-row chunk (parallel elementwise
-    layers). ``max_rows`` (the token budget) and ``max_model_len`` bound them; the tokens
-    are id 0. Writes K/V into the pool's first blocks, which no sequence holds yet.
+    (:func:`refengine.threads.adapt_threads`): a prefill chunk of up to
+    ``model.ops.blas_min_rows`` rows, a decode row and a 2-row chunk with numba on one
+    thread (the serial twins, which run when other processes hold the other cores), the
+    prefill chunk again in a BLAS step with numba at full strength; in a numba step a
+    decode row over 300 tokens (the parallel decode kernel), a 2-row chunk and an
+    ``ELEMENTWISE_PARALLEL_MIN_ROWS``-row chunk (parallel elementwise layers).
+    ``max_rows`` (the token budget) and ``max_model_len`` bound them; the tokens are id 0.
+    Writes K/V into the pool's first blocks, which no sequence holds yet.
     """
+    import numba
+
     from refengine.ops import numba_ops
 
     context = min(300, max_model_len - 1)
@@ -133,10 +137,13 @@ def warm_up_cpu_kernels(model, kv_cache: KVCache, max_rows: int, max_model_len: 
         model.forward(np.zeros(q_len, dtype=np.int64), positions, kv_cache, meta, np.array([q_len - 1]))
 
     adapt_threads(blas_step=True)
+    numba.set_num_threads(1)  # the serial twins
     prefill = min(max(model.ops.blas_min_rows, 2), max_rows, context)
     run(prefill, prefill)
     run(1, context + 1)
     run(2, context)
+    adapt_threads(blas_step=True)
+    run(prefill, prefill)
     adapt_threads(blas_step=False)
     run(1, context + 1)
     run(2, context)

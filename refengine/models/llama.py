@@ -17,7 +17,8 @@ Per layer, as in transformers ``models/llama/modeling_llama.py`` (``LlamaDecoder
     h = h + o @ W_o
     h = h + down(silu(gate(x')) * up(x'))   # x' = rms_norm(h), post_attention_layernorm
 
-Linear weights are stored transposed (``[in, out]``) and q/k/v and gate/up are fused
+Linear weights are ``[in, out]``-shaped (``x @ w``; in memory, the layout the layer ops
+read fastest: :meth:`refengine.ops.LayerOps.weight`) and q/k/v and gate/up are fused
 (:attr:`LlamaForCausalLM.fused`), so each layer does four matrix products.
 
 Numerics: weights and the KV cache are in ``dtype`` (float32 on the CPU; float16 or
@@ -50,7 +51,7 @@ def _kv_out(c: ModelConfig) -> int:
 
 
 class Layer:
-    """One decoder layer's weights on the device, as attributes: fused ``[in, out]``
+    """One decoder layer's weights on the device, as attributes: fused ``[in, out]``-shaped
     matrices in the weight dtype, float32 vectors (norms, biases); ``None`` where absent."""
 
     qkv_bias = None
@@ -151,7 +152,7 @@ class LlamaForCausalLM:
         if cfg.tie_word_embeddings:
             self.lm_head = self.embed.T  # a view: tied weights are one array
         else:
-            self.lm_head = xp.asarray(np.ascontiguousarray(w.pop("lm_head.weight").T), dtype=dtype)
+            self.lm_head = xp.asarray(ops.weight(w.pop("lm_head.weight")), dtype=dtype)
         if w:
             raise ValueError(f"unconsumed weights: {list(w)[:3]}")
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
@@ -160,9 +161,9 @@ class LlamaForCausalLM:
 
     def _load_layer(self, w: dict, prefix: str) -> Layer:
         xp, tensors = self.xp, {}
-        for name, parts in self.fused.items():  # HF stores [out, in]; we multiply by [in, out]
-            matrix = np.concatenate([w.pop(prefix + p).T for p in parts], axis=1)
-            tensors[name] = xp.asarray(np.ascontiguousarray(matrix), dtype=self.dtype)
+        for name, parts in self.fused.items():  # HF stores [out, in]; the layer ops pick the layout
+            matrix = self.ops.weight(np.concatenate([w.pop(prefix + p) for p in parts], axis=0))
+            tensors[name] = xp.asarray(matrix, dtype=self.dtype)
         for name, parts in self.layer_vectors(self.config).items():
             tensors[name] = xp.asarray(np.concatenate([w.pop(prefix + p) for p in parts]), dtype=np.float32)
         return Layer(tensors)

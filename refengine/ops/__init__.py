@@ -30,8 +30,14 @@ class LayerOps(Protocol):
     def device_positions(self, positions: np.ndarray) -> Any:
         """Positions ``[T]`` int64 (host) in the form :meth:`rope` takes; called once per step."""
 
+    def weight(self, matrix: np.ndarray) -> np.ndarray:
+        """A checkpoint matrix ``[out, in]`` -> the host array the model puts on the device
+        for :meth:`linear`: shaped ``[in, out]``, in the memory layout this implementation's
+        product reads fastest (``[in, out]`` C-contiguous for BLAS and cuBLAS; the transposed
+        view of the ``[out, in]`` rows for the numba dot-product kernels)."""
+
     def linear(self, x: Any, w: Any) -> Any:
-        """``x [T, in]`` float32 times ``w [in, out]`` (weight dtype) -> ``[T, out]`` float32."""
+        """``x [T, in]`` float32 times ``w [in, out]`` (weight dtype, from :meth:`weight`) -> ``[T, out]`` float32."""
 
     def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
         """RMSNorm over the last axis of ``x [..., d]`` with ``weight [d]`` float32 -> float32."""

@@ -52,6 +52,10 @@ class CudaLayerOps:
         positions = np.asarray(positions)
         return DevicePositions(positions, self.kernels.int32(positions))
 
+    def weight(self, matrix: np.ndarray) -> np.ndarray:
+        """``matrix [out, in]`` -> ``[in, out]`` C-contiguous (cuBLAS's layout)."""
+        return np.ascontiguousarray(matrix.T)
+
     def linear(self, x, w):
         return linear_f32(x, w)
 

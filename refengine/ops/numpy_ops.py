@@ -25,6 +25,10 @@ class NumpyOps:
     def device_positions(self, positions: np.ndarray):
         return self.xp.asarray(positions)
 
+    def weight(self, matrix: np.ndarray) -> np.ndarray:
+        """``matrix [out, in]`` -> ``[in, out]`` C-contiguous (BLAS's layout)."""
+        return np.ascontiguousarray(matrix.T)
+
     def linear(self, x, w):
         return linear_f32(x, w)
 
