@@ -22,6 +22,8 @@ from collections import OrderedDict
 
 import numpy as np
 
+from refengine.malloc import huge_page_zeros
+
 from refengine.sequence import Sequence
 
 
@@ -52,14 +54,16 @@ class KVCache:
 
     ``k[layer]`` and ``v[layer]`` have shape ``[num_blocks, block_size, num_kv_heads, head_dim]``
     (the attention contract's layout). On the CPU the pool is allocated lazily by the OS
-    (``zeros``), so untouched blocks cost no memory.
+    (zero pages), so untouched blocks cost no memory, in 2 MB pages where the kernel grants
+    them (:func:`refengine.malloc.huge_page_zeros`).
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype=np.float32, xp=np):
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [xp.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.v = [xp.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        zeros = huge_page_zeros if xp is np else xp.zeros
+        self.k = [zeros(shape, dtype) for _ in range(num_layers)]
+        self.v = [zeros(shape, dtype) for _ in range(num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
 

@@ -12,13 +12,21 @@ recommends preloading tcmalloc for the same reason.
 
 Only glibc has ``mallopt``; elsewhere, and when the user set glibc's own variables
 (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``GLIBC_TUNABLES``), nothing changes.
+
+:func:`huge_page_zeros` allocates the KV pool in transparent huge pages (2 MB) where the
+kernel grants them only on request (``/sys/kernel/mm/transparent_hugepage/enabled`` set to
+``madvise``, as on the development machine): decode attention reads each sequence's blocks
+scattered over the pool, and with 4 KB pages nearly every block costs TLB misses.
 """
 
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import platform
+
+import numpy as np
 
 #: Allocations up to this size come from the heap (glibc's maximum on 64-bit systems).
 MMAP_THRESHOLD = 32 << 20
@@ -46,3 +54,26 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     _applied = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     return _applied
+
+
+#: Transparent huge page size on x86-64 and arm64 Linux.
+HUGE_PAGE = 2 << 20
+
+
+def huge_page_zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """``np.zeros(shape, dtype)`` in an anonymous mapping advised ``MADV_HUGEPAGE``, aligned
+    to :data:`HUGE_PAGE`: the kernel backs it with 2 MB pages as it is first touched (still
+    lazily: untouched memory costs nothing). Falls back to ``np.zeros`` where ``madvise``
+    or ``MADV_HUGEPAGE`` does not exist. The array keeps the mapping alive."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return np.zeros(shape, dtype=dtype)
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # THP disabled, or an old kernel
+        pass
+    raw = np.frombuffer(region, dtype=np.uint8)
+    start = -raw.ctypes.data % HUGE_PAGE
+    return raw[start:start + nbytes].view(dtype).reshape(shape)

@@ -63,11 +63,14 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int,
     return ids, positions.astype(np.int64), meta, np.array(sample_rows, dtype=np.int64), sample_seqs
 
 
-def is_blas_step(model, num_rows: int) -> bool:
-    """Whether a CPU step of ``num_rows`` flat-batch rows is a BLAS step, whose BLAS gets the
-    threads too (:func:`refengine.threads.adapt_threads`): its layer products go to BLAS from
-    the layer ops' ``blas_min_rows`` on, and always for ops that have none (NumPy)."""
-    return num_rows >= getattr(model.ops, "blas_min_rows", 0)
+def is_blas_step(model, num_rows: int, longest_chunk: int = 0) -> bool:
+    """Whether a CPU step of ``num_rows`` flat-batch rows, the longest sequence's chunk
+    ``longest_chunk`` rows, is a BLAS step, whose BLAS gets the threads too
+    (:func:`refengine.threads.adapt_threads`): its layer products go to BLAS from the layer
+    ops' ``blas_min_rows`` on (always for ops that have none: NumPy), or the attention
+    backend computes that chunk with BLAS products (its ``blas_prefill_min_rows``)."""
+    return (num_rows >= getattr(model.ops, "blas_min_rows", 0)
+            or longest_chunk >= getattr(model.attention, "blas_prefill_min_rows", float("inf")))
 
 
 class ModelRunner:
@@ -95,7 +98,8 @@ class ModelRunner:
         ids, positions, meta, sample_rows, sample_seqs = build_batch(scheduled, self.kv_cache.block_size,
                                                                      spec_tokens)
         if xp is np:  # CPU threads: BLAS's only in BLAS steps, fewer while other processes hold cores (refengine/threads.py)
-            adapt_threads(blas_step=is_blas_step(self.model, ids.shape[0]))
+            longest = int(np.diff(meta.query_start_loc).max(initial=0))
+            adapt_threads(blas_step=is_blas_step(self.model, ids.shape[0], longest))
         rows = np.arange(ids.shape[0]) if all_logits else sample_rows
         logits = self.model.forward(xp.asarray(ids), positions, self.kv_cache, meta, xp.asarray(rows))
         if xp is not np:
@@ -113,7 +117,8 @@ def warm_up_cpu_kernels(model, kv_cache: KVCache, max_rows: int, max_model_len: 
     (:func:`refengine.threads.adapt_threads`): a prefill chunk of up to
     ``model.ops.blas_min_rows`` rows, a decode row and a 2-row chunk with numba on one
     thread (the serial twins, which run when other processes hold the other cores), the
-    prefill chunk again in a BLAS step with numba at full strength; in a numba step a
+    prefill chunk again with numba at full strength (a BLAS step when the token budget and
+    ``max_model_len`` allow that many rows); in a numba step a
     decode row over 300 tokens (the parallel decode kernel), a 2-row chunk and an
     ``ELEMENTWISE_PARALLEL_MIN_ROWS``-row chunk (parallel elementwise layers).
     ``max_rows`` (the token budget) and ``max_model_len`` bound them; the tokens are id 0.
@@ -148,7 +153,7 @@ def warm_up_cpu_kernels(model, kv_cache: KVCache, max_rows: int, max_model_len: 
     run(1, context + 1)
     run(2, context)
     chunk = numba_ops.ELEMENTWISE_PARALLEL_MIN_ROWS  # parallel elementwise layers, still a numba step
-    if chunk <= min(max_rows, context) and not is_blas_step(model, chunk):
+    if chunk <= min(max_rows, context) and not is_blas_step(model, chunk, chunk):
         run(chunk, context)
     misses = numba_ops.kernel_cache_misses() - misses_before
     if misses:

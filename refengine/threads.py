@@ -12,10 +12,11 @@ The engine calls :func:`configure_threads` once at start on the CPU and
   ``os.times``) and uses one thread fewer per core they kept more than
   :data:`BUSY_CORE_SHARE` busy, never fewer than one. An explicit ``num_threads`` turns
   this off.
-* **BLAS's threads only in BLAS steps; numba's in every step**: a step whose batch is big
-  enough for BLAS (``blas_step``: prefill, or decode from
-  :data:`refengine.ops.numba_ops.BLAS_MIN_ROWS` rows) gives BLAS the threads; any other step
-  gives BLAS one. numba keeps the thread count in both: in a BLAS step its kernels (the
+* **BLAS's threads only in BLAS steps; numba's in every step**: a step with BLAS products
+  (``blas_step``: at least :data:`refengine.ops.numba_ops.BLAS_MIN_ROWS` rows, or a prefill
+  chunk long enough for the attention's BLAS products,
+  :func:`refengine.model_runner.is_blas_step`) gives BLAS the threads; any other step gives
+  BLAS one. numba keeps the thread count in both: in a BLAS step its kernels (the
   decode attention of the batch's decode rows, the causal softmax, the elementwise layers)
   run between BLAS calls. The model calls one kernel at a time, so the pools never work
   together, but an idle pool's threads *wait* (spin) for a while after each call and take
@@ -138,9 +139,8 @@ def current_threads() -> int | None:
 
 def max_threads() -> int:
     """The most threads :func:`adapt_threads` may use: what :func:`configure_threads` was
-    given, else all usable cores. Kernels that split work into one part per thread use this
-    many parts whatever the current count, so their float32 sums, and the tokens they lead
-    to, do not change with the machine's load."""
+    given, else all usable cores (``refengine bench forward`` measures the machine's limits
+    with this many)."""
     return _requested or usable_cores()
 
 

@@ -4,8 +4,9 @@ Attention: random paged batches (block-boundary lengths, GQA ratios 1/2/3/8, hea
 32/64, chunked prefill, decode rows mixed with prefills, shuffled physical blocks) in a
 cache whose unused slots and guard blocks before and after hold NaN, with outputs
 poisoned with NaN before the kernels run: an out-of-range read or a forgotten row shows.
-Layer ops: the small-row product for 1..20 and 64 rows in both weight layouts, RMSNorm,
-RoPE, SiLU-and-mul. Then a whole tiny Llama on the numba backend against the NumPy one.
+Layer ops: the small-row product for 1..20 rows and either side of ``BLAS_MIN_ROWS`` in the
+numba, tied-lm_head and BLAS weight layouts (both register tiles, bitwise batch
+invariance), RMSNorm, RoPE, SiLU-and-mul. Then a whole tiny Llama on the numba backend against the NumPy one.
 
 The paged metadata is built by a local helper (``make_batch``): no shared helper for it
 exists in ``refengine.attention`` in this tree.
@@ -200,7 +201,7 @@ def check_product(got, x, w):
     assert (np.abs(got - (x @ w)) <= 2 * bound).all()
 
 
-@pytest.mark.parametrize("rows", list(range(1, 21)) + [63, 64])
+@pytest.mark.parametrize("rows", list(range(1, 21)) + [BLAS_MIN_ROWS - 1, BLAS_MIN_ROWS])
 def test_linear_all_layouts(rows):
     """The numba layout (``weight``: ``[out, in]`` rows, a transposed view), the tied
     lm_head (``embed.T``, the same layout, not copied) and a plain ``[in, out]`` array (BLAS)."""

@@ -279,7 +279,7 @@ def _dot_rows_4x4(x, wt, out, j0, j1):  # pragma: no cover - compiled
     weight rows (one task of :func:`_matmul_dot` when rows are many enough to be compute-bound).
 
     Sixteen dot products share eight vector loads per step, their partial sums in 16 vector
-    registers (the register tile of a GEMM micro-kernel, Goto & van de Geijn 2008, with the
+    registers (AVX-512; with AVX2's 16 registers the tile spills, correct but slower) (the register tile of a GEMM micro-kernel, Goto & van de Geijn 2008, with the
     weight rows used in place: each is contiguous). Every pass over a tile prefetches the
     next tile's weight rows: four interleaved streams are more than the hardware prefetcher
     follows on its own (4-8 rows: 15-20% faster than without the hint), and a hint in every
@@ -430,7 +430,7 @@ def matmul_dot(x: np.ndarray, w: np.ndarray, tile4x4: bool | None = None) -> np.
     (a core slowed by another process does not hold the others up for long)."""
     rows, n = x.shape[0], w.shape[1]
     out = np.empty((rows, n), dtype=np.float32)
-    block = -(-n // (16 * get_num_threads())) * 4
+    block = max(4, -(-n // (16 * get_num_threads())) * 4)
     wide = rows >= DOT_4X4_MIN_ROWS if tile4x4 is None else tile4x4
     _matmul_dot(np.ascontiguousarray(x, dtype=np.float32), w.T, out, block, wide)
     return out
