@@ -441,6 +441,28 @@ def test_keep_freed_memory_applies_once_and_respects_the_user(monkeypatch):
     assert malloc.keep_freed_memory() is glibc  # a second call changes nothing
 
 
+def test_huge_page_zeros_is_an_aligned_writable_zero_array():
+    """The KV pool's allocation: zeros, writable, C-contiguous, the requested shape and dtype,
+    starting on a 2 MB boundary when it is big enough to hold a huge page; small arrays are
+    plain ``np.zeros``. Whether the kernel grants huge pages is its business (THP mode)."""
+    from refengine import malloc
+    from refengine.kv_cache import KVCache
+
+    big = malloc.huge_page_zeros((300, 16, 3, 64), np.float32)  # 3.5 MB
+    assert big.shape == (300, 16, 3, 64) and big.dtype == np.float32 and big.flags.c_contiguous
+    assert big.flags.writeable and not big.any()
+    if hasattr(__import__("mmap"), "MADV_HUGEPAGE"):
+        assert big.ctypes.data % malloc.HUGE_PAGE == 0
+    big[-1, -1, -1, -1] = 7.0  # the last element is inside the mapping
+    assert big.sum() == 7.0
+    small = malloc.huge_page_zeros((4, 5), np.float64)
+    assert small.shape == (4, 5) and small.dtype == np.float64 and not small.any()
+    pool = KVCache(2, 300, 16, 3, 64)
+    assert all(a.shape == (300, 16, 3, 64) and not a.any() for a in pool.k + pool.v)
+    pool.k[0][1] = 1.0
+    assert not pool.k[1].any() and not pool.v[0].any()  # separate mappings
+
+
 def test_warm_up_says_once_what_compiling_took(tiny_llama_dir, monkeypatch, caplog):
     """The engine warms the numba kernels up at start; a cache miss is reported in one line,
     a run that loads everything from the cache says nothing."""
