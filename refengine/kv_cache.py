@@ -23,7 +23,6 @@ from collections import OrderedDict
 import numpy as np
 
 from refengine.malloc import huge_page_zeros
-
 from refengine.sequence import Sequence
 
 

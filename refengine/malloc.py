@@ -64,7 +64,11 @@ def huge_page_zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
     """``np.zeros(shape, dtype)`` in an anonymous mapping advised ``MADV_HUGEPAGE``, aligned
     to :data:`HUGE_PAGE`: the kernel backs it with 2 MB pages as it is first touched (still
     lazily: untouched memory costs nothing). Falls back to ``np.zeros`` where ``madvise``
-    or ``MADV_HUGEPAGE`` does not exist. The array keeps the mapping alive."""
+    or ``MADV_HUGEPAGE`` does not exist. The array keeps the mapping alive.
+
+    Raises:
+        OSError: the mapping cannot be made (address space or overcommit limits), as ``mmap``.
+    """
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):

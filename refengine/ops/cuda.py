@@ -13,7 +13,7 @@ import numpy as np
 
 from refengine.kernels.build import KernelModule, cupy_kernels
 from refengine.kernels.plans import LAYER_THREADS, RMS_NORM_SHARED_BYTES, Launch, dtype_tag
-from refengine.ops.numpy_ops import linear_f32
+from refengine.ops.numpy_ops import blas_weight, linear_f32
 
 
 @dataclass
@@ -53,8 +53,7 @@ class CudaLayerOps:
         return DevicePositions(positions, self.kernels.int32(positions))
 
     def weight(self, matrix: np.ndarray) -> np.ndarray:
-        """``matrix [out, in]`` -> ``[in, out]`` C-contiguous (cuBLAS's layout)."""
-        return np.ascontiguousarray(matrix.T)
+        return blas_weight(matrix)
 
     def linear(self, x, w):
         return linear_f32(x, w)

@@ -279,8 +279,9 @@ def _dot_rows_4x4(x, wt, out, j0, j1):  # pragma: no cover - compiled
     weight rows (one task of :func:`_matmul_dot` when rows are many enough to be compute-bound).
 
     Sixteen dot products share eight vector loads per step, their partial sums in 16 vector
-    registers (AVX-512; with AVX2's 16 registers the tile spills, correct but slower) (the register tile of a GEMM micro-kernel, Goto & van de Geijn 2008, with the
-    weight rows used in place: each is contiguous). Every pass over a tile prefetches the
+    registers: the register tile of a GEMM micro-kernel (Goto & van de Geijn 2008), with the
+    weight rows used in place, each contiguous (AVX-512 has the 32 registers this needs;
+    with AVX2's 16 the tile spills: the same results, slower). Every pass over a tile prefetches the
     next tile's weight rows: four interleaved streams are more than the hardware prefetcher
     follows on its own (4-8 rows: 15-20% faster than without the hint), and a hint in every
     pass keeps memory busy while the later passes compute (8 / 16 rows: 0.66 / 0.99 ms per
@@ -427,7 +428,9 @@ def matmul_dot(x: np.ndarray, w: np.ndarray, tile4x4: bool | None = None) -> np.
     ``[in, out]``-shaped transposed view of C-contiguous float32 ``[out, in]`` rows
     (:meth:`NumbaOps.weight`). ``tile4x4``: the register tile, by default the 4 x 4 one from
     :data:`DOT_4X4_MIN_ROWS` rows. Tasks of a multiple of four weight rows, four per thread
-    (a core slowed by another process does not hold the others up for long)."""
+    (a core slowed by another process does not hold the others up for long). ``x`` is cast
+    to C-contiguous float32; ``w`` is not checked (:meth:`NumbaOps.linear` sends only such
+    weights here; any other layout would be read out of bounds)."""
     rows, n = x.shape[0], w.shape[1]
     out = np.empty((rows, n), dtype=np.float32)
     block = max(4, -(-n // (16 * get_num_threads())) * 4)

@@ -14,6 +14,12 @@ def linear_f32(x, w):
     return (x.astype(w.dtype, copy=False) @ w).astype(np.float32, copy=False)
 
 
+def blas_weight(matrix: np.ndarray) -> np.ndarray:
+    """A checkpoint matrix ``[out, in]`` -> ``[in, out]`` C-contiguous, host, same dtype: the
+    layout BLAS and cuBLAS multiply ``x @ w`` by (:meth:`refengine.ops.LayerOps.weight`)."""
+    return np.ascontiguousarray(matrix.T)
+
+
 class NumpyOps:
     """Layer operations in NumPy (or CuPy when ``xp`` is ``cupy``). float32 activations."""
 
@@ -26,8 +32,7 @@ class NumpyOps:
         return self.xp.asarray(positions)
 
     def weight(self, matrix: np.ndarray) -> np.ndarray:
-        """``matrix [out, in]`` -> ``[in, out]`` C-contiguous (BLAS's layout)."""
-        return np.ascontiguousarray(matrix.T)
+        return blas_weight(matrix)
 
     def linear(self, x, w):
         return linear_f32(x, w)
