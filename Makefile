@@ -38,9 +38,10 @@ kernels:
 test: test-deps weights kernels
 	$(BIN)/python -m pytest -q
 
+# Batch 1 and offline throughput against transformers; each writes its section of docs/PERFORMANCE.md.
 bench: weights
-	$(BIN)/python benchmarks/bench_single.py
-	$(BIN)/refengine bench throughput --compare-transformers
+	$(BIN)/python benchmarks/bench_single.py --performance-md docs/PERFORMANCE.md
+	$(BIN)/refengine bench throughput --compare-transformers --performance-md docs/PERFORMANCE.md
 
 # On a machine with an NVIDIA GPU and CuPy already installed; installs nothing.
 gpu-check:

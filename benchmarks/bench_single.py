@@ -15,10 +15,11 @@ repeated ``--repeats`` times after one warm-up; the median is reported.
 
 ``--busy-core``: refengine once more with a second process keeping one core busy (a
 Python busy loop this benchmark starts, and stops when done), after a warm-up request
-so the engine has seen the load (``refengine.threads.adapt_threads``); both figures and
+so the engine has seen the load (``refengine.runtime.threads.adapt_threads``); both figures and
 their ratio are reported.
 
     python benchmarks/bench_single.py [--model DIR] [--prompt-len 512] [--decode-steps 128] [--busy-core] [--json FILE]
+        [--performance-md docs/PERFORMANCE.md]
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import click
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from refengine.bench.report import busy_warning, environment, write_json  # noqa: E402
+from refengine.bench.options import output_path, performance_md_option  # noqa: E402
+from refengine.bench.report import busy_warning, environment, write_json, write_performance  # noqa: E402
 from refengine.bench.workload import load_corpus  # noqa: E402
 from refengine.engine_args import resolve_model_dir  # noqa: E402
 
@@ -71,7 +73,7 @@ def bench_refengine(model_dir: str, prompt_ids: list[int], decode_steps: int, re
 
         spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
         try:
-            time.sleep(1.5)  # the engine's thread count looks back one second (refengine/threads.py)
+            time.sleep(1.5)  # the engine's thread count looks back one second (refengine/runtime/threads.py)
             llm.generate([prompt_ids[:64]], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True),
                          use_tqdm=False)
             quiet["busy_core"] = measure()
@@ -139,9 +141,10 @@ def matching_prefix(a: list[int], b: list[int]) -> int:
 @click.option("--attention-backend", default=None, help="numpy, numba, cuda (default: follows the device)")
 @click.option("--skip-transformers", is_flag=True, help="Only time refengine.")
 @click.option("--busy-core", is_flag=True, help="Also time refengine with another process keeping one core busy.")
-@click.option("--json", "json_path", default=None, help="Write the figures here.")
+@click.option("--json", "json_path", default=None, callback=output_path, help="Write the figures here.")
+@performance_md_option
 def main(model, prompt_len, decode_steps, repeats, device, attention_backend, skip_transformers, busy_core,
-         json_path):
+         json_path, performance_md):
     """Batch-1 prefill time and decode tokens/s, refengine vs transformers."""
     from tokenizers import Tokenizer
 
@@ -179,6 +182,26 @@ def main(model, prompt_len, decode_steps, repeats, device, attention_backend, sk
     if json_path:
         write_json(json_path, report)
         click.echo(f"wrote {json_path}")
+    write_performance(performance_md, "benchmarks/bench_single.py", [
+        f"Batch 1, {os.path.basename(model.rstrip('/'))}, {device}: a {prompt_len}-token prompt, then {decode_steps} "
+        f"greedy decode steps, prefix caching off; median of {repeats}.", performance_table(report)], echo=click.echo)
+
+
+def performance_table(report: dict) -> tuple[list[str], list[list]]:
+    """The report's figures as ``(headers, rows)``: prefill ms and decode tokens/s per side,
+    then the ratios (> 1: refengine faster)."""
+    ours = report["refengine"]
+    rows = [["refengine", 1e3 * ours["prefill_s"], ours["decode_tok_per_s"]]]
+    if "busy_core" in ours:
+        busy = ours["busy_core"]
+        rows.append([f"refengine, one core busy ({busy['decode_tok_per_s'] / ours['decode_tok_per_s']:.0%} of quiet)",
+                     1e3 * busy["prefill_s"], busy["decode_tok_per_s"]])
+    if "transformers" in report:
+        theirs = report["transformers"]
+        rows.append(["transformers", 1e3 * theirs["prefill_s"], theirs["decode_tok_per_s"]])
+        rows.append(["refengine / transformers (speed)", f"x{report['prefill_speed_ratio']:.2f}",
+                     f"x{report['decode_speed_ratio']:.2f}"])
+    return ["", f"prefill {report['prompt_len']} tokens, ms", "decode tok/s"], rows
 
 
 if __name__ == "__main__":

@@ -1,17 +1,12 @@
 """refengine: a readable, correctness-first LLM inference engine.
 
 Start at :class:`refengine.engine.LLM` (offline generation) or
-:class:`refengine.engine.LLMEngine` (add_request / step / abort).
+:class:`refengine.engine.LLMEngine` (add_request / step / abort). Importing the package
+changes nothing process-wide; :func:`refengine.runtime.setup_cpu_runtime` does, explicitly.
 """
 
-import os as _os
-import sys as _sys
-
-if "numpy" not in _sys.modules:  # OpenBLAS reads this once, as NumPy loads it (see refengine/threads.py)
-    _os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
-
-from refengine.beam_search import BeamSearchParams  # noqa: E402
-from refengine.sampling_params import SamplingParams  # noqa: E402
+from refengine.beam_search import BeamSearchParams
+from refengine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

@@ -118,7 +118,6 @@ class BeamSearchOutput:
 class _Search:
     """One prompt's search state."""
 
-    prompt: list[int]
     max_new: int
     live: list[BeamSearchSequence]
     finished: list[BeamSearchSequence] = field(default_factory=list)  # best first, at most W
@@ -141,8 +140,8 @@ def beam_search(llm, prompts: list[list[int]], params: BeamSearchParams) -> list
     k = max(2, 1 + len(eos)) * width
     step_params = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=k, ignore_eos=True)
     max_len = engine.config.max_model_len
-    searches = [_Search(list(p), min(params.max_tokens, max_len - len(p)),
-                        [BeamSearchSequence(list(p), len(p))]) for p in prompts]
+    searches = [_Search(min(params.max_tokens, max_len - len(p)), [BeamSearchSequence(list(p), len(p))])
+                for p in prompts]
     step = 0
     while any(not s.done for s in searches):
         step += 1

@@ -1,9 +1,11 @@
-"""Model and engine configuration.
+"""Model and engine configuration: plain data, and the JSON file helpers.
 
-``ModelConfig`` reads a Hugging Face ``config.json`` (field names as in
-``transformers.LlamaConfig`` / ``Qwen2Config`` / ``Qwen3Config`` / ``MistralConfig``).
-``EngineConfig`` and ``SchedulerConfig`` are the resolved, frozen serving limits (built by
-:class:`refengine.engine_args.EngineArgs`, vLLM's names).
+``ModelConfig`` holds the architecture facts of a Hugging Face ``config.json`` (field
+names as in ``transformers.LlamaConfig`` / ``Qwen2Config`` / ``Qwen3Config`` /
+``MistralConfig``); :func:`refengine.models.hf_config.read_model_config` reads and checks
+the file, with the model registry. ``EngineConfig`` and ``SchedulerConfig`` are the
+resolved, frozen serving limits (built by :class:`refengine.engine_args.EngineArgs`, vLLM's
+names). Nothing here imports the rest of refengine.
 """
 
 from __future__ import annotations
@@ -12,9 +14,6 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
 
 @dataclass
 class ModelConfig:
@@ -44,126 +43,7 @@ class ModelConfig:
     sliding_window: int | None = None
     eos_token_id: int | list[int] | None = None
 
-    @classmethod
-    def from_dict(cls, cfg: dict, source: str = "config.json") -> "ModelConfig":
-        """Build from a parsed ``config.json``, checking every key the engine reads.
 
-        Args:
-            cfg: the parsed file.
-            source: the file's name or path, for error messages.
-        Raises:
-            ValueError: a required key is missing; a value has the wrong type or is out of
-                range (sizes must be integers >= 1, ``rms_norm_eps`` and ``rope_theta``
-                finite and > 0); the head counts do not divide (``num_attention_heads`` by
-                ``num_key_value_heads``, ``hidden_size`` by ``num_attention_heads`` when
-                ``head_dim`` is absent), ``head_dim`` is odd; the architecture (see
-                :data:`refengine.models.MODEL_REGISTRY`) or rope scaling type is not
-                supported. The message names ``source`` and the key.
-        """
-        from refengine.models import get_model_class  # the registry imports this module
-
-        if not isinstance(cfg, dict):
-            raise ValueError(f"{source}: must hold a JSON object, got {type(cfg).__name__}")
-        for key, (kind, required) in CONFIG_KEYS.items():
-            _check_key(cfg, key, kind, required, source)
-        architectures = cfg.get("architectures")
-        if not (isinstance(architectures, list) and architectures and all(isinstance(a, str) for a in architectures)):
-            raise ValueError(f"{source}: 'architectures' must be a non-empty list of class names, "
-                             f"got {architectures!r}")
-        model_class = get_model_class(architectures)
-        rope_scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-        rope_theta = cfg.get("rope_theta")
-        if rope_scaling is not None:
-            rope_scaling = dict(rope_scaling)
-            rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-            if rope_type not in SUPPORTED_ROPE_TYPES:
-                raise ValueError(
-                    f"{source}: unsupported rope scaling type {rope_type!r}; supported: "
-                    f"{', '.join(SUPPORTED_ROPE_TYPES)}")
-            rope_scaling["rope_type"] = rope_type
-            # transformers 5 moved rope_theta into rope_parameters
-            if rope_theta is None:
-                _check_key(rope_scaling, "rope_theta", "positive", False, f"{source}: rope_parameters")
-                rope_theta = rope_scaling.get("rope_theta")
-            _check_rope_scaling(rope_scaling, source)
-            if rope_type == "default":
-                rope_scaling = None
-        n_heads = cfg["num_attention_heads"]
-        n_kv_heads = cfg.get("num_key_value_heads") or n_heads
-        if n_heads % n_kv_heads:
-            raise ValueError(f"{source}: 'num_attention_heads' ({n_heads}) must be a multiple of "
-                             f"'num_key_value_heads' ({n_kv_heads}): each KV head serves a whole group of query heads")
-        head_dim = cfg.get("head_dim")
-        if head_dim is None:
-            if cfg["hidden_size"] % n_heads:
-                raise ValueError(f"{source}: 'hidden_size' ({cfg['hidden_size']}) must be a multiple of "
-                                 f"'num_attention_heads' ({n_heads}) when 'head_dim' is not given")
-            head_dim = cfg["hidden_size"] // n_heads
-        if head_dim % 2:
-            raise ValueError(f"{source}: the head size ({head_dim}) must be even: RoPE rotates pairs of dimensions")
-        return cls(
-            architecture=model_class.architecture,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=n_heads,
-            num_key_value_heads=n_kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
-            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
-            rope_scaling=rope_scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings") or 2048,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            eos_token_id=cfg.get("eos_token_id"),
-            **model_class.config_fields(cfg),
-        )
-
-    @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> "ModelConfig":
-        """Read ``model_dir/config.json``.
-
-        Raises:
-            FileNotFoundError: the directory or its ``config.json`` is missing.
-            ValueError: ``config.json`` is not a JSON object or fails :meth:`from_dict`'s
-                checks; the message names the file and the key.
-        """
-        model_dir = Path(model_dir)
-        if model_dir.exists() and not model_dir.is_dir():
-            raise FileNotFoundError(f"model path {str(model_dir)!r} is a file, not a model directory")
-        if not model_dir.is_dir():
-            raise FileNotFoundError(
-                f"model directory {str(model_dir)!r} does not exist "
-                "(`make weights` fetches the default model, or pass --model DIR)"
-            )
-        path = model_dir / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{str(path)!r} not found: a model directory needs a config.json")
-        return cls.from_dict(read_json_object(path), source=str(path))
-
-
-# The config.json keys the engine reads: key -> (kind, required). Kinds: "count" an integer
-# >= 1, "positive" a finite number > 0, "bool", "ids" a token id or a list of them, "object"
-# a JSON object. An optional key set to null counts as absent (transformers writes nulls).
-CONFIG_KEYS = {
-    "vocab_size": ("count", True),
-    "hidden_size": ("count", True),
-    "intermediate_size": ("count", True),
-    "num_hidden_layers": ("count", True),
-    "num_attention_heads": ("count", True),
-    "num_key_value_heads": ("count", False),
-    "head_dim": ("count", False),
-    "max_position_embeddings": ("count", False),
-    "sliding_window": ("count", False),
-    "rms_norm_eps": ("positive", False),
-    "rope_theta": ("positive", False),
-    "tie_word_embeddings": ("bool", False),
-    "attention_bias": ("bool", False),
-    "use_sliding_window": ("bool", False),
-    "eos_token_id": ("ids", False),
-    "rope_scaling": ("object", False),
-    "rope_parameters": ("object", False),
-}
 _ALLOWED = {"count": "an integer >= 1", "positive": "a finite number > 0", "bool": "true or false",
             "ids": "a token id (integer >= 0) or a list of them", "object": "a JSON object or null"}
 
@@ -172,8 +52,10 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _check_key(cfg: dict, key: str, kind: str, required: bool, source: str) -> None:
-    """Raise a ValueError naming ``source`` and ``key`` unless ``cfg[key]`` is of ``kind``."""
+def check_key(cfg: dict, key: str, kind: str, required: bool, source: str) -> None:
+    """Raise a ValueError naming ``source`` and ``key`` unless ``cfg[key]`` is of ``kind``:
+    ``"count"`` an integer >= 1, ``"positive"`` a finite number > 0, ``"bool"``, ``"ids"`` a
+    token id or a list of them, ``"object"`` a JSON object. A key set to null counts as absent."""
     value = cfg.get(key)
     if value is None:
         if required:
@@ -186,20 +68,6 @@ def _check_key(cfg: dict, key: str, kind: str, required: bool, source: str) -> N
           "object": lambda v: isinstance(v, dict)}[kind](value)
     if not ok:
         raise ValueError(f"{source}: {key!r} must be {_ALLOWED[kind]}, got {value!r}")
-
-
-def _check_rope_scaling(rope_scaling: dict, source: str) -> None:
-    """The numbers :func:`refengine.layers.rope_inv_freq` divides by must be finite and > 0."""
-    where = f"{source}: rope_scaling"
-    rope_type = rope_scaling["rope_type"]
-    if rope_type in ("linear", "llama3"):
-        _check_key(rope_scaling, "factor", "positive", True, where)
-    if rope_type == "llama3":
-        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-            _check_key(rope_scaling, key, "positive", True, where)
-        if rope_scaling["high_freq_factor"] <= rope_scaling["low_freq_factor"]:
-            raise ValueError(f"{where}: 'high_freq_factor' ({rope_scaling['high_freq_factor']}) must be greater "
-                             f"than 'low_freq_factor' ({rope_scaling['low_freq_factor']})")
 
 
 def read_json_object(path: str | Path) -> dict:
@@ -241,7 +109,7 @@ def read_generation_config(model_dir: str | Path) -> dict:
         return {}
     cfg = read_json_object(path)
     for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
-        _check_key(cfg, key, "ids", False, str(path))
+        check_key(cfg, key, "ids", False, str(path))
     return cfg
 
 
@@ -270,9 +138,9 @@ class EngineConfig:
     Attributes:
         model_dir, model_config: the model.
         device: "cpu" or "cuda". dtype: NumPy dtype of weights and KV cache.
-        attention_backend: :data:`refengine.attention.ATTENTION_BACKENDS` entry.
+        attention_backend: :data:`refengine.attention.selector.ATTENTION_BACKENDS` entry.
         layer_ops: :data:`refengine.ops.LAYER_OPS` entry.
-        num_threads: CPU threads (None: adaptive, :mod:`refengine.threads`).
+        num_threads: CPU threads (None: adaptive, :mod:`refengine.runtime.threads`).
         block_size: tokens per KV block. num_kv_blocks: pool size in blocks (None only
             before a GPU engine has measured its memory). bytes_per_block: one block
             across all layers, keys and values.

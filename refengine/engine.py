@@ -31,17 +31,18 @@ from pathlib import Path
 
 import numpy as np
 
-from refengine.attention import get_attention_backend
+from refengine.attention.selector import get_attention_backend
 from refengine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from refengine.config import read_generation_config
 from refengine.detokenizer import IncrementalDetokenizer
 from refengine.engine_args import EngineArgs
 from refengine.kv_cache import BlockManager, KVCache, cdiv
-from refengine.malloc import keep_freed_memory
 from refengine.metrics import EngineMetrics, RequestMetrics
 from refengine.model_runner import ModelRunner, warm_up_cpu_kernels
 from refengine.models import load_model
 from refengine.ops import get_layer_ops
+from refengine.runtime import setup_cpu_runtime
+from refengine.runtime.threads import configure_threads
 from refengine.sampler import Sampler
 from refengine.sampling_params import SamplingParams
 from refengine.scheduler import Scheduler
@@ -49,11 +50,14 @@ from refengine.sequence import CompletionOutput, RequestOutput, Sequence, Sequen
 from refengine.spec_decode import DraftModelProposer, SpecDecoder
 from refengine.stop import StopChecker
 from refengine.text import check_unicode
-from refengine.threads import configure_threads
 
 logger = logging.getLogger("refengine")
 
 STATS_INTERVAL_S = 5.0
+
+
+class PromptTooLongError(ValueError):
+    """A prompt of ``max_model_len`` tokens or more (the OpenAI server's ``context_length_exceeded``)."""
 
 
 def as_token_ids(prompt) -> list[int]:
@@ -180,11 +184,10 @@ class LLMEngine:
         xp = np
         if config.device == "cuda":
             import cupy as xp
-        else:
-            configure_threads(config.num_threads)  # BLAS and numba threads sized to this process's cores
-            keep_freed_memory()  # activations reuse freed heap memory, not fresh pages (refengine/malloc.py)
         attention = get_attention_backend(config.attention_backend)
         ops = get_layer_ops(config.layer_ops, xp)  # CUDA ops share the attention backend's compiled module
+        if config.device == "cpu":  # BLAS and numba threads sized to this process's cores (refengine/runtime/threads.py)
+            configure_threads(config.num_threads)
         self.model = load_model(model_dir, model_config, attention, ops, xp=xp, dtype=config.dtype)
         spec_cfg = config.speculative_config
         draft_model = None
@@ -287,8 +290,8 @@ class LLMEngine:
             ValueError: a request id that is not a str or is in use; a prompt that is not a
                 str or a list of token ids (``bytes`` included), holds a lone surrogate
                 (the position is named), is empty, has ids outside the vocabulary, or has
-                ``max_model_len`` tokens or more; ``sampling_params`` that is not a
-                ``SamplingParams``, asks for more ``logprobs`` than ``max_logprobs``, for
+                ``max_model_len`` tokens or more (:class:`PromptTooLongError`); ``sampling_params``
+                that is not a ``SamplingParams``, asks for more ``logprobs`` than ``max_logprobs``, for
                 more completions ``n`` than ``max_num_seqs``, or names stop token ids
                 outside the vocabulary. Nothing is queued and no block is taken.
         """
@@ -363,8 +366,8 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
         if n >= limit:
-            raise ValueError(f"the prompt has {n} tokens but max_model_len is {limit}: "
-                             f"it must be shorter than {limit} to leave room for one generated token")
+            raise PromptTooLongError(f"the prompt has {n} tokens but max_model_len is {limit}: "
+                                     f"it must be shorter than {limit} to leave room for one generated token")
         # No separate "more blocks than the pool" check: __init__ keeps max_model_len within
         # the pool, so a prompt that passed the limit above always fits.
 
@@ -558,6 +561,7 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike | None = None, **kwargs):
+        setup_cpu_runtime()
         self.llm_engine = LLMEngine(model, **kwargs)
         self._counter = 0
 

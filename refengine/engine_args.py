@@ -25,6 +25,7 @@ import numpy as np
 
 from refengine.config import EngineConfig, ModelConfig, SchedulerConfig
 from refengine.kv_cache import cdiv
+from refengine.models.hf_config import read_model_config
 from refengine.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger("refengine")
@@ -195,7 +196,7 @@ class EngineArgs:
             ValueError: an unsupported or invalid config.json.
         """
         model_dir = resolve_model_dir(self.model)
-        return model_dir, ModelConfig.from_model_dir(model_dir)
+        return model_dir, read_model_config(model_dir)
 
     def create_engine_config(self, model_dir: Path, model_config: ModelConfig,
                              num_gpu_blocks: int | None = None) -> EngineConfig:
@@ -314,7 +315,7 @@ def _draft_model_config(spec: SpeculativeConfig | None, target: ModelConfig) -> 
     """
     if spec is None or spec.method != "draft_model":
         return None
-    draft = ModelConfig.from_model_dir(spec.model)
+    draft = read_model_config(spec.model)
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"speculative_config['model']={spec.model!r} has vocab_size={draft.vocab_size} but the "
                          f"target model has {target.vocab_size}: a draft model must share the target's vocabulary")

@@ -22,7 +22,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from refengine.malloc import huge_page_zeros
+from refengine.runtime.malloc import huge_page_zeros
 from refengine.sequence import Sequence
 
 
@@ -54,7 +54,7 @@ class KVCache:
     ``k[layer]`` and ``v[layer]`` have shape ``[num_blocks, block_size, num_kv_heads, head_dim]``
     (the attention contract's layout). On the CPU the pool is allocated lazily by the OS
     (zero pages), so untouched blocks cost no memory, in 2 MB pages where the kernel grants
-    them (:func:`refengine.malloc.huge_page_zeros`).
+    them (:func:`refengine.runtime.malloc.huge_page_zeros`).
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,

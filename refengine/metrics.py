@@ -283,9 +283,6 @@ class EngineMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None, trace: bool = False,
                  max_steps: int = 100_000, clock: Callable[[], float] = time.monotonic):
-        # No `*_created` series: they are timestamps, not measurements, and clutter the
-        # exposition. (prometheus_client's switch is process-wide; vLLM turns it off too.)
-        prometheus_client.disable_created_metrics()
         self.registry = registry if registry is not None else CollectorRegistry()
         self.trace = trace
         self.clock = clock
@@ -487,7 +484,7 @@ class EngineMetrics:
     # --- reading ------------------------------------------------------------------------
     def exposition(self) -> str:
         """The registry in Prometheus text format (what a ``/metrics`` endpoint serves)."""
-        return prometheus_client.generate_latest(self.registry).decode("utf-8")
+        return prometheus_client.generate_latest(_WithoutCreated(self.registry)).decode("utf-8")
 
     def stats_since_last_log(self) -> dict:
         """Figures for the engine's periodic log line; resets the "since last" window.
@@ -650,3 +647,17 @@ def percentile(values: Iterable[float], q: float) -> float | None:
     lo = math.floor(pos)
     hi = min(lo + 1, len(xs) - 1)
     return float(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo))
+
+
+class _WithoutCreated:
+    """A registry view without the ``*_created`` series: they are timestamps, not
+    measurements, and clutter the exposition (vLLM leaves them out too). Filtered here
+    rather than with ``prometheus_client.disable_created_metrics()``, which is process-wide."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def collect(self):
+        for metric in self.registry.collect():  # fresh Metric objects on every collect
+            metric.samples = [s for s in metric.samples if not s.name.endswith("_created")]
+            yield metric

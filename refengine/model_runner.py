@@ -15,7 +15,7 @@ import numpy as np
 from refengine.attention import paged_metadata
 from refengine.kv_cache import KVCache
 from refengine.sequence import Sequence
-from refengine.threads import adapt_threads
+from refengine.runtime.threads import adapt_threads, max_threads, use_threads
 
 logger = logging.getLogger(__name__)
 
@@ -63,14 +63,14 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int,
     return ids, positions.astype(np.int64), meta, np.array(sample_rows, dtype=np.int64), sample_seqs
 
 
-def is_blas_step(model, num_rows: int, longest_chunk: int = 0) -> bool:
-    """Whether a CPU step of ``num_rows`` flat-batch rows, the longest sequence's chunk
-    ``longest_chunk`` rows, is a BLAS step, whose BLAS gets the threads too
-    (:func:`refengine.threads.adapt_threads`): its layer products go to BLAS from the layer
-    ops' ``blas_min_rows`` on (always for ops that have none: NumPy), or the attention
-    backend computes that chunk with BLAS products (its ``blas_prefill_min_rows``)."""
-    return (num_rows >= getattr(model.ops, "blas_min_rows", 0)
-            or longest_chunk >= getattr(model.attention, "blas_prefill_min_rows", float("inf")))
+def is_blas_step(model) -> bool:
+    """Whether a CPU step gives the BLAS library's own thread pool the threads
+    (:func:`refengine.runtime.threads.adapt_threads`): yes for layer ops that leave every
+    product to the library's threading (NumPy); no for the numba backend, whose large
+    products are split over refengine's own threads (``ops.spreads_blas``,
+    :mod:`refengine.runtime.blas`) while the library stays on one thread, so that two
+    thread pools never take turns in one step."""
+    return not getattr(model.ops, "spreads_blas", False)
 
 
 class ModelRunner:
@@ -97,9 +97,8 @@ class ModelRunner:
         xp = self.xp
         ids, positions, meta, sample_rows, sample_seqs = build_batch(scheduled, self.kv_cache.block_size,
                                                                      spec_tokens)
-        if xp is np:  # CPU threads: BLAS's only in BLAS steps, fewer while other processes hold cores (refengine/threads.py)
-            longest = int(np.diff(meta.query_start_loc).max(initial=0))
-            adapt_threads(blas_step=is_blas_step(self.model, ids.shape[0], longest))
+        if xp is np:  # CPU threads: fewer while other processes hold cores (refengine/runtime/threads.py)
+            adapt_threads(blas_step=is_blas_step(self.model))
         rows = np.arange(ids.shape[0]) if all_logits else sample_rows
         logits = self.model.forward(xp.asarray(ids), positions, self.kv_cache, meta, xp.asarray(rows))
         if xp is not np:
@@ -113,20 +112,18 @@ def warm_up_cpu_kernels(model, kv_cache: KVCache, max_rows: int, max_model_len: 
     than in the middle of the first requests. On a cache miss (the first run after
     installing or changing a kernel) says once how long compiling took.
 
-    The passes, with the thread pools as the model runner sets them
-    (:func:`refengine.threads.adapt_threads`): a prefill chunk of up to
-    ``model.ops.blas_min_rows`` rows, a decode row and a 2-row chunk with numba on one
-    thread (the serial twins, which run when other processes hold the other cores), the
-    prefill chunk again with numba at full strength (a BLAS step when the token budget and
-    ``max_model_len`` allow that many rows); in a numba step a
-    decode row over 300 tokens (the parallel decode kernel), a 2-row chunk and an
-    ``ELEMENTWISE_PARALLEL_MIN_ROWS``-row chunk (parallel elementwise layers).
-    ``max_rows`` (the token budget) and ``max_model_len`` bound them; the tokens are id 0.
-    Writes K/V into the pool's first blocks, which no sequence holds yet.
+    The passes: with numba on one thread (the serial twins, which run when other processes
+    hold the other cores) a prefill chunk of up to ``model.ops.blas_min_rows`` rows, a
+    decode row and a 2-row chunk; then the same with numba on every usable core
+    (:func:`refengine.runtime.threads.max_threads`: the parallel kernels), plus an
+    ``ELEMENTWISE_PARALLEL_MIN_ROWS``-row chunk (parallel elementwise layers). The thread
+    counts are set outright, not adapted to the load, so the set of variants compiled is
+    the same on a busy machine as on a quiet one. ``max_rows`` (the token budget) and
+    ``max_model_len`` bound the passes; the tokens are id 0. Writes K/V into the pool's
+    first blocks, which no sequence holds yet.
     """
-    import numba
-
-    from refengine.ops import numba_ops
+    from refengine.ops.numba_ops import ELEMENTWISE_PARALLEL_MIN_ROWS
+    from refengine.runtime import numba_support
 
     context = min(300, max_model_len - 1)
     needed = -(-(context + 1) // kv_cache.block_size)
@@ -134,29 +131,26 @@ def warm_up_cpu_kernels(model, kv_cache: KVCache, max_rows: int, max_model_len: 
         return
     block_table = np.arange(needed, dtype=np.int32)[None, :]
     t0 = time.perf_counter()
-    misses_before = numba_ops.kernel_cache_misses()
+    misses_before = numba_support.kernel_cache_misses()
 
     def run(q_len: int, seq_len: int) -> None:
         meta = paged_metadata(np.array([q_len]), np.array([seq_len]), block_table, kv_cache.block_size)
         positions = np.arange(seq_len - q_len, seq_len, dtype=np.int64)
         model.forward(np.zeros(q_len, dtype=np.int64), positions, kv_cache, meta, np.array([q_len - 1]))
 
-    adapt_threads(blas_step=True)
-    numba.set_num_threads(1)  # the serial twins
     prefill = min(max(model.ops.blas_min_rows, 2), max_rows, context)
-    run(prefill, prefill)
-    run(1, context + 1)
-    run(2, context)
-    adapt_threads(blas_step=True)
-    run(prefill, prefill)
-    adapt_threads(blas_step=False)
-    run(1, context + 1)
-    run(2, context)
-    chunk = numba_ops.ELEMENTWISE_PARALLEL_MIN_ROWS  # parallel elementwise layers, still a numba step
-    if chunk <= min(max_rows, context) and not is_blas_step(model, chunk, chunk):
+    cores = max_threads()
+    for numba_threads in sorted({1, cores}):
+        use_threads(cores if is_blas_step(model) else 1, numba_threads)
+        run(prefill, prefill)
+        run(1, context + 1)
+        run(2, context)
+    chunk = ELEMENTWISE_PARALLEL_MIN_ROWS  # parallel elementwise layers, in a numba step
+    if cores > 1 and chunk <= min(max_rows, context):
         run(chunk, context)
-    misses = numba_ops.kernel_cache_misses() - misses_before
+    adapt_threads()
+    misses = numba_support.kernel_cache_misses() - misses_before
     if misses:
         logger.warning("compiled %d numba CPU kernels in %.1f s on first use; numba caches them (%s), so later "
                        "runs load them in about a second", misses, time.perf_counter() - t0,
-                       numba_ops.kernel_cache_dirs())
+                       numba_support.kernel_cache_dirs())

@@ -277,7 +277,7 @@ class Sampler:
 
         x = self._process(x, seqs)
         token_ids = np.empty(len(seqs), dtype=np.int64)
-        greedy = np.array([p.temperature == 0.0 for p in params], dtype=bool)
+        greedy = np.array([p.greedy for p in params], dtype=bool)
         if greedy.any():
             token_ids[greedy] = np.argmax(x[greedy], axis=-1)  # ties: lowest id
         rows = np.flatnonzero(~greedy)
@@ -309,7 +309,7 @@ class Sampler:
     def _process(self, x: np.ndarray, seqs) -> np.ndarray:
         x = self._ban_stop_tokens_before_min_tokens(x, seqs)
         x = self._apply_penalties(x, seqs)
-        rows = np.array([i for i, s in enumerate(seqs) if s.sampling_params.temperature != 0.0], dtype=np.int64)
+        rows = np.array([i for i, s in enumerate(seqs) if not s.sampling_params.greedy], dtype=np.int64)
         if rows.size:
             x[rows] = self._warp(x[rows], [seqs[i].sampling_params for i in rows])
         return x

@@ -140,4 +140,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """Whether this request takes the argmax (``temperature == 0``) instead of sampling."""
         return self.temperature == 0.0

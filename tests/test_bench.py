@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import inspect
 import json
+import pathlib
 import sys
 import time
 from types import SimpleNamespace
@@ -18,13 +18,13 @@ from refengine.bench import bench
 from refengine.bench.driver import RequestResult, RunResult, latency_summary, run_engine
 from refengine.bench.hf_baseline import compare, run_transformers
 from refengine.bench.plot import plot_report
-from refengine.bench.report import format_table
+from refengine.bench import report as bench_report
+from refengine.bench.report import command_line, format_table, markdown_table, replace_section, write_performance
 from refengine.bench.scenarios import BenchContext, llm_kwargs, run_long_context, run_simple, run_sweep
 from refengine.bench.sweep import concurrency_levels, find_knee, sweep_table
 from refengine.bench.workload import BenchRequest, load_corpus, parse_len_range, sample_requests
 from refengine.cli import engine_options
 from refengine.engine_args import EngineArgs
-from refengine.engine import LLMEngine
 from refengine.metrics import EngineMetrics, RequestMetrics
 
 
@@ -228,7 +228,8 @@ def bench_engine_kwargs(command: str = "chat", **overrides) -> dict:
 def test_bench_takes_the_engine_flags_and_defaults_of_generate():
     flags = {p.name for p in engine_options(click.Command("x")).params}
     for name, cmd in bench.commands.items():
-        if name != "serve":  # bench serve loads an HTTP server, not an engine of its own
+        # bench serve loads an HTTP server, not an engine of its own; bench kernels times bare models
+        if name not in ("serve", "kernels"):
             assert flags <= {p.name for p in cmd.params}, name
     kw = bench_engine_kwargs()
     assert kw == dataclasses.asdict(EngineArgs())  # every default is the engine's own
@@ -414,11 +415,10 @@ def test_bench_single_smoke(tmp_path, smollm2_dir):
 
 @pytest.mark.slow
 def test_bench_spec_smoke(tmp_path, smollm2_dir):
-    """benchmarks/bench_spec.py at tiny sizes: both sides run, the outputs agree, every figure is there."""
-    mod = load_benchmark_script("bench_spec")
+    """refengine bench spec at tiny sizes: both sides run, the outputs agree, every figure is there."""
     out = tmp_path / "spec.json"
-    res = CliRunner().invoke(mod.main, ["--model", str(smollm2_dir), "--max-tokens", "6", "--runs", "2",
-                                        "--repeats", "1", "--json", str(out)])
+    res = CliRunner().invoke(bench, ["spec", "--model", str(smollm2_dir), "--max-tokens", "6", "--runs", "2",
+                                     "--repeats", "1", "--json", str(out)])
     assert res.exit_code == 0, res.output + repr(res.exception)
     doc = json.loads(out.read_text())
     for name in ("grounded", "free"):
@@ -427,3 +427,148 @@ def test_bench_spec_smoke(tmp_path, smollm2_dir):
         assert len(w["off"]["decode_tok_per_s_all"]) == len(w["on"]["decode_tok_per_s_all"]) == 2
         assert w["off"]["num_tokens"] == w["on"]["num_tokens"] == 6
     assert sorted(int(n) for n in doc["forward_s_by_rows"]) == [1, 2, 4, 6, 8]
+
+
+# --- docs/PERFORMANCE.md: the section writer ----------------------------------------------------
+
+FACTS = {"date_utc": "2030-01-02 03:04 UTC", "commit": "abc1234 + uncommitted changes", "cpu": "Test CPU 9000",
+         "cpu_count": 4, "threads": 2, "read_bandwidth_bytes_per_s": 13.9e9, "float32_flops_per_s": 150e9}
+
+
+@pytest.fixture
+def fixed_machine(monkeypatch):
+    """The machine facts fixed (no probes, no git), so a section's text is known."""
+    monkeypatch.setattr(bench_report, "machine_facts", lambda limits=None: dict(FACTS))
+
+
+def test_markdown_table():
+    assert markdown_table(["a", "b|c"], [[1, 2.345], ["x", None]]).splitlines() == [
+        "| a | b\\|c |", "|---|---|", "| 1 | 2.35 |", "| x | - |"]
+
+
+def test_performance_section_created_replaced_and_others_kept(tmp_path, fixed_machine):
+    path = tmp_path / "PERFORMANCE.md"
+    write_performance(path, "bench alpha", ["First run.", (["x", "tok/s"], [[1, 10.0]])], command="refengine bench alpha")
+    text = path.read_text()
+    assert text.startswith("# Performance\n\n## bench alpha\n")
+    for line in ["- date: 2030-01-02 03:04 UTC", "- commit: abc1234 + uncommitted changes",
+                 "- CPU: Test CPU 9000 (2 of 4 cores used)",
+                 "- measured in this run: read bandwidth 13.9 GB/s, float32 BLAS 150.0 GFLOP/s",
+                 "- command: `refengine bench alpha`", "First run.", "| x | tok/s |", "| 1 | 10.00 |"]:
+        assert line in text.splitlines(), line
+    # A second title is appended; the first stays byte for byte.
+    write_performance(path, "bench beta", [(["y"], [["b"]])], command="refengine bench beta")
+    two = path.read_text()
+    assert two.startswith(text.rstrip("\n") + "\n\n## bench beta\n") and "| b |" in two
+    # Hand-written text around it survives a replacement of the first section.
+    path.write_text("# Performance\n\nIntro.\n\n## Carried over\n\n### old\n\n| old |\n|---|\n\n"
+                    + two.split("\n", 2)[2])
+    before = path.read_text()
+    write_performance(path, "bench alpha", [(["x", "tok/s"], [[1, 20.0]])], command="refengine bench alpha --again")
+    after = path.read_text()
+    assert after.count("## bench alpha") == 1 and "| 1 | 20.00 |" in after and "| 1 | 10.00 |" not in after
+    assert "First run." not in after and "`refengine bench alpha --again`" in after
+    assert after.split("## bench alpha")[0] == before.split("## bench alpha")[0]  # intro and carried-over kept
+    assert after.split("## bench beta")[1] == before.split("## bench beta")[1]  # the later section kept
+    assert after.index("## Carried over") < after.index("## bench alpha") < after.index("## bench beta")
+
+
+def test_replace_section_keeps_subsections_and_fenced_headings():
+    doc = "# T\n\n## a\n\n### sub\n\nx\n\n```\n## not a heading\n```\n\n## b\n\nkeep\n"
+    new = replace_section(doc, "a", "## a\n\nnew\n")
+    assert new == "# T\n\n## a\n\nnew\n\n## b\n\nkeep\n"
+    assert replace_section(new, "b", "## b\n\nlast\n") == "# T\n\n## a\n\nnew\n\n## b\n\nlast\n"
+    assert replace_section("", "c", "## c\n") == "## c\n"
+    with pytest.raises(ValueError, match="one non-empty line"):
+        write_performance("unused.md", "two\nlines", [], command="x")
+
+
+def test_performance_section_without_the_flag_writes_nothing(tmp_path, fixed_machine):
+    assert write_performance(None, "bench alpha", [], command="x") is None
+    run_simple(fake_ctx(tmp_path, plot_path=None), "chat", llm_factory=FakeLLM)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
+    path = tmp_path / "perf.md"
+    run_simple(fake_ctx(tmp_path, plot_path=None, performance_md=str(path)), "chat", llm_factory=FakeLLM)
+    text = path.read_text()
+    assert "## bench chat" in text and "| run | concurrency | requests | output tok/s |" in text
+    assert "4 requests, prompts of 4-8 tokens, outputs of 3-5 tokens" in text
+
+
+def test_command_line_names_no_machine_path(tmp_path):
+    root = tmp_path / "checkout"
+    (root / "refengine" / "bench").mkdir(parents=True)
+    assert command_line([str(root / ".venv" / "bin" / "refengine"), "bench", "chat", "--model",
+                         str(root / "weights" / "m"), "--performance-md", str(root / "docs" / "PERFORMANCE.md")],
+                        root=root) == ("refengine bench chat --model weights/m --performance-md docs/PERFORMANCE.md")
+    assert command_line([str(root / "refengine" / "bench" / "__main__.py"), "forward"], root=root) == \
+        "python -m refengine.bench forward"
+    assert command_line([str(root / "benchmarks" / "bench_single.py"), "--repeats", "3"], root=root) == \
+        "python benchmarks/bench_single.py --repeats 3"
+
+
+def test_machine_facts_name_the_cpu_and_the_commit():
+    from refengine.bench.machine import cpu_model, git_commit, machine_facts
+
+    facts = machine_facts(limits=(1e10, 1e11))
+    assert facts["cpu"] == cpu_model() and facts["cpu"] and facts["threads"] >= 1
+    assert facts["read_bandwidth_bytes_per_s"] == 1e10 and facts["float32_flops_per_s"] == 1e11
+    commit = git_commit()
+    assert commit == "not a git checkout" or len(commit.split()[0]) >= 4
+    assert git_commit(pathlib.Path(__file__).parent) == "not a git checkout"  # tests/ is not the top of a checkout
+
+
+# --- the bench commands that were scripts, tiny ------------------------------------------------
+
+
+def test_bench_prefix_cache_smoke(tmp_path, tiny_llama_tok_dir, fixed_machine):
+    """refengine bench prefix-cache on the tiny model: both sides, both workloads, the same outputs."""
+    out, md = tmp_path / "prefix.json", tmp_path / "perf.md"
+    res = CliRunner().invoke(bench, ["prefix-cache", "--model", str(tiny_llama_tok_dir), "--prefix-len", "32",
+                                     "--suffix-len", "4", "--num-requests", "2", "--output-len", "2", "--distinct-len", "8-16",
+                                     "--repeats", "1", "--json", str(out), "--performance-md", str(md)])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    doc = json.loads(out.read_text())
+    assert doc["identical_outputs"] is True
+    for side in ("off", "on"):
+        for phase in ("cold", "warm"):
+            assert doc["shared_prefix"][side][phase]["ttft_median_s"] > 0
+        assert len(doc["no_shared_prefix"][side]) == 1
+    assert max(doc["shared_prefix"]["on"]["warm"]["num_cached_tokens"]) >= 32  # the prefix came from the cache
+    assert doc["shared_prefix"]["off"]["warm"]["num_cached_tokens"] == [0, 0]
+    assert "TTFT median off/on" in res.output and "## bench prefix-cache" in md.read_text()
+
+
+def test_bench_kernels_smoke(tmp_path, tiny_llama_dir, fixed_machine):
+    """refengine bench kernels on the tiny model's shapes, one round: every row printed and kept."""
+    md = tmp_path / "perf.md"
+    res = CliRunner().invoke(bench, ["kernels", "--model", str(tiny_llama_dir), "--repeats", "1",
+                                     "--sections", "kernels,linear", "--performance-md", str(md)])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    assert "attention decode 8 seqs, ctx 512" in res.output and "lm_head, tiles" in res.output
+    text = md.read_text()
+    assert "## bench kernels" in text and "| kernels | attention prefill 512 | numpy |" in text
+    assert "| linear |" in text
+    res = CliRunner().invoke(bench, ["kernels", "--model", str(tiny_llama_dir), "--sections", "kernels,nope"])
+    assert res.exit_code == 2 and "nope: the sections are kernels, linear, step" in res.output
+
+
+def test_bench_import_order_smoke(tmp_path, tiny_llama_tok_dir, fixed_machine):
+    """refengine bench import-order at tiny sizes: each case in its own process, ratios to fresh."""
+    from refengine.bench.import_order import CASES, available_cases
+
+    out, md = tmp_path / "order.json", tmp_path / "perf.md"
+    res = CliRunner().invoke(bench, ["import-order", "--model", str(tiny_llama_tok_dir), "--num-prompts", "2",
+                                     "--input-len", "4-8", "--output-len", "2", "--json", str(out),
+                                     "--performance-md", str(md)])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    doc = json.loads(out.read_text())
+    ran, skipped = available_cases(list(CASES))
+    assert [c["case"] for c in doc["cases"]] == ran and sorted(doc["skipped"]) == sorted(skipped)
+    fresh = doc["cases"][0]
+    assert fresh["case"] == "fresh" and fresh["ratio_to_fresh"] == pytest.approx(1.0)
+    for case in doc["cases"]:
+        assert case["output_throughput"] > 0 and len(case["output_throughput_all"]) == 1
+        (r,) = doc["runs"][case["case"]]
+        assert r["total_output_tokens"] == 4
+        assert r["loaded_before_refengine"] == (["torch", "transformers"] if case["case"] == "torch" else [])
+    assert "## bench import-order" in md.read_text() and "| fresh | - |" in md.read_text()

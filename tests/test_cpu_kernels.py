@@ -22,7 +22,8 @@ import pytest
 
 pytest.importorskip("numba")
 
-from refengine.attention import AttentionMetadata, get_attention_backend  # noqa: E402
+from refengine.attention import AttentionMetadata  # noqa: E402
+from refengine.attention.selector import get_attention_backend  # noqa: E402
 from refengine.attention.numba_cpu import NumbaAttention, _Plan  # noqa: E402
 from refengine.attention.numpy_ref import NumpyAttention  # noqa: E402
 from refengine.layers import RotaryEmbedding  # noqa: E402
@@ -345,7 +346,7 @@ def test_configure_and_adapt_threads(monkeypatch):
     import numba
     from threadpoolctl import threadpool_info
 
-    from refengine import threads
+    from refengine.runtime import threads
 
     assert threads.numba_threading_layer() in ("omp", "workqueue", "tbb")
     try:
@@ -380,16 +381,17 @@ def test_configure_and_adapt_threads(monkeypatch):
         threads.configure_threads(None)
 
 
-@pytest.mark.parametrize("first", ["numba_ops", "configure_threads"])
+@pytest.mark.parametrize("first", ["setup_cpu_runtime", "numba_imported_first"])
 def test_wait_policy_is_set_only_while_numba_starts(first):
-    """numba's pool starts with GOMP_SPINCOUNT set, whether the kernels' import or the
-    engine's thread set-up (numba already imported) starts it; the variable is back to
-    unset after."""
+    """numba's pool starts with GOMP_SPINCOUNT set when the CPU runtime set-up starts it,
+    also when the program imported numba and NumPy before refengine; the variable is back
+    to unset after."""
     import subprocess
     import sys
 
-    start = ("from refengine.ops.numba_ops import NumbaOps" if first == "numba_ops"
-             else "from refengine import threads as th; th.configure_threads(2)")
+    start = ("from refengine.runtime import setup_cpu_runtime; setup_cpu_runtime()" if first == "setup_cpu_runtime"
+             else "import numpy, numba.np.ufunc.parallel\nfrom refengine.runtime import setup_cpu_runtime\n"
+                  "setup_cpu_runtime()\nfrom refengine.runtime import threads as th; th.configure_threads(2)")
     code = ("import os, numba, numba.np.ufunc.parallel as par\n"
             "seen = []\n"
             "launch = par._launch_threads\n"
@@ -398,13 +400,13 @@ def test_wait_policy_is_set_only_while_numba_starts(first):
             "    launch()\n"
             "par._launch_threads = spy\n"
             f"{start}\n"
-            "from refengine.threads import numba_threading_layer as t\n"
+            "from refengine.runtime.threads import numba_threading_layer as t\n"
             "print(t(), seen[0], os.environ.get('GOMP_SPINCOUNT'))\n")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True)
     layer, at_start, after = out.stdout.split()
-    from refengine.threads import GOMP_SPINCOUNT
+    from refengine.runtime.threads import GOMP_SPINCOUNT
 
     assert layer in ("omp", "workqueue", "tbb") and at_start == GOMP_SPINCOUNT and after == "None"
 
@@ -428,7 +430,7 @@ def test_exp_affine_accuracy_and_edges():
 def test_keep_freed_memory_applies_once_and_respects_the_user(monkeypatch):
     import platform
 
-    from refengine import malloc
+    from refengine.runtime import malloc
 
     monkeypatch.setattr(malloc, "_applied", False)
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
@@ -445,7 +447,7 @@ def test_huge_page_zeros_is_an_aligned_writable_zero_array():
     """The KV pool's allocation: zeros, writable, C-contiguous, the requested shape and dtype,
     starting on a 2 MB boundary when it is big enough to hold a huge page; small arrays are
     plain ``np.zeros``. Whether the kernel grants huge pages is its business (THP mode)."""
-    from refengine import malloc
+    from refengine.runtime import malloc
     from refengine.kv_cache import KVCache
 
     big = malloc.huge_page_zeros((300, 16, 3, 64), np.float32)  # 3.5 MB
@@ -470,36 +472,51 @@ def test_warm_up_says_once_what_compiling_took(tiny_llama_dir, monkeypatch, capl
 
     from refengine import LLM
     from refengine.model_runner import warm_up_cpu_kernels
-    from refengine.ops import numba_ops
+    from refengine.runtime import numba_support
 
     llm = LLM(str(tiny_llama_dir), max_model_len=128, log_stats=False)
     engine = llm.llm_engine
     caplog.clear()  # the engine's own warm-up: silent or not, depending on numba's cache
     counts = iter([5, 9])  # before and after: 4 kernels compiled
-    monkeypatch.setattr(numba_ops, "kernel_cache_misses", lambda: next(counts))
+    monkeypatch.setattr(numba_support, "kernel_cache_misses", lambda: next(counts))
     with caplog.at_level(logging.WARNING, logger="refengine.model_runner"):
         warm_up_cpu_kernels(engine.model, engine.kv_cache, 2048, 128)
     (record,) = caplog.records
     assert record.getMessage().startswith("compiled 4 numba CPU kernels in ")
     caplog.clear()
-    monkeypatch.setattr(numba_ops, "kernel_cache_misses", lambda: 7)  # all from the cache
+    monkeypatch.setattr(numba_support, "kernel_cache_misses", lambda: 7)  # all from the cache
     with caplog.at_level(logging.WARNING, logger="refengine.model_runner"):
         warm_up_cpu_kernels(engine.model, engine.kv_cache, 2048, 128)
         warm_up_cpu_kernels(engine.model, engine.kv_cache, 1, 2)  # too short a context: nothing runs
     assert not caplog.records
-    assert numba_ops.kernel_cache_dirs()  # where they are cached is known
+    assert numba_support.kernel_cache_dirs()  # where they are cached is known
 
 
-@pytest.mark.parametrize("setup,expected", [("", "4"), ("import numpy; ", "None"),
-                                            ("os.environ['OPENBLAS_THREAD_TIMEOUT'] = '10'; ", "10")])
-def test_openblas_thread_timeout_is_set_before_numpy_loads(setup, expected):
-    """`import refengine` sets OpenBLAS's idle spin to its minimum only when NumPy has not
-    loaded OpenBLAS yet (it reads the variable once) and the user has not set it."""
-    import subprocess
-    import sys
+@pytest.mark.parametrize("rows,k,n", [(64, 576, 1536), (161, 131, 77), (512, 64, 300), (31, 16, 8)])
+def test_blas_matmul_over_own_threads(rows, k, n):
+    """Row blocks over refengine's threads, each a one-thread BLAS call, give ``a @ b`` into
+    ``out`` or a new array at any thread count: within the forward error bound of a K-term
+    float32 dot product, ``K * eps * (|a| @ |b|)`` (OpenBLAS's summation order depends on how
+    it blocks the rows, single- or multi-threaded alike); and one thread is one call."""
+    from threadpoolctl import threadpool_limits
 
-    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
-    code = f"import os; {setup}import refengine; print(os.environ.get('OPENBLAS_THREAD_TIMEOUT'))"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == expected
+    from refengine.runtime import blas
+
+    rng = np.random.default_rng(rows)
+    a = rng.standard_normal((rows, k), dtype=np.float32)
+    b = rng.standard_normal((n, k), dtype=np.float32).T  # the transposed views the numba backend hands BLAS
+    bound = k * np.finfo(np.float32).eps * (np.abs(a).astype(np.float64) @ np.abs(b).astype(np.float64))
+    exact = a.astype(np.float64) @ b.astype(np.float64)
+    with threadpool_limits(limits=1, user_api="blas"):
+        before = blas.get_threads()
+        try:
+            blas.set_threads(1)
+            assert np.array_equal(blas.matmul(a, b), np.matmul(a, b))
+            for threads in (2, 3, 5):
+                blas.set_threads(threads)
+                got = blas.matmul(a, b)
+                assert got.dtype == np.float32 and np.all(np.abs(got - exact) <= bound)
+                out = np.full((rows, n), np.nan, dtype=np.float32)
+                assert blas.matmul(a, b, out=out) is out and np.array_equal(out, got)
+        finally:
+            blas.set_threads(before)

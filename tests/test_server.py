@@ -234,7 +234,7 @@ def test_non_streamed_request_is_aborted_when_client_leaves(smol):
 def test_bench_serve_against_the_server(smol, tmp_path):
     from click.testing import CliRunner
 
-    from refengine.server.benchmark import serve_bench
+    from refengine.bench.serve import serve_bench
 
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(serve_bench, [

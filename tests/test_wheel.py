@@ -113,11 +113,11 @@ backend = sys.argv[2] or None
 llm = LLM(sys.argv[1], attention_backend=backend, **json.loads(sys.argv[3]))
 params = SamplingParams(max_tokens=int(sys.argv[5]), temperature=0.0, ignore_eos=True)
 outs = llm.generate(json.loads(sys.argv[4]), params, use_tqdm=False)
-from refengine.ops import numba_ops
+from refengine.runtime import numba_support
 print(json.dumps({"file": refengine.__file__, "cuda_dir": str(cuda_source_dir()), "data_dir": str(bench_data_dir()),
                   "cache_dir": str(build_cache_dir()), "corpus": load_corpus(),
                   "tokens": [o.outputs[0].token_ids for o in outs],
-                  "kernels_compiled": numba_ops.kernel_cache_misses(), "kernel_cache": numba_ops.kernel_cache_dirs()}))
+                  "kernels_compiled": numba_support.kernel_cache_misses(), "kernel_cache": numba_support.kernel_cache_dirs()}))
 """
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "REFENGINE_CACHE_DIR", "NUMBA_CACHE_DIR")}
     env.update(PYTHONPATH=str(site_dir), REFENGINE_CACHE_DIR=str(cwd / "cache"))

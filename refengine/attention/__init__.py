@@ -123,31 +123,3 @@ class AttentionBackend(Protocol):
 
     def forward(self, q: Any, k_cache: Any, v_cache: Any, meta: AttentionMetadata, scale: float) -> Any:
         """Return ``[T, num_heads, head_dim]`` attention output per the contract above."""
-
-
-ATTENTION_BACKENDS = ("numpy", "numba", "cuda", "cuda-emulated")
-
-
-def get_attention_backend(name: str) -> AttentionBackend:
-    """Build the attention backend called ``name`` (one of :data:`ATTENTION_BACKENDS`).
-
-    Raises:
-        ValueError: ``name`` is not a known backend.
-    """
-    if name == "numpy":
-        from refengine.attention.numpy_ref import NumpyAttention
-
-        return NumpyAttention()
-    if name == "numba":
-        from refengine.attention.numba_cpu import NumbaAttention
-
-        return NumbaAttention()
-    if name == "cuda":
-        from refengine.attention.cuda import CudaAttention
-
-        return CudaAttention()
-    if name == "cuda-emulated":
-        from refengine.attention.cuda import EmulatedCudaAttention
-
-        return EmulatedCudaAttention()
-    raise ValueError(f"attention_backend={name!r} is not one of {ATTENTION_BACKENDS}")

@@ -41,13 +41,16 @@ vectorised ``exp`` (:func:`refengine.ops.numba_ops.exp_affine`, within 2 ulp).
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 from numba import njit, prange
 
 from refengine.attention import AttentionMetadata
 from refengine.attention.numpy_ref import gather_context
-from refengine.ops.numba_ops import exp_affine, parallel_kernel, prefetch
+from refengine.ops.numba_ops import exp_affine
+from refengine.runtime import blas
+from refengine.runtime.numba_support import parallel_kernel, prefetch, register_kernels
 
 #: Context tokens per decode task (a multiple of the block size is used).
 DECODE_PARTITION = 128
@@ -523,6 +526,9 @@ class NumbaAttention:
                 n_keys = first_pos + (q1 - start)  # keys after the tile's last row are in every row's future
                 qt = q[q0:q1, heads].reshape((q1 - q0) * group, head_dim)  # row (r, g) = r * group + g
                 scores = self._scores[:qt.shape[0] * n_keys].reshape(qt.shape[0], n_keys)
-                np.matmul(qt, kh[:n_keys].T, out=scores)
+                blas.matmul(qt, kh[:n_keys].T, out=scores)
                 _causal_softmax(scores, first_pos + (q0 - start), group, float(scale), SOFTMAX_ROWS_PER_TASK)
-                out[q0:q1, heads] = (scores @ vh[:n_keys]).reshape(q1 - q0, group, head_dim)
+                out[q0:q1, heads] = blas.matmul(scores, vh[:n_keys]).reshape(q1 - q0, group, head_dim)
+
+
+register_kernels(sys.modules[__name__])

@@ -1,6 +1,7 @@
-"""``refengine bench``: throughput and latency benchmarks, side by side with ``transformers``.
+"""``refengine bench``: every benchmark of refengine, in-process scenarios, the HTTP client
+and the single-purpose studies (``refengine bench COMMAND --help`` lists each one's flags).
 
-Scenarios (``refengine bench SCENARIO --help`` lists each one's flags and defaults):
+In-process scenarios, closed loop over ``LLMEngine``:
 
 - ``throughput``: N requests with seeded random prompt and output lengths, all submitted
   at once (vLLM's ``benchmark_throughput``). Requests/s, output tokens/s, total tokens/s.
@@ -11,6 +12,12 @@ Scenarios (``refengine bench SCENARIO --help`` lists each one's flags and defaul
 - ``sweep``: one workload at concurrency 1, 2, 4, ... N. Output tokens/s, TTFT and TPOT
   against concurrency, and the knee: the concurrency past which throughput stops growing
   (< ``--min-gain``) while latency climbs.
+- ``forward``: one forward pass per row count against the machine's roofline.
+
+The others: ``serve`` (an OpenAI-compatible server loaded over HTTP), ``spec`` (n-gram
+speculation off and on), ``prefix-cache`` (caching off and on), ``kernels`` (the numba
+kernels against their NumPy twins and BLAS), ``import-order`` (one workload in fresh
+processes that imported NumPy or torch first).
 
 One concern per module:
 
@@ -18,9 +25,15 @@ One concern per module:
 - ``driver.py``: ``run_engine`` (closed loop over ``LLMEngine``), ``RunResult``, latency summaries;
 - ``hf_baseline.py``: the same requests through ``transformers`` ``generate``, and the ratios;
 - ``sweep.py``: concurrency levels and the knee;
-- ``report.py``: text tables, the JSON report, the environment, the busy-machine warning;
+- ``machine.py``: the CPU, the commit, and the measured bandwidth and FLOP/s;
+- ``report.py``: text and Markdown tables, the JSON report, the environment, the
+  busy-machine warning, the sections of ``docs/PERFORMANCE.md`` (``write_performance``);
 - ``plot.py``: PNG plots;
-- ``scenarios.py``: each scenario from engine build to report;
+- ``scenarios.py``: each in-process scenario from engine build to report;
+- ``forward.py``, ``breakdown.py``: one pass against the roofline; where a step's time goes;
+- ``serve.py``, ``spec.py``, ``prefix_cache.py``, ``kernels.py``, ``import_order.py``: one
+  command each;
+- ``options.py``: the flags the commands share (``--performance-md`` among them);
 - ``cli.py``: the ``bench`` click group.
 """
 

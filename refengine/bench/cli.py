@@ -1,40 +1,26 @@
-"""``refengine bench``: the click group and one command per scenario."""
+"""``refengine bench``: the click group and one command per scenario.
+
+The in-process scenarios are defined here; the other commands live in their own modules
+and are registered at the end: ``serve`` (:mod:`refengine.bench.serve`), ``spec``,
+``prefix-cache``, ``kernels`` and ``import-order``.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-import os
-
 import click
 
-from refengine.bench.driver import build_llm
 from refengine.bench.hf_baseline import MISSING_TRANSFORMERS, transformers_available
+from refengine.bench.import_order import import_order_cmd
+from refengine.bench.kernels import kernels_cmd
+from refengine.bench.options import (LenRange, build_llm_or_fail, engine_kwargs, output_path,
+                                     performance_md_option)
 from refengine.bench.plot import MISSING_MATPLOTLIB, matplotlib_available
+from refengine.bench.prefix_cache import prefix_cache_cmd
 from refengine.bench.scenarios import BenchContext, llm_kwargs, run_long_context, run_simple, run_sweep
-from refengine.bench.workload import parse_len_range
-from refengine.cli import IntList, engine_options, fail, log_level_option
-from refengine.engine_args import EngineArgs, resolve_model_dir
-
-
-class LenRange(click.ParamType):
-    """A length flag: ``N`` or ``LO-HI`` (see :func:`parse_len_range`) -> ``(lo, hi)``."""
-
-    name = "N|LO-HI"
-
-    def convert(self, value, param, ctx):
-        try:
-            return parse_len_range(value)
-        except ValueError as e:
-            self.fail(str(e), param, ctx)
-
-
-def _output_path(ctx, param, value):
-    """An output file's directory must exist, so a run is not lost at its very end."""
-    if value is not None:
-        parent = os.path.dirname(os.path.abspath(value))
-        if not os.path.isdir(parent):
-            raise click.BadParameter(f"the directory {parent!r} does not exist", ctx, param)
-    return value
+from refengine.bench.serve import serve_bench
+from refengine.bench.spec import spec_cmd
+from refengine.cli_options import IntList, engine_options, fail, log_level_option
+from refengine.engine_args import EngineArgs
 
 
 def _options(*, num_prompts: int, input_len: str, output_len: str, max_concurrency: int | None, compare: bool):
@@ -55,11 +41,11 @@ def _options(*, num_prompts: int, input_len: str, output_len: str, max_concurren
             click.option("--dataset-dir", type=click.Path(exists=True, file_okay=False), default=None,
                          show_default="the corpus shipped with refengine.bench",
                          help="Directory of .txt files to cut prompts from."),
-            click.option("--json", "json_path", default=None, callback=_output_path, show_default="none",
+            click.option("--json", "json_path", default=None, callback=output_path, show_default="none",
                          help="Write every figure and the engine settings here."),
-            click.option("--plot", "plot_path", default=None, callback=_output_path, show_default="none",
+            click.option("--plot", "plot_path", default=None, callback=output_path, show_default="none",
                          help="Write a PNG of the results here (needs matplotlib)."),
-            click.option("--trace", "trace_path", default=None, callback=_output_path, show_default="none",
+            click.option("--trace", "trace_path", default=None, callback=output_path, show_default="none",
                          help="Write a Chrome trace (Perfetto) of the engine steps here."),
             click.option("--disable-tqdm", is_flag=True, show_default="off",
                          help="No progress bars (there are none anyway when stderr is not a terminal)."),
@@ -79,22 +65,11 @@ def _options(*, num_prompts: int, input_len: str, output_len: str, max_concurren
                 click.option("--hf-dtype", type=click.Choice(["float32", "float16", "bfloat16"]),
                              default="float32", show_default=True, help="transformers weight dtype."),
             ]
+        opts.append(performance_md_option)
         for opt in reversed(opts):
             f = opt(f)
         return engine_options(f)
     return deco
-
-
-def _engine_kwargs(kw: dict) -> tuple[EngineArgs, dict]:
-    """The engine flags as ``EngineArgs`` and as ``LLMEngine`` keyword arguments (model
-    directory resolved); bad values end the command with their message."""
-    try:
-        args = EngineArgs.from_cli(kw)
-    except ValueError as e:
-        fail(str(e))
-    engine_kw = dataclasses.asdict(args)
-    engine_kw["model"] = str(resolve_model_dir(engine_kw["model"]))
-    return args, engine_kw
 
 
 def _context(kw: dict) -> BenchContext:
@@ -104,7 +79,7 @@ def _context(kw: dict) -> BenchContext:
     longest request against the model's context and ``--max-model-len``, and the optional
     libraries ``--plot`` and ``--compare-transformers`` need.
     """
-    args, engine_kw = _engine_kwargs(kw)
+    args, engine_kw = engine_kwargs(kw)
     if kw["plot_path"] and not matplotlib_available():
         fail(MISSING_MATPLOTLIB, exit_code=1)
     if kw.get("compare_transformers") and not transformers_available():
@@ -115,7 +90,7 @@ def _context(kw: dict) -> BenchContext:
                        trace_path=kw["trace_path"], data_dir=kw["dataset_dir"], progress=not kw["disable_tqdm"],
                        compare_transformers=kw.get("compare_transformers", False),
                        hf_batch_size=kw.get("hf_batch_size"), hf_dtype=kw.get("hf_dtype", "float32"),
-                       warmup=not kw["no_warmup"], breakdown=kw["breakdown"])
+                       warmup=not kw["no_warmup"], breakdown=kw["breakdown"], performance_md=kw["performance_md"])
     _check_workload(ctx, args)
     return ctx
 
@@ -143,23 +118,14 @@ def _check_workload(ctx: BenchContext, args: EngineArgs) -> None:
         fail(f"the longest request ({lengths}) does not fit --max-model-len={args.max_model_len}")
 
 
-def _build_llm(engine_kw: dict):
-    """:func:`build_llm`, with bad engine settings ending the command with their message (as ``generate``)."""
-    try:
-        return build_llm(engine_kw)
-    except (ValueError, FileNotFoundError) as e:
-        fail(str(e))
-    except (RuntimeError, ImportError) as e:
-        fail(str(e), exit_code=1)
-
-
 @click.group("bench")
 @log_level_option
 def bench():
     """Throughput and latency benchmarks (see `refengine bench SCENARIO --help`).
 
     The engine flags are those of `refengine generate`, with the same defaults; unset,
-    --max-model-len is the workload's longest prompt plus longest output.
+    --max-model-len is the workload's longest prompt plus longest output. Every command
+    takes --performance-md FILE to write its table as a section of docs/PERFORMANCE.md.
     """
 
 
@@ -167,28 +133,28 @@ def bench():
 @_options(num_prompts=64, input_len="16-512", output_len="16-256", max_concurrency=None, compare=True)
 def throughput_cmd(**kw):
     """N requests of random lengths submitted at once: requests/s and tokens/s."""
-    run_simple(_context(kw), "throughput", _build_llm)
+    run_simple(_context(kw), "throughput", build_llm_or_fail)
 
 
 @bench.command("chat")
 @_options(num_prompts=32, input_len="32-128", output_len="32-128", max_concurrency=8, compare=False)
 def chat_cmd(**kw):
     """Short prompts and answers at fixed concurrency: P50/P90/P99 TTFT and TPOT."""
-    run_simple(_context(kw), "chat", _build_llm)
+    run_simple(_context(kw), "chat", build_llm_or_fail)
 
 
 @bench.command("generation")
 @_options(num_prompts=16, input_len="16-64", output_len="256", max_concurrency=None, compare=True)
 def generation_cmd(**kw):
     """Short prompts, long outputs: decode throughput."""
-    run_simple(_context(kw), "generation", _build_llm)
+    run_simple(_context(kw), "generation", build_llm_or_fail)
 
 
 @bench.command("long-context")
 @_options(num_prompts=8, input_len="1024", output_len="16", max_concurrency=4, compare=True)
 def long_context_cmd(**kw):
     """Long prompts, short outputs, chunked prefill on vs off: TTFT and inter-token latency."""
-    run_long_context(_context(kw), _build_llm)
+    run_long_context(_context(kw), build_llm_or_fail)
 
 
 @bench.command("sweep")
@@ -199,7 +165,7 @@ def long_context_cmd(**kw):
               help="Relative throughput gain below which growth counts as stopped.")
 def sweep_cmd(latency_metric, min_gain, **kw):
     """One workload at concurrency 1, 2, 4 .. N: throughput and latency curves, and the knee."""
-    run_sweep(_context(kw), latency_metric, min_gain, _build_llm)
+    run_sweep(_context(kw), latency_metric, min_gain, build_llm_or_fail)
 
 
 def _row_counts(ctx, param, rows: list[int]) -> list[int]:
@@ -217,16 +183,17 @@ def _row_counts(ctx, param, rows: list[int]) -> list[int]:
               help="Row counts up to this are decode steps (one token per sequence); above, one prefill chunk.")
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True,
               help="Timed passes per row count (the best is reported), after one warm-up pass.")
-@click.option("--json", "json_path", default=None, callback=_output_path, show_default="none",
+@click.option("--json", "json_path", default=None, callback=output_path, show_default="none",
               help="Write the table, the limits and the engine settings here.")
+@performance_md_option
 @engine_options
-def forward_cmd(rows, context_len, decode_max_rows, repeats, json_path, **kw):
+def forward_cmd(rows, context_len, decode_max_rows, repeats, json_path, performance_md, **kw):
     """One forward pass at each row count, its parts, against this machine's measured
     memory bandwidth and compute (the roofline): where the next gap is."""
-    from refengine.bench.forward import run_forward_bench
-    from refengine.bench.report import environment, write_json
+    from refengine.bench.forward import forward_table, run_forward_bench
+    from refengine.bench.report import describe_engine, environment, write_json, write_performance
 
-    _, engine_kw = _engine_kwargs(kw)
+    _, engine_kw = engine_kwargs(kw)
     longest = max([context_len + 1] + [r for r in rows if r > decode_max_rows])
     if engine_kw["max_model_len"] is None:
         engine_kw["max_model_len"] = longest
@@ -235,7 +202,7 @@ def forward_cmd(rows, context_len, decode_max_rows, repeats, json_path, **kw):
              f"({longest} tokens: --context-len + 1 or the largest prefill row count)")
     engine_kw["max_num_batched_tokens"] = max(engine_kw["max_num_batched_tokens"] or 0, max(rows))
     engine_kw["max_num_seqs"] = max(engine_kw["max_num_seqs"], max([r for r in rows if r <= decode_max_rows] or [1]))
-    llm = _build_llm(engine_kw)
+    llm = build_llm_or_fail(engine_kw)
     engine = llm.llm_engine
     click.echo(f"engine: {engine.config.summary()}")
     try:
@@ -246,13 +213,11 @@ def forward_cmd(rows, context_len, decode_max_rows, repeats, json_path, **kw):
         write_json(json_path, {"scenario": "forward", "engine_settings": engine_kw, "environment": environment(),
                                **report})
         click.echo(f"wrote {json_path}")
+    write_performance(performance_md, "bench forward", [
+        f"One forward pass per row count, decode rows at a context of {context_len} tokens, best of {repeats}; "
+        f"engine: {describe_engine(engine.config.summary())}.", forward_table(report["passes"])],
+        limits=(report["memory_bandwidth_bytes_per_s"], report["compute_flops_per_s"]), echo=click.echo)
 
 
-def _register_serve_bench() -> None:
-    """``bench serve``: the HTTP benchmark lives with the server (refengine/server/benchmark.py)."""
-    from refengine.server.benchmark import serve_bench
-
-    bench.add_command(serve_bench, "serve")
-
-
-_register_serve_bench()
+for _command in (serve_bench, spec_cmd, prefix_cache_cmd, kernels_cmd, import_order_cmd):
+    bench.add_command(_command)

@@ -47,20 +47,34 @@ class RequestResult:
                    inter_token_latencies=m.inter_token_latencies, output_token_ids=list(output_token_ids))
 
 
-def latency_summary(values_s: Iterable[float | None]) -> dict:
-    """Mean, median, P90, P99, min, max of latencies given in seconds, reported in milliseconds.
+def latency_figures(values_s: Iterable[float | None], percentiles: Iterable[float] = PERCENTILES) -> dict:
+    """Latencies given in seconds, in milliseconds: ``mean``, ``median``, ``std`` (population),
+    ``min``, ``max``, and ``p<q>`` for each ``q`` of ``percentiles`` (0-100; the key as
+    ``f"p{q:g}"``: ``p99``, ``p99.9``).
 
     Missing values (None) are skipped; every figure is None when nothing is left.
     """
-    xs = [v for v in values_s if v is not None]
-    keys = ["mean_ms", "median_ms"] + [f"p{p}_ms" for p in PERCENTILES] + ["min_ms", "max_ms"]
-    if not xs:
+    qs = list(percentiles)
+    ms = [1000.0 * v for v in values_s if v is not None]
+    keys = ["mean", "median", "std", "min", "max"] + [f"p{q:g}" for q in qs]
+    if not ms:
         return dict.fromkeys(keys)
-    ms = [1000.0 * v for v in xs]
-    out = {"mean_ms": sum(ms) / len(ms), "median_ms": percentile(ms, 50)}
-    out.update({f"p{p}_ms": percentile(ms, p) for p in PERCENTILES})
-    out.update({"min_ms": min(ms), "max_ms": max(ms)})
+    mean = sum(ms) / len(ms)
+    out = {"mean": mean, "median": percentile(ms, 50), "std": (sum((x - mean) ** 2 for x in ms) / len(ms)) ** 0.5,
+           "min": min(ms), "max": max(ms)}
+    out.update({f"p{q:g}": percentile(ms, q) for q in qs})
     return out
+
+
+def latency_summary(values_s: Iterable[float | None]) -> dict:
+    """Mean, median, P90, P99, min, max of latencies given in seconds, reported in milliseconds
+    (:func:`latency_figures`, keys ending in ``_ms``).
+
+    Missing values (None) are skipped; every figure is None when nothing is left.
+    """
+    figures = latency_figures(values_s)
+    keys = ["mean", "median"] + [f"p{p}" for p in PERCENTILES] + ["min", "max"]
+    return {f"{k}_ms": figures[k] for k in keys}
 
 
 @dataclass
@@ -216,7 +230,7 @@ def build_llm(engine_kwargs: dict):
 
     Args:
         engine_kwargs: ``LLMEngine`` keyword arguments, ``model`` included, as
-            :func:`refengine.cli.engine_kwargs` makes them from the engine flags (so the
+            :func:`refengine.bench.scenarios.llm_kwargs` makes them from the engine flags (so the
             bench runs with the engine's own defaults).
 
     Raises:

@@ -7,7 +7,8 @@ prompt tokens (positions ``0 .. rows - 1``), logits for its last row only. The K
 the engine's own pool, addressed through shuffled block tables as a long-running engine
 would leave them.
 
-The limits are measured here, now, with the engine's thread count:
+The limits are measured here, now, with the engine's thread count
+(:mod:`refengine.bench.machine`):
 
 * **memory bandwidth**: the best of a few sums over a 512 MiB float32 array (far larger
   than any cache), one part per thread, NumPy's SIMD sum in each (bytes read per second);
@@ -24,48 +25,18 @@ embedding table only for the rows looked up) plus the K and V the attention read
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from refengine.attention import paged_metadata
 from refengine.bench.breakdown import PartTimer
+from refengine.bench.machine import measure_bandwidth, measure_compute
 from refengine.bench.report import format_table
 from refengine.model_runner import is_blas_step
-from refengine.threads import adapt_threads, max_threads
+from refengine.runtime.threads import adapt_threads
 
 #: Parts of a pass, in the table's order (a forward pass has no sampler).
 FORWARD_PARTS = ("matmul", "lm_head", "attention", "elementwise", "python")
-
-
-def measure_bandwidth(nbytes: int = 512 << 20, repeats: int = 5, num_threads: int | None = None) -> float:
-    """Read bandwidth in bytes/s: the best of ``repeats`` sums over ``nbytes`` of float32,
-    split in ``num_threads`` parts (default: the engine's thread count) summed at once
-    (NumPy releases the GIL in the sum)."""
-    n = num_threads or max_threads()
-    x = np.ones(nbytes // 4, dtype=np.float32)
-    parts = np.array_split(x, n)
-    with ThreadPoolExecutor(n) as pool:
-        def read_all():
-            list(pool.map(np.add.reduce, parts))
-        read_all()
-        best = min(_timed(read_all) for _ in range(repeats))
-    return x.nbytes / best
-
-
-def measure_compute(n: int = 1024, repeats: int = 5) -> float:
-    """float32 BLAS throughput in flop/s: the best of ``repeats`` ``[n, n] @ [n, n]`` products."""
-    rng = np.random.default_rng(0)
-    a, b = rng.standard_normal((n, n), dtype=np.float32), rng.standard_normal((n, n), dtype=np.float32)
-    a @ b
-    best = min(_timed(lambda: a @ b) for _ in range(repeats))
-    return 2 * n ** 3 / best
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def pass_cost(model, rows: int, context_len: int, decode: bool) -> tuple[float, float]:
@@ -115,6 +86,15 @@ def _fill_cache(engine, num_blocks: int, rng) -> None:
         pool[:num_blocks] = engine.model.xp.asarray(block.astype(pool.dtype))
 
 
+def shuffled_block_tables(rng, num_seqs: int, max_seq_len: int, block_size: int) -> np.ndarray:
+    """``[num_seqs, ceil(max_seq_len / block_size)]`` int32 block tables over blocks
+    ``0 .. num_seqs * that - 1``, each block used once, in a random order: the pool as a
+    long-running engine leaves it (a sequence's blocks are not neighbours). Every sequence
+    gets the longest one's count; the entries past a shorter context are never read."""
+    per_seq = -(-max_seq_len // block_size)
+    return rng.permutation(num_seqs * per_seq).reshape(num_seqs, per_seq).astype(np.int32)
+
+
 def _inputs(engine, rows: int, context_len: int, decode: bool, rng):
     """Token ids, positions, metadata and logit rows of one pass, on a fresh shuffle of
     the blocks :func:`_fill_cache` wrote."""
@@ -129,9 +109,7 @@ def _inputs(engine, rows: int, context_len: int, decode: bool, rng):
         q_lens = seq_lens = np.array([rows], dtype=np.int32)
         positions = np.arange(rows, dtype=np.int64)
         logit_rows = np.array([rows - 1])
-    per_seq = -(-int(seq_lens.max()) // bs)
-    need = per_seq * q_lens.shape[0]
-    block_tables = rng.permutation(need).reshape(-1, per_seq).astype(np.int32)
+    block_tables = shuffled_block_tables(rng, q_lens.shape[0], int(seq_lens.max()), bs)
     meta = paged_metadata(q_lens, seq_lens, block_tables, bs)
     ids = rng.integers(0, engine.model.config.vocab_size, size=int(q_lens.sum()), dtype=np.int64)
     return ids, positions, meta, logit_rows
@@ -169,7 +147,7 @@ def run_forward_bench(engine, rows_list, context_len: int, decode_max_rows: int,
         best, parts = None, None
         for i, (ids, positions, meta, logit_rows) in enumerate(inputs):
             if xp is np:  # the thread pools as the model runner sets them for a step of this many rows
-                adapt_threads(blas_step=is_blas_step(model, rows, 1 if rows <= decode_max_rows else rows))
+                adapt_threads(blas_step=is_blas_step(model))
             with PartTimer(model) as timer:
                 t0 = time.perf_counter()
                 model.forward(xp.asarray(ids), positions, engine.kv_cache, meta, xp.asarray(logit_rows))
@@ -185,14 +163,18 @@ def run_forward_bench(engine, rows_list, context_len: int, decode_max_rows: int,
                         "tokens_per_s": rows / best, "roofline_ms": 1e3 * bound,
                         "bound": "memory" if nbytes / bandwidth >= flops / compute else "compute",
                         "parts_ms": {p: 1e3 * parts.get(p, 0.0) for p in FORWARD_PARTS}})
-    one = next((r["ms"] for r in results if r["rows"] == 1), None)
-    table = []
-    for r in results:
-        table.append([r["rows"], r["kind"], r["ms"], f"x{r['ms'] / one:.2f}" if one else "-", r["tokens_per_s"],
-                      r["roofline_ms"], r["bound"], f"{100 * r['roofline_ms'] / r['ms']:.0f}%"]
-                     + [r["parts_ms"][p] for p in FORWARD_PARTS])
     echo(f"one forward pass, decode rows at a context of {context_len} tokens, best of {repeats}")
-    echo(format_table(["rows", "kind", "ms", "vs 1 row", "tok/s", "roofline ms", "bound", "of roofline"]
-                      + [f"{p} ms" for p in FORWARD_PARTS], table))
+    echo(format_table(*forward_table(results)))
     return {"memory_bandwidth_bytes_per_s": bandwidth, "compute_flops_per_s": compute,
             "context_len": context_len, "repeats": repeats, "passes": results}
+
+
+def forward_table(passes: list[dict]) -> tuple[list[str], list[list]]:
+    """``(headers, rows)`` of the printed table, one row per pass of :func:`run_forward_bench`
+    (times in ms; "vs 1 row" only when a 1-row pass was timed)."""
+    one = next((r["ms"] for r in passes if r["rows"] == 1), None)
+    rows = [[r["rows"], r["kind"], r["ms"], f"x{r['ms'] / one:.2f}" if one else "-", r["tokens_per_s"],
+             r["roofline_ms"], r["bound"], f"{100 * r['roofline_ms'] / r['ms']:.0f}%"]
+            + [r["parts_ms"][p] for p in FORWARD_PARTS] for r in passes]
+    headers = ["rows", "kind", "ms", "vs 1 row", "tok/s", "roofline ms", "bound", "of roofline"]
+    return headers + [f"{p} ms" for p in FORWARD_PARTS], rows

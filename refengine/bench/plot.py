@@ -20,12 +20,8 @@ def matplotlib_available() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
-def plot_report(path: str | os.PathLike, runs: Sequence[RunResult], sweep: dict | None = None) -> None:
-    """Save a PNG: throughput and latency vs concurrency (sweeps), and per-step timelines.
-
-    A timeline shows, for each engine step of a refengine run, the prefill and the decode
-    tokens it computed (stacked bars as wide as the step lasted), seconds from the run's
-    first step. Runs without steps (transformers) get no timeline.
+def _pyplot():
+    """``matplotlib.pyplot`` on the file-only Agg backend (no display needed).
 
     Raises:
         ImportError: matplotlib is not installed (the message names the ``plot`` extra).
@@ -38,6 +34,20 @@ def plot_report(path: str | os.PathLike, runs: Sequence[RunResult], sweep: dict 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_report(path: str | os.PathLike, runs: Sequence[RunResult], sweep: dict | None = None) -> None:
+    """Save a PNG: throughput and latency vs concurrency (sweeps), and per-step timelines.
+
+    A timeline shows, for each engine step of a refengine run, the prefill and the decode
+    tokens it computed (stacked bars as wide as the step lasted), seconds from the run's
+    first step. Runs without steps (transformers) get no timeline.
+
+    Raises:
+        ImportError: matplotlib is not installed (the message names the ``plot`` extra).
+    """
+    plt = _pyplot()
     timelines = [r for r in runs if r.steps]
     if sweep is not None:  # one timeline is enough: the highest concurrency
         timelines = timelines[-1:]
@@ -90,4 +100,31 @@ def plot_report(path: str | os.PathLike, runs: Sequence[RunResult], sweep: dict 
         axes[0].set_axis_off()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_rate_sweep(path: str | os.PathLike, runs: Sequence[dict], percentiles: Sequence[float]) -> None:
+    """Save a PNG of ``bench serve``'s TTFT and TPOT percentiles against the request rate
+    (the knee is where they climb). ``runs``: the per-rate reports of
+    :func:`refengine.bench.serve.summarize` (``request_rate``, ``ttft_ms`` and ``tpot_ms``
+    with a ``p<q>`` entry per percentile).
+
+    Raises:
+        ImportError: matplotlib is not installed (the message names the ``plot`` extra).
+    """
+    plt = _pyplot()
+    labels = [str(r["request_rate"]) for r in runs]
+    x = list(range(len(runs)))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, title in ((axes[0], "ttft_ms", "TTFT"), (axes[1], "tpot_ms", "TPOT")):
+        for q in percentiles:
+            ax.plot(x, [r[key][f"p{q:g}"] or float("nan") for r in runs], marker="o", label=f"P{q:g}")
+        ax.set_xticks(x, labels)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(f"{title} (ms)")
+        ax.set_title(f"{title} against load")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,7 +1,7 @@
 """The scenarios: build the engine and the workload, run, compare, report.
 
 The engine is built from the same flags and defaults as ``refengine generate``
-(:func:`refengine.cli.engine_options`), once per scenario (twice for ``long-context``),
+(:func:`refengine.cli_options.engine_options`), once per scenario (twice for ``long-context``),
 with three adjustments that keep a workload runnable and the load set by the client:
 ``max_num_seqs`` is raised to the concurrency; ``max_model_len``, when not given, is the
 longest prompt plus the longest output (rounded up to a KV block); and with chunked
@@ -24,8 +24,8 @@ from refengine.bench.breakdown import StepBreakdown, format_breakdown
 from refengine.bench.driver import RunResult, build_llm, run_engine, warm_up
 from refengine.bench.hf_baseline import HF_DEFAULT_BATCH, compare, run_transformers
 from refengine.bench.plot import plot_report
-from refengine.bench.report import (busy_warning, environment, format_run, format_spec_decode, format_table,
-                                    format_value, write_json)
+from refengine.bench.report import (busy_warning, describe_engine, environment, format_run, format_spec_decode,
+                                    format_table, format_value, runs_table, write_json, write_performance)
 from refengine.bench.sweep import concurrency_levels, sweep_table
 from refengine.bench.workload import load_corpus, sample_requests
 from refengine.resources import bench_data_dir
@@ -36,7 +36,7 @@ class BenchContext:
     """Everything a scenario needs from the command line.
 
     ``engine_kwargs`` are ``LLMEngine`` keyword arguments, ``model`` included (see
-    :func:`refengine.cli.engine_kwargs`); the scenarios adjust them as the module says.
+    :func:`refengine.bench.scenarios.llm_kwargs`); the scenarios adjust them as the module says.
     """
 
     engine_kwargs: dict
@@ -55,6 +55,7 @@ class BenchContext:
     hf_dtype: str = "float32"
     warmup: bool = True
     breakdown: bool = False
+    performance_md: str | None = None
     echo: Callable[[str], None] = click.echo
 
     def needed_model_len(self) -> int:
@@ -112,8 +113,9 @@ def _prepare(ctx: BenchContext, settings: list[dict], llm_factory=build_llm):
 
 
 def _finish(ctx: BenchContext, scenario: str, runs: list[RunResult], engine, settings: list[dict], *,
-            extra: dict | None = None, sweep: dict | None = None) -> dict:
-    """Print, and write the JSON / plot / trace files the flags asked for; return the report."""
+            extra: dict | None = None, sweep: dict | None = None, notes: list[str] | None = None) -> dict:
+    """Print, and write the JSON / plot / trace files and the ``--performance-md`` section
+    (the runs' table, then ``notes``) the flags asked for; return the report."""
     report = {
         "scenario": scenario,
         "workload": {"num_prompts": ctx.num_prompts, "input_len": list(ctx.input_len),
@@ -136,7 +138,21 @@ def _finish(ctx: BenchContext, scenario: str, runs: list[RunResult], engine, set
     if ctx.trace_path and engine is not None:
         engine.metrics.write_trace(ctx.trace_path)
         ctx.echo(f"wrote {ctx.trace_path} (open in https://ui.perfetto.dev)")
+    write_performance(ctx.performance_md, f"bench {scenario}", [_workload_line(ctx, settings), runs_table(runs),
+                                                                 *(notes or [])], echo=ctx.echo)
     return report
+
+
+def _workload_line(ctx: BenchContext, settings: list[dict]) -> str:
+    """The workload and the engine(s) in one paragraph, for ``docs/PERFORMANCE.md``."""
+    def span(lo_hi):
+        lo, hi = lo_hi
+        return str(lo) if lo == hi else f"{lo}-{hi}"
+
+    engines = "; ".join(describe_engine(s["resolved_config"]) for s in settings if "resolved_config" in s)
+    return (f"{ctx.num_prompts} requests, prompts of {span(ctx.input_len)} tokens, outputs of "
+            f"{span(ctx.output_len)} tokens (greedy, EOS ignored, seed {ctx.seed}), max concurrency "
+            f"{ctx.max_concurrency or 'all at once'}" + (f"; engine: {engines}." if engines else "."))
 
 
 def _maybe_compare(ctx: BenchContext, ours: RunResult, requests) -> tuple[list[RunResult], dict | None]:
@@ -152,12 +168,16 @@ def _maybe_compare(ctx: BenchContext, ours: RunResult, requests) -> tuple[list[R
                               device=device, dtype=ctx.hf_dtype)
     ctx.echo(format_run(theirs))
     cmp = compare(ours, theirs)
-    ctx.echo(f"refengine / transformers: output throughput x{format_value(cmp['output_throughput_ratio'])}, "
-             f"total token throughput x{format_value(cmp['total_token_throughput_ratio'])}; "
-             f"median TTFT transformers/refengine x{format_value(cmp['median_ttft_ratio_theirs_over_ours'])}, "
-             f"median TPOT transformers/refengine x{format_value(cmp['median_tpot_ratio_theirs_over_ours'])}; "
-             f"identical greedy outputs: {cmp['greedy_exact_match']}/{cmp['num_requests']}")
+    ctx.echo(_comparison_line(cmp))
     return [theirs], cmp
+
+
+def _comparison_line(cmp: dict) -> str:
+    return (f"refengine / transformers: output throughput x{format_value(cmp['output_throughput_ratio'])}, "
+            f"total token throughput x{format_value(cmp['total_token_throughput_ratio'])}; "
+            f"median TTFT transformers/refengine x{format_value(cmp['median_ttft_ratio_theirs_over_ours'])}, "
+            f"median TPOT transformers/refengine x{format_value(cmp['median_tpot_ratio_theirs_over_ours'])}; "
+            f"identical greedy outputs: {cmp['greedy_exact_match']}/{cmp['num_requests']}")
 
 
 def _spec_decode_since(engine, before: dict | None) -> dict | None:
@@ -206,7 +226,8 @@ def run_simple(ctx: BenchContext, scenario: str, llm_factory=build_llm) -> dict:
     theirs, cmp = _maybe_compare(ctx, ours, requests)
     if cmp:
         extra["comparison"] = cmp
-    return _finish(ctx, scenario, [ours] + theirs, engine, settings, extra=extra or None)
+    return _finish(ctx, scenario, [ours] + theirs, engine, settings, extra=extra or None,
+                   notes=[_comparison_line(cmp)] if cmp else None)
 
 
 def run_long_context(ctx: BenchContext, llm_factory=build_llm) -> dict:
@@ -238,7 +259,8 @@ def run_long_context(ctx: BenchContext, llm_factory=build_llm) -> dict:
     extra = {"step_breakdown": breakdowns} if breakdowns else {}
     if cmp:
         extra["comparison"] = cmp
-    return _finish(ctx, "long-context", runs + theirs, None, settings, extra=extra or None)
+    return _finish(ctx, "long-context", runs + theirs, None, settings, extra=extra or None,
+                   notes=[_comparison_line(cmp)] if cmp else None)
 
 
 def run_sweep(ctx: BenchContext, latency_metric: str, min_gain: float, llm_factory=build_llm) -> dict:
@@ -263,8 +285,9 @@ def run_sweep(ctx: BenchContext, latency_metric: str, min_gain: float, llm_facto
             sweep["concurrency"], sweep["output_throughput"], sweep["request_throughput"],
             sweep["median_ttft_ms"], sweep["p99_ttft_ms"], sweep["median_tpot_ms"], sweep["p99_tpot_ms"])]))
     knee = sweep["knee_concurrency"]
-    ctx.echo(f"knee: concurrency {knee} (beyond it output throughput grows < {min_gain:.0%} "
-             f"while median {latency_metric.upper()} climbs)" if knee is not None
-             else f"no knee up to concurrency {top}: throughput still grows >= {min_gain:.0%} per step")
+    knee_line = (f"knee: concurrency {knee} (beyond it output throughput grows < {min_gain:.0%} "
+                 f"while median {latency_metric.upper()} climbs)" if knee is not None
+                 else f"no knee up to concurrency {top}: throughput still grows >= {min_gain:.0%} per step")
+    ctx.echo(knee_line)
     return _finish(ctx, "sweep", runs, engine, settings, sweep=sweep,
-                   extra={"step_breakdown": breakdowns} if breakdowns else None)
+                   extra={"step_breakdown": breakdowns} if breakdowns else None, notes=[knee_line])

@@ -40,19 +40,16 @@ Numerics (float32 in and out, as the twins):
 from __future__ import annotations
 
 import sys
-from types import FunctionType
 
 import numpy as np
-from llvmlite import ir
-from numba import carray, get_num_threads, njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import carray, get_num_threads, njit, prange
 
-from refengine import threads as _threads
+from refengine.runtime import blas
+from refengine.runtime.numba_support import ParallelKernel, stack_f32, parallel_kernel, prefetch, register_kernels
 
 
 #: From this many rows ``linear`` hands the product to BLAS, and the step gives BLAS the
-#: threads (:func:`refengine.threads.adapt_threads`). Below it :func:`_matmul_dot`'s 4 x 4
+#: threads (:func:`refengine.runtime.threads.adapt_threads`). Below it :func:`_matmul_dot`'s 4 x 4
 #: tile beats OpenBLAS's GEMM, whose packing pays off only on big products. SmolLM2, 2
 #: cores, ``refengine bench forward``, two runs each, kernel vs BLAS: decode passes at a
 #: 512-token context, 64 rows 216 / 233 vs 281 / 296 ms, 128 rows 421 / 445 vs 452 / 594;
@@ -73,41 +70,6 @@ ELEMENTWISE_PARALLEL_MIN_ROWS = 32
 
 _DOT = {"contract", "reassoc"}  # FMA + reassociation of sums (vectorised reductions); never nnan/ninf
 _FMA = {"contract"}
-
-
-class ParallelKernel:
-    """One ``prange`` loop compiled twice: spread over numba's threads, and as a plain
-    loop on the calling thread, which runs when numba is set to one thread.
-
-    A kernel compiled with ``parallel=True`` holds only its ``prange`` loop and plain calls:
-    the loop body is one call to an ``@njit`` task function, and allocations and
-    array expressions before or after the loop are calls to ``@njit`` functions too. Numba
-    turns every ``np.zeros``, slice assignment and array expression in a parallel function
-    into a parallel loop of its own, each a thread-pool launch (~40-70 us with passive
-    waits): the paged decode kernel's merge, with one small ``np.zeros`` per head, ran
-    10x slower on two threads than on one (16 sequences: 7.4 ms against 0.74 ms).
-
-    Why both: a parallel launch hands the work to pool threads even at one thread, and a
-    woken thread waits for a core; on a busy machine that wait (milliseconds) dwarfs a
-    decode kernel (microseconds). The serial twin is a separate function to numba (its own
-    name, so its own on-disk cache entry).
-    """
-
-    def __init__(self, py_func, **options):
-        self.parallel = njit(cache=True, parallel=True, **options)(py_func)
-        name = py_func.__name__ + "_serial"
-        serial = FunctionType(py_func.__code__, py_func.__globals__, name, py_func.__defaults__, py_func.__closure__)
-        serial.__qualname__ = py_func.__qualname__ + "_serial"
-        self.serial = njit(cache=True, **options)(serial)
-        self.__doc__ = py_func.__doc__
-
-    def __call__(self, *args):
-        return (self.parallel if get_num_threads() > 1 else self.serial)(*args)
-
-
-def parallel_kernel(**options):
-    """Decorator: a :class:`ParallelKernel` compiled with ``njit(cache=True, **options)``."""
-    return lambda py_func: ParallelKernel(py_func, **options)
 
 
 _LOG2E = np.float32(1.4426950408889634)
@@ -155,54 +117,6 @@ def exp_affine(x, a, b, out, scratch):  # pragma: no cover - compiled
         out[j] = poly[j] * two_k[j]
 
 
-@njit(cache=True, parallel=True)
-def _fill_range(out):  # pragma: no cover - compiled
-    for i in prange(out.shape[0]):
-        out[i] = i
-
-
-def start_thread_pool() -> None:
-    """Run one tiny parallel loop so numba loads its threading layer now
-    (:mod:`refengine.threads` sets the environment libgomp reads around this call)."""
-    _fill_range(np.empty(64, dtype=np.int64))
-
-
-@intrinsic
-def _stack_f32(typingctx, size):
-    """``float32*`` to ``size`` (a literal) floats on the stack of the calling kernel.
-
-    Accumulators that live there, indexed by constants once LLVM unrolls the loops over
-    them, become vector registers (numba has no fixed-size local array of its own on the CPU;
-    ``np.empty`` would be a heap array that LLVM must assume aliases the inputs).
-    """
-    if not isinstance(size, types.IntegerLiteral):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return cgutils.alloca_once(builder, context.get_value_type(types.float32), size=size.literal_value)
-
-    return types.CPointer(types.float32)(size), codegen
-
-
-@intrinsic
-def prefetch(typingctx, array, index):
-    """Ask the CPU to bring the cache line holding element ``index`` of the C-contiguous
-    ``array``, counted flat, into cache (LLVM's ``llvm.prefetch``: read, keep in all
-    levels). A hint: it changes no result and cannot fault, even past the array's end.
-    For memory read in more interleaved streams than the hardware prefetcher follows, or
-    in scattered blocks it cannot predict (the paged KV cache)."""
-    def codegen(context, builder, sig, args):
-        ary = context.make_array(sig.args[0])(context, builder, args[0])
-        ptr = builder.gep(ary.data, [args[1]])
-        i32 = ir.IntType(32)
-        fn = builder.module.declare_intrinsic("llvm.prefetch", [ptr.type],
-                                              ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]))
-        builder.call(fn, [ptr, i32(0), i32(3), i32(1)])
-        return context.get_dummy_value()
-
-    return types.void(array, index), codegen
-
-
 #: Lanes of every dot product's partial sums: one AVX-512 register of float32 (two AVX2 ones).
 LANES = 16
 _U = np.uintp  # unsigned indices: numba adds no negative-index wraparound, so loads stay vector loads
@@ -210,7 +124,7 @@ _U = np.uintp  # unsigned indices: numba adds no negative-index wraparound, so l
 
 @njit(fastmath=_FMA, inline="always")
 def _lanes():  # pragma: no cover - compiled
-    return carray(_stack_f32(LANES), (LANES,))
+    return carray(stack_f32(LANES), (LANES,))
 
 
 @njit(fastmath=_FMA, inline="always")
@@ -445,10 +359,15 @@ class NumbaOps:
     Weights are kept in the checkpoint's ``[out, in]`` layout (:meth:`weight`): each output's
     weights are one contiguous row, the layout a dot-product kernel streams. ``linear`` runs
     :func:`_matmul_dot` below :data:`BLAS_MIN_ROWS` rows and BLAS (``x @ w``, which reads
-    the transposed view as fast) from there, or for any other weight layout or dtype.
+    the transposed view as fast) from there, or for any other weight layout or dtype, by
+    :func:`refengine.runtime.blas.matmul` (row blocks over refengine's own threads, the BLAS
+    library on one thread: ``spreads_blas``).
     """
 
     name = "numba"
+    #: Large products are split over refengine's threads (:mod:`refengine.runtime.blas`), so a
+    #: step never gives the BLAS library's own pool threads (:func:`refengine.model_runner.is_blas_step`).
+    spreads_blas = True
 
     def __init__(self, blas_min_rows: int = BLAS_MIN_ROWS):
         self.blas_min_rows = blas_min_rows
@@ -465,7 +384,7 @@ class NumbaOps:
         rows = x.shape[0]
         if 0 < rows < self.blas_min_rows and w.dtype == np.float32 and w.T.flags.c_contiguous:
             return matmul_dot(x, w)
-        return (x.astype(w.dtype, copy=False) @ w).astype(np.float32, copy=False)
+        return blas.matmul(x.astype(w.dtype, copy=False), w).astype(np.float32, copy=False)
 
     @staticmethod
     def _over_rows(kernel: ParallelKernel, rows: int, *args) -> None:
@@ -507,28 +426,4 @@ class NumbaOps:
         return out
 
 
-def _dispatchers():
-    """Every compiled function of the numba backend (layer ops and attention), twins included."""
-    import refengine.attention.numba_cpu as attention
-
-    for module in (sys.modules[__name__], attention):
-        for value in vars(module).values():
-            if isinstance(value, ParallelKernel):
-                yield value.parallel
-                yield value.serial
-            elif hasattr(value, "py_func") and hasattr(value, "stats"):
-                yield value
-
-
-def kernel_cache_misses() -> int:
-    """How many kernel versions numba compiled (not found in its cache) in this process."""
-    return sum(sum(d.stats.cache_misses.values()) for d in _dispatchers())
-
-
-def kernel_cache_dirs() -> str:
-    """Where numba keeps the compiled kernels (``__pycache__`` beside the sources, or
-    numba's user-wide cache directory when that is not writable)."""
-    return ", ".join(sorted({d.stats.cache_path for d in _dispatchers() if d.stats.cache_path}))
-
-
-_threads.configure_numba()  # thread count and wait policy before the first kernel runs
+register_kernels(sys.modules[__name__])

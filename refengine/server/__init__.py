@@ -5,7 +5,8 @@
   it through a queue.
 - ``api.py``: the FastAPI app (``create_app``): endpoints, errors, limits, access log.
 - ``cli.py``: ``refengine serve``.
-- ``benchmark.py``: ``refengine bench serve``, a load generator over HTTP.
+
+The load generator over HTTP, ``refengine bench serve``, is :mod:`refengine.bench.serve`.
 
 FastAPI and uvicorn are the optional ``serve`` extra (``pip install 'refengine[serve]'``);
 nothing here imports them until a server is built.

@@ -39,6 +39,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from refengine.engine import PromptTooLongError
+from refengine.sampling_params import SamplingParams
+from refengine.sequence import CompletionOutput
 from refengine.server.engine_loop import AsyncEngine, EngineStepError, Overloaded, RequestStream
 from refengine.server.protocol import (ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest,
                                        ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, CompletionChoice,
@@ -58,15 +61,14 @@ class ServerLimits:
 
     Attributes:
         max_body_bytes: largest request body, bytes (413 above).
-        max_n: largest ``n`` (400 above).
-        max_logprobs: largest ``logprobs`` / ``top_logprobs`` (400 above).
+        max_n: largest ``n`` (400 above). (``logprobs`` / ``top_logprobs`` are bounded by the
+            engine's ``max_logprobs``, ``LLMEngine.check_sampling_params``.)
         max_waiting_requests: sequences allowed to wait for a first schedule; new
             requests get 503 while the queue is at this bound.
     """
 
     max_body_bytes: int = 4 * 1024 * 1024
     max_n: int = 16
-    max_logprobs: int = 20
     max_waiting_requests: int = 1024
 
 
@@ -225,6 +227,30 @@ def param_of(error: ValueError) -> str | None:
     return m.group(1) if m else None
 
 
+def bad_request(error: ValueError, param: str | None = None, renames: dict[str, str] | None = None) -> APIError:
+    """The 400 for a ``ValueError`` of ``SamplingParams`` or the engine's checks: its message
+    as is; ``param`` the field the message names (``renames`` maps it to the request's
+    name), else ``param``; a too-long prompt is ``context_length_exceeded``."""
+    named = param_of(error)
+    code = "context_length_exceeded" if isinstance(error, PromptTooLongError) else None
+    return APIError(400, str(error), param=(renames or {}).get(named, named) or param, code=code)
+
+
+@dataclass
+class ChoicePart:
+    """What one response carries of one choice (all of it, or streaming: what is new), which
+    each endpoint's ``choice`` function shapes into its choice object."""
+
+    tag: int  # the prompt's index in the request
+    index: int  # the choice's index in the response: tag * n + the completion's index
+    output: CompletionOutput  # the engine's completion (finish_reason, stop_reason)
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None  # of token_ids; None unless asked
+    text_offset: int = 0  # characters of the choice's text sent before this part
+    first: bool = True  # the choice's first part
+
+
 class OpenAIServing:
     """The completions, chat, tokenize and models logic over one :class:`AsyncEngine`."""
 
@@ -237,6 +263,10 @@ class OpenAIServing:
         self.max_model_len = self.engine.config.max_model_len
 
     # --- checks -------------------------------------------------------------------------
+    # What the engine can serve (prompt length and vocabulary, n, logprobs, stop token ids,
+    # the SamplingParams ranges) is the engine's to say: the handlers call its own checks
+    # (read-only, on its frozen config, so safe while a step runs) and turn their
+    # ValueError into a 400 before the request queues. Only the server's rules are here.
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
@@ -253,28 +283,34 @@ class OpenAIServing:
         bad = req.unsupported()
         if bad:
             raise APIError(400, bad[1], param=bad[0])
+        # The server's own bound per client (ServerLimits.max_n), not the engine's max_num_seqs,
+        # which the engine checks itself: it must refuse before n sequences are queued.
         if req.n is not None and req.n > self.limits.max_n:
             raise APIError(400, f"n={req.n} is above the server's limit of {self.limits.max_n}", param="n")
 
-    def check_logprobs(self, value: int | None, param: str) -> None:
-        if value is not None and not 0 <= value <= self.limits.max_logprobs:
-            raise APIError(400, f"{param}={value} is invalid: must be in [0, {self.limits.max_logprobs}]",
-                           param=param)
+    def engine_prompts(self, prompts: list, param: str) -> list[list[int]]:
+        """Each prompt's token ids as the engine reads and checks them
+        (``LLMEngine.prompt_token_ids``: text tokenized with the special tokens the engine
+        adds; empty, out-of-vocabulary and too-long prompts refused with a 400 on ``param``)."""
+        try:
+            return [self.engine.prompt_token_ids(p)[1] for p in prompts]
+        except ValueError as e:
+            raise bad_request(e, param) from None
 
     def max_tokens(self, prompts: list[list[int]], requested: int | None, explicit: bool,
-                   default: int | None, param: str, prompt_param: str = "prompt") -> int | None:
-        """The ``max_tokens`` to run with (None: until ``max_model_len``).
+                   default: int | None, param: str) -> int | None:
+        """The ``max_tokens`` to run with (None: until ``max_model_len``) after prompts the
+        engine has accepted (each shorter than ``max_model_len``).
+
+        The server's rule, not the engine's: the engine runs a ``max_tokens`` past
+        ``max_model_len`` to that length (finish "length"); OpenAI's API refuses it.
 
         Raises:
-            APIError: 400 when the longest prompt leaves no room for a token, or an explicit
-                ``requested`` (named ``param``) does not fit after it.
+            APIError: 400 when an explicit ``requested`` (named ``param``) does not fit after
+                the longest prompt.
         """
         limit = self.max_model_len
         longest = max(len(p) for p in prompts)
-        if longest >= limit:
-            raise APIError(400, f"this model's maximum context length is {limit} tokens, but the prompt has "
-                                f"{longest} tokens (it must be shorter than {limit} to leave room for one "
-                                "generated token)", param=prompt_param, code="context_length_exceeded")
         if explicit and requested is not None:
             if requested >= 1 and longest + requested > limit:
                 raise APIError(400, f"this model's maximum context length is {limit} tokens, but {longest + requested} "
@@ -283,11 +319,15 @@ class OpenAIServing:
             return requested
         return None if default is None else min(default, limit - longest)
 
-    def sampling_params(self, req, max_tokens, logprobs):
+    def sampling_params(self, req, max_tokens, logprobs, renames: dict[str, str] | None = None) -> SamplingParams:
+        """``req``'s ``SamplingParams``, checked by ``SamplingParams`` and the engine
+        (``LLMEngine.check_sampling_params``); ``renames``: see :func:`bad_request`."""
         try:
-            return req.sampling_params(max_tokens, logprobs)
+            params = req.sampling_params(max_tokens, logprobs)
+            self.engine.check_sampling_params(params)
         except ValueError as e:
-            raise APIError(400, str(e), param=param_of(e)) from None
+            raise bad_request(e, renames=renames) from None
+        return params
 
     async def submit(self, request_id: str, prompts: list[list[int]], params) -> RequestStream:
         if len(prompts) * params.n > self.limits.max_waiting_requests:  # would be refused forever
@@ -297,28 +337,10 @@ class OpenAIServing:
             return await self.loop.submit(request_id, prompts, params)
         except Overloaded as e:
             raise APIError(503, str(e), type="server_error", code="overloaded") from None
-        except ValueError as e:
-            raise APIError(400, str(e), param="prompt") from None
+        except ValueError as e:  # what only add_request checks (e.g. stop strings without a tokenizer)
+            raise bad_request(e, "prompt") from None
 
     # --- prompts ------------------------------------------------------------------------
-    def completion_prompts(self, prompt) -> list[list[int]]:
-        """``prompt`` (string, strings, token ids, lists of token ids) -> token ids per prompt."""
-        if isinstance(prompt, str):
-            prompt = [prompt]
-        if not prompt:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        if isinstance(prompt[0], int):
-            prompt = [prompt]
-        out = []
-        for p in prompt:
-            if isinstance(p, str):  # special tokens as engine.add_request adds them
-                out.append(self.require_tokenizer("a text prompt").encode(p, add_special_tokens=True))
-            else:
-                out.append(list(p))
-        if any(len(p) == 0 for p in out):
-            raise APIError(400, "a prompt is empty: at least one token is needed", param="prompt")
-        return out
-
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         tok = self.require_tokenizer("chat")
         try:  # the template writes its own special tokens
@@ -395,40 +417,42 @@ class OpenAIServing:
         c = sum(len(o.token_ids) for out in finals.values() for o in out.outputs)
         return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
-    # --- /v1/completions ------------------------------------------------------------------
-    async def create_completion(self, req: CompletionRequest, request: Request):
-        self.check_request(req)
-        self.check_logprobs(req.logprobs, "logprobs")
-        prompts = self.completion_prompts(req.prompt)
-        max_tokens = self.max_tokens(prompts, req.max_tokens, "max_tokens" in req.model_fields_set,
-                                     default=16, param="max_tokens")
-        params = self.sampling_params(req, max_tokens, req.logprobs)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+    async def generate(self, req, request: Request, request_id: str, prompts: list[list[int]], params, *,
+                       choice, response, chunk, head=()):
+        """Run a request and answer it, streamed or not: what both endpoints share.
+
+        Args:
+            req: the request body (``stream``, ``include_usage``).
+            request: the HTTP request (its disconnect aborts a non-streamed request).
+            request_id: the response's ``id``.
+            prompts: token ids per prompt; choice ``i`` of prompt ``tag`` is ``tag * n + i``.
+            params: the engine's sampling parameters.
+            choice: ``(ChoicePart, streamed) ->`` the endpoint's choice object.
+            response: ``(choices, usage) ->`` the non-streamed body.
+            chunk: ``(choices, usage) ->`` one streamed chunk (usage None but in the last).
+            head: chunks streamed before any delta (built lazily, as they are sent).
+        """
         record = access_record(request)
         record.request_id, record.prompt_tokens = request_id, sum(len(p) for p in prompts)
         stream = await self.submit(request_id, prompts, params)
         if req.stream:
-            return EventStreamResponse(self.completion_events(req, request_id, prompts, params.n, stream, record),
-                                       on_close=stream.close)
+            events = self.events(stream, prompts, params.n, record, choice, chunk, head, req.include_usage)
+            return EventStreamResponse(events, on_close=stream.close)
         finals = await self.collect(stream, request, record)
-        choices = []
-        for tag, out in sorted(finals.items()):
-            for c in out.outputs:
-                choices.append(CompletionChoice(
-                    index=tag * params.n + c.index, text=c.text, finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
-                    logprobs=self.completion_logprobs(c.token_ids, c.logprobs) if req.logprobs is not None else None,
-                    prompt_token_ids=prompts[tag] if req.return_token_ids else None,
-                    token_ids=list(c.token_ids) if req.return_token_ids else None))
+        parts = [ChoicePart(tag, tag * params.n + c.index, c, c.text, c.token_ids, c.logprobs)
+                 for tag, out in sorted(finals.items()) for c in out.outputs]
         usage = self.usage(prompts, finals)
         record.output_tokens = usage.completion_tokens
-        return CompletionResponse(id=request_id, model=self.model_name, choices=sorted(choices, key=lambda c: c.index),
-                                  usage=usage)
+        return response([choice(p, False) for p in sorted(parts, key=lambda p: p.index)], usage)
 
-    async def completion_events(self, req: CompletionRequest, request_id: str, prompts, n: int,
-                                stream: RequestStream, record: AccessRecord):
-        finals, finished, sent_text, started = {}, set(), {}, set()
+    async def events(self, stream: RequestStream, prompts: list[list[int]], n: int, record: AccessRecord,
+                     choice, chunk, head, include_usage: bool):
+        """The server-sent events of :meth:`generate`: ``head``, one chunk per choice that
+        advanced (its new text, token ids and logprobs), the usage chunk if asked, ``[DONE]``."""
+        finals, sent_text, finished = {}, {}, set()
         try:
+            for event in head:
+                yield sse(event)
             async for tag, out in stream:
                 finals[tag] = out
                 for c in out.outputs:
@@ -438,24 +462,15 @@ class OpenAIServing:
                     if record.first_token is None:
                         record.first_token = time.monotonic()
                     new = c.delta_token_ids
-                    logprobs = None
-                    if req.logprobs is not None:
-                        logprobs = self.completion_logprobs(new, c.logprobs[len(c.token_ids) - len(new):],
-                                                            offset=sent_text.get(index, 0))
-                    sent_text[index] = sent_text.get(index, 0) + len(c.delta_text)
-                    first = index not in started
-                    started.add(index)
+                    logprobs = None if c.logprobs is None else c.logprobs[len(c.token_ids) - len(new):]
+                    part = ChoicePart(tag, index, c, c.delta_text, new, logprobs,
+                                      text_offset=sent_text.get(index, 0), first=index not in sent_text)
+                    sent_text[index] = part.text_offset + len(c.delta_text)
                     if c.finish_reason is not None:
                         finished.add(index)
-                    choice = CompletionChoice(
-                        index=index, text=c.delta_text, logprobs=logprobs, finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason,
-                        prompt_token_ids=prompts[tag] if req.return_token_ids and first else None,
-                        token_ids=list(new) if req.return_token_ids else None)
-                    yield sse(CompletionResponse(id=request_id, model=self.model_name, choices=[choice]))
-            if req.include_usage:
-                yield sse(CompletionResponse(id=request_id, model=self.model_name, choices=[],
-                                             usage=self.usage(prompts, finals)))
+                    yield sse(chunk([choice(part, True)], None))
+            if include_usage:
+                yield sse(chunk([], self.usage(prompts, finals)))
         except EngineStepError as e:
             yield sse(ErrorResponse(error=ErrorInfo(message=str(e), type="server_error")))
         finally:
@@ -463,74 +478,70 @@ class OpenAIServing:
             record.output_tokens = self.usage(prompts, finals).completion_tokens  # also when cut short
         yield sse("[DONE]")
 
+    # --- /v1/completions ------------------------------------------------------------------
+    async def create_completion(self, req: CompletionRequest, request: Request):
+        self.check_request(req)
+        prompt = req.prompt
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+            prompt = [prompt]  # one prompt ([] is an empty one, which the engine refuses)
+        prompts = self.engine_prompts(prompt, "prompt")
+        max_tokens = self.max_tokens(prompts, req.max_tokens, "max_tokens" in req.model_fields_set,
+                                     default=16, param="max_tokens")
+        params = self.sampling_params(req, max_tokens, req.logprobs)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+
+        def choice(part: ChoicePart, streamed: bool) -> CompletionChoice:
+            return CompletionChoice(
+                index=part.index, text=part.text, finish_reason=part.output.finish_reason,
+                stop_reason=part.output.stop_reason,
+                logprobs=self.completion_logprobs(part.token_ids, part.logprobs, offset=part.text_offset)
+                if req.logprobs is not None else None,
+                prompt_token_ids=prompts[part.tag] if req.return_token_ids and part.first else None,
+                token_ids=list(part.token_ids) if req.return_token_ids else None)
+
+        def body(choices, usage) -> CompletionResponse:  # streamed chunks have the same shape
+            return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
+
+        return await self.generate(req, request, request_id, prompts, params, choice=choice, response=body,
+                                   chunk=body)
+
     # --- /v1/chat/completions -------------------------------------------------------------
     async def create_chat_completion(self, req: ChatCompletionRequest, request: Request):
         self.check_request(req)
-        top = req.top_logprobs or 0
-        self.check_logprobs(top, "top_logprobs")
-        prompt = self.chat_prompt(req.template_messages(), req.add_generation_prompt)
+        [prompt] = self.engine_prompts([self.chat_prompt(req.template_messages(), req.add_generation_prompt)],
+                                       "messages")
         if req.max_completion_tokens is not None:
             requested, param = req.max_completion_tokens, "max_completion_tokens"
         else:
             requested, param = req.max_tokens, "max_tokens"
-        max_tokens = self.max_tokens([prompt], requested, requested is not None, default=None, param=param,
-                                     prompt_param="messages")
-        params = self.sampling_params(req, max_tokens, top if req.logprobs else None)
+        max_tokens = self.max_tokens([prompt], requested, requested is not None, default=None, param=param)
+        top = req.top_logprobs or 0
+        params = self.sampling_params(req, max_tokens, top if req.logprobs else None,
+                                      renames={"logprobs": "top_logprobs"})  # the engine's logprobs is chat's top
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        record = access_record(request)
-        record.request_id, record.prompt_tokens = request_id, len(prompt)
-        stream = await self.submit(request_id, [prompt], params)
-        if req.stream:
-            return EventStreamResponse(self.chat_events(req, request_id, prompt, params.n, top, stream, record),
-                                       on_close=stream.close)
-        finals = await self.collect(stream, request, record)
-        out = finals[0]
-        choices = [ChatCompletionChoice(
-            index=c.index, message=ResponseMessage(content=c.text), finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
-            logprobs=self.chat_logprobs(c.token_ids, c.logprobs, top) if req.logprobs else None,
-            token_ids=list(c.token_ids) if req.return_token_ids else None) for c in out.outputs]
-        usage = self.usage([prompt], finals)
-        record.output_tokens = usage.completion_tokens
-        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage,
-                                      prompt_token_ids=prompt if req.return_token_ids else None)
 
-    async def chat_events(self, req: ChatCompletionRequest, request_id: str, prompt: list[int], n: int, top: int,
-                          stream: RequestStream, record: AccessRecord):
-        def chunk(choices, **kw):
-            return sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=choices, **kw))
+        def choice(part: ChoicePart, streamed: bool) -> ChatStreamChoice | ChatCompletionChoice:
+            text = {"delta": DeltaMessage(content=part.text)} if streamed else \
+                {"message": ResponseMessage(content=part.text)}
+            return (ChatStreamChoice if streamed else ChatCompletionChoice)(
+                index=part.index, **text, finish_reason=part.output.finish_reason,
+                stop_reason=part.output.stop_reason,
+                logprobs=self.chat_logprobs(part.token_ids, part.logprobs, top) if req.logprobs else None,
+                token_ids=list(part.token_ids) if req.return_token_ids else None)
 
-        final, finished = None, set()
-        try:
-            # the first chunk of each choice carries the role, as OpenAI's does
-            for i in range(n):
-                yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))],
-                            prompt_token_ids=prompt if req.return_token_ids and i == 0 else None)
-            async for _, out in stream:
-                final = out
-                for c in out.outputs:
-                    if c.index in finished or not (c.delta_token_ids or c.delta_text or c.finish_reason):
-                        continue
-                    if record.first_token is None:
-                        record.first_token = time.monotonic()
-                    new = c.delta_token_ids
-                    logprobs = None
-                    if req.logprobs:
-                        logprobs = self.chat_logprobs(new, c.logprobs[len(c.token_ids) - len(new):], top)
-                    if c.finish_reason is not None:
-                        finished.add(c.index)
-                    yield chunk([ChatStreamChoice(
-                        index=c.index, delta=DeltaMessage(content=c.delta_text), logprobs=logprobs,
-                        finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                        token_ids=list(new) if req.return_token_ids else None)])
-            if req.include_usage:
-                yield chunk([], usage=self.usage([prompt], {0: final}))
-        except EngineStepError as e:
-            yield sse(ErrorResponse(error=ErrorInfo(message=str(e), type="server_error")))
-        finally:
-            stream.close()
-            record.output_tokens = self.usage([prompt], {0: final} if final else {}).completion_tokens
-        yield sse("[DONE]")
+        def response(choices, usage) -> ChatCompletionResponse:
+            return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage,
+                                          prompt_token_ids=prompt if req.return_token_ids else None)
+
+        def chunk(choices, usage, prompt_token_ids=None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=request_id, model=self.model_name, choices=choices, usage=usage,
+                                       prompt_token_ids=prompt_token_ids)
+
+        # the first chunk of each choice carries the role, as OpenAI's does
+        head = (chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))], None,
+                      prompt_token_ids=prompt if req.return_token_ids and i == 0 else None) for i in range(params.n))
+        return await self.generate(req, request, request_id, [prompt], params, choice=choice, response=response,
+                                   chunk=chunk, head=head)
 
     # --- the small endpoints --------------------------------------------------------------
     def models(self) -> ModelList:

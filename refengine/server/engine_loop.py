@@ -7,7 +7,8 @@ One asyncio task runs the loop::
     route each RequestOutput to its request's own asyncio.Queue
 
 Only this task touches the engine (``step`` runs in its single worker thread, adds and
-aborts run between steps on the event loop), so the engine needs no locks. A handler
+aborts run between steps on the event loop), so the engine needs no locks; handlers call
+only its read-only checks (``prompt_token_ids``, ``check_sampling_params``). A handler
 queues an abort when its client goes away; it is applied before the next step, so the
 request's KV blocks are free after at most the step that was running.
 """

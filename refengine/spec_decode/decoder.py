@@ -156,7 +156,7 @@ class SpecDecoder:
             seq, prop = sample_seqs[i], proposals[sample_seqs[i]]
             x = processed[offset:offset + sizes[i]]
             offset += sizes[i]
-            if seq.sampling_params.temperature == 0.0:
+            if seq.sampling_params.greedy:
                 tokens, accepted = greedy_verify(np.argmax(x, axis=-1), prop.token_ids)
             else:
                 tokens, accepted = rejection_sample(probs_from_logits(x), prop.token_ids, prop.probs, seq.generator)

@@ -140,7 +140,7 @@ class DraftModelProposer:
         x = self.sampler.process_logits(logits, views)
         for row, i in enumerate(active):
             seq = items[i][0]
-            if seq.sampling_params.temperature == 0.0:
+            if seq.sampling_params.greedy:
                 drafts[i].append(int(np.argmax(x[row])))
                 probs[i].append(None)
             else:

@@ -9,24 +9,26 @@ their wait counts in their latency). A list of rates (``1,2,4,inf``) runs one be
 per rate on the same prompts, so TTFT and TPOT can be plotted against load.
 
 Prompts are windows of ``--input-len`` tokens cut at seeded offsets from the shipped
-corpus (``refengine/bench/data/*.txt``), tokenized by the server's ``/tokenize``; completions
+corpus (``refengine/bench/data/*.txt``, :func:`refengine.bench.workload.sample_requests`, as
+the in-process scenarios cut theirs), tokenized by the server's ``/tokenize``; completions
 get the token ids themselves (exact lengths), chat gets their text as one user message
 (the template adds its tokens; token counts come from the server's usage). Every request
 streams with ``ignore_eos`` and ``max_tokens = --output-len`` at temperature 0.
 
 Per request, from the client's clock: TTFT (send to first chunk carrying text), ITL (gaps
 between such chunks), TPOT ((E2EL - TTFT) / (output tokens - 1), first token excluded) and
-E2EL (send to end of stream). Times are reported in milliseconds, throughputs per second
-of the whole run. Goodput counts the requests meeting every ``--goodput`` limit.
+E2EL (send to end of stream). Times are reported in milliseconds
+(:func:`refengine.bench.driver.latency_figures`), throughputs per second of the whole run.
+Goodput counts the requests meeting every ``--goodput`` limit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import math
 import os
-import pathlib
 import shlex
 import socket
 import subprocess
@@ -38,7 +40,11 @@ from dataclasses import asdict, dataclass, field
 import click
 import numpy as np
 
-from refengine.metrics import percentile
+from refengine.bench.driver import latency_figures
+from refengine.bench.options import output_path, performance_md_option
+from refengine.bench.plot import MISSING_MATPLOTLIB, matplotlib_available, plot_rate_sweep
+from refengine.bench.report import environment, format_table, write_json, write_performance
+from refengine.bench.workload import load_corpus, sample_requests
 
 
 # The article's three scenarios; sizes chosen to finish in minutes on a CPU.
@@ -54,15 +60,6 @@ GOODPUT_KEYS = ("ttft", "tpot", "e2el")
 # --------------------------------------------------------------------------------------
 # Workload and arrivals
 # --------------------------------------------------------------------------------------
-
-
-def cut_prompts(corpus_ids: list[int], num_prompts: int, input_len: int, seed: int) -> list[list[int]]:
-    """``num_prompts`` windows of ``input_len`` tokens at seeded offsets (wrapping around)."""
-    if not corpus_ids:
-        raise ValueError("the corpus tokenized to no tokens")
-    ids = np.asarray(corpus_ids)
-    starts = np.random.default_rng(seed).integers(0, len(ids), size=num_prompts)
-    return [np.take(ids, np.arange(s, s + input_len), mode="wrap").tolist() for s in starts]
 
 
 def arrival_gaps(num: int, rate: float, burstiness: float, seed: int) -> list[float]:
@@ -229,16 +226,6 @@ async def run_at_rate(cfg: RunConfig, prompts: list, rate: float) -> tuple[list[
         return list(records), time.perf_counter() - start, peak
 
 
-def latency_stats(values_s: list[float], percentiles: list[float]) -> dict:
-    """mean / median / std / p<q> in milliseconds (None when there are no values)."""
-    ms = [v * 1e3 for v in values_s if v is not None]
-    stats = {"mean": float(np.mean(ms)) if ms else None, "median": percentile(ms, 50),
-             "std": float(np.std(ms)) if ms else None}
-    for q in percentiles:
-        stats[f"p{q:g}"] = percentile(ms, q)
-    return stats
-
-
 def summarize(records: list[RequestRecord], duration: float, peak: int, rate: float, cfg: RunConfig,
               percentiles: list[float], slo_ms: dict[str, float]) -> dict:
     """The run's figures as a JSON-ready dict (``request_rate`` "inf" when unbounded)."""
@@ -259,10 +246,10 @@ def summarize(records: list[RequestRecord], duration: float, peak: int, rate: fl
         "request_throughput": len(ok) / duration, "output_throughput": n_out / duration,
         "total_token_throughput": (n_in + n_out) / duration, "peak_concurrency": peak,
         "goodput_slo_ms": slo_ms or None, "request_goodput": good,
-        "ttft_ms": latency_stats([r.ttft for r in ok], percentiles),
-        "tpot_ms": latency_stats([r.tpot for r in ok], percentiles),
-        "itl_ms": latency_stats([x for r in ok for x in r.itl], percentiles),
-        "e2el_ms": latency_stats([r.e2el for r in ok], percentiles),
+        "ttft_ms": latency_figures([r.ttft for r in ok], percentiles),
+        "tpot_ms": latency_figures([r.tpot for r in ok], percentiles),
+        "itl_ms": latency_figures([x for r in ok for x in r.itl], percentiles),
+        "e2el_ms": latency_figures([r.e2el for r in ok], percentiles),
         "errors": sorted({r.error for r in records if not r.success})[:5],
     }
 
@@ -305,39 +292,13 @@ def format_block(run: dict, percentiles: list[float]) -> str:
     return "\n".join(lines)
 
 
-def format_sweep(runs: list[dict], percentiles: list[float]) -> str:
-    """One row per rate: throughput and TTFT / TPOT percentiles (ms)."""
+def sweep_table(runs: list[dict], percentiles: list[float]) -> tuple[list[str], list[list]]:
+    """``(headers, rows)``: one row per rate, throughput and TTFT / TPOT percentiles (ms)."""
     qs = [f"p{q:g}" for q in percentiles]
     head = ["rate", "req/s", "out tok/s"] + [f"TTFT {q}" for q in qs] + [f"TPOT {q}" for q in qs]
-    rows = [[str(r["request_rate"]), f"{r['request_throughput']:.2f}", f"{r['output_throughput']:.1f}"]
-            + ["n/a" if r["ttft_ms"][q] is None else f"{r['ttft_ms'][q]:.0f}" for q in qs]
-            + ["n/a" if r["tpot_ms"][q] is None else f"{r['tpot_ms'][q]:.0f}" for q in qs] for r in runs]
-    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-    return "\n".join("  ".join(x.rjust(w) for x, w in zip(line, widths)) for line in [head, *rows])
-
-
-def plot_sweep(path: str, runs: list[dict], percentiles: list[float]) -> None:
-    """TTFT and TPOT percentiles against the request rate (the knee is where they climb)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [str(r["request_rate"]) for r in runs]
-    x = list(range(len(runs)))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key, title in ((axes[0], "ttft_ms", "TTFT"), (axes[1], "tpot_ms", "TPOT")):
-        for q in percentiles:
-            ax.plot(x, [r[key][f"p{q:g}"] or float("nan") for r in runs], marker="o", label=f"P{q:g}")
-        ax.set_xticks(x, labels)
-        ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel(f"{title} (ms)")
-        ax.set_title(f"{title} against load")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    rows = [[str(r["request_rate"]), r["request_throughput"], r["output_throughput"]]
+            + [r["ttft_ms"][q] for q in qs] + [r["tpot_ms"][q] for q in qs] for r in runs]
+    return head, rows
 
 
 # --------------------------------------------------------------------------------------
@@ -413,11 +374,11 @@ def run_benchmark(base_url: str, opts: dict) -> dict:
     """Prepare the prompts, warm up, run every rate; return the report (printing as it goes)."""
     headers = {"Authorization": f"Bearer {opts['api_key']}"} if opts["api_key"] else {}
     model = opts["model"] or _server_json("GET", base_url + "/v1/models", headers)["data"][0]["id"]
-    from refengine.bench.workload import load_corpus  # lazily: refengine.bench registers this command
-
     corpus_ids = _server_json("POST", base_url + "/tokenize", headers,
                               {"model": model, "prompt": load_corpus(), "add_special_tokens": False})["tokens"]
-    prompts = cut_prompts(corpus_ids, opts["num_prompts"], opts["input_len"], opts["seed"])
+    length = (opts["input_len"], opts["input_len"])
+    prompts = [r.prompt_token_ids for r in sample_requests(corpus_ids, opts["num_prompts"], length, length,
+                                                           opts["seed"])]
     if opts["endpoint"].endswith("/chat/completions"):
         prompts = [_server_json("POST", base_url + "/detokenize", headers, {"model": model, "tokens": p})["prompt"]
                    for p in prompts]
@@ -436,10 +397,10 @@ def run_benchmark(base_url: str, opts: dict) -> dict:
         click.echo(format_block(run, opts["percentiles"]))
         runs.append(run)
     if len(runs) > 1:
-        click.echo(format_sweep(runs, opts["percentiles"]))
+        click.echo(format_table(*sweep_table(runs, opts["percentiles"])))
     return {"base_url": base_url, "endpoint": cfg.endpoint, "model": model, "num_prompts": opts["num_prompts"],
             "input_len": opts["input_len"], "output_len": opts["output_len"], "seed": opts["seed"],
-            "preset": opts["preset"], "runs": runs}
+            "preset": opts["preset"], "runs": runs, "environment": environment()}
 
 
 @click.command("serve")
@@ -471,22 +432,23 @@ def run_benchmark(base_url: str, opts: dict) -> dict:
 @click.option("--num-warmups", type=click.IntRange(min=0), default=1, show_default=True,
               help="requests sent (2 tokens each) before measuring")
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="seconds per request")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, show_default="none",
-              help="write the report here")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, show_default="none",
-              help="PNG of TTFT / TPOT percentiles against the request rate")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=output_path,
+              show_default="none", help="write the report here")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, callback=output_path,
+              show_default="none", help="PNG of TTFT / TPOT percentiles against the request rate (needs matplotlib)")
 @click.option("--launch-server", is_flag=True, show_default="off", help="start `refengine serve` on a free loopback port for the run")
 @click.option("--server-args", default="", show_default="none", help="flags for the launched server, one string ('--model DIR ...')")
 @click.option("--launch-timeout", type=float, default=600.0, show_default=True,
               help="seconds to wait for the launched server to be healthy")
+@performance_md_option
 def serve_bench(base_url, endpoint, model, api_key, preset, num_prompts, input_len, output_len, request_rate,
                 burstiness, max_concurrency, seed, percentiles, goodput, num_warmups, timeout, json_path, plot_path,
-                launch_server, server_args, launch_timeout):
+                launch_server, server_args, launch_timeout, performance_md):
     """Load an OpenAI-compatible server over HTTP; print vLLM's serving benchmark block."""
-    try:
-        import httpx  # noqa: F401
-    except ImportError:
-        raise click.ClickException("bench serve needs httpx (pip install 'refengine[serve]')") from None
+    if importlib.util.find_spec("httpx") is None:
+        raise click.ClickException("bench serve needs httpx (pip install 'refengine[serve]')")
+    if plot_path and not matplotlib_available():
+        raise click.ClickException(MISSING_MATPLOTLIB)
     sizes = PRESETS[preset] if preset else DEFAULTS
     try:
         qs = [float(q) for q in percentiles.split(",")]
@@ -506,8 +468,13 @@ def serve_bench(base_url, endpoint, model, api_key, preset, num_prompts, input_l
     else:
         report = run_benchmark(base_url.rstrip("/"), opts)
     if json_path:
-        with open(json_path, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
+        write_json(json_path, report)
     if plot_path:
-        plot_sweep(plot_path, report["runs"], qs)
+        plot_rate_sweep(plot_path, report["runs"], qs)
         click.echo(f"plot: {os.path.abspath(plot_path)}", err=True)
+    where = "a server it launched" if launch_server else "a running server"
+    write_performance(performance_md, "bench serve", [
+        f"{report['num_prompts']} requests to {report['endpoint']} of {where}, {report['input_len']} tokens in, "
+        f"{report['output_len']} out (greedy, EOS ignored, seed {seed}), burstiness {burstiness}, max concurrency "
+        f"{max_concurrency or 'no limit'}; the client's clock. Times in ms.",
+        sweep_table(report["runs"], qs)], echo=click.echo)

@@ -1,37 +1,32 @@
-"""Batch-1 decode speed with and without n-gram speculative decoding, in one run.
+"""``refengine bench spec``: batch-1 decode speed with and without n-gram speculative decoding.
 
-Two workloads, each generated greedily by two engines of the same settings, speculation
-off and on, ``--runs`` times each, alternating (the median rate is reported, so a
-moment of load on the machine hits both sides alike):
+Two workloads, each generated greedily by two engines of the same settings (the engine
+flags), speculation off and on, ``--runs`` times each, alternating (the median rate is
+reported, so a moment of load on the machine hits both sides alike):
 
 - ``grounded``: the model is asked to repeat a passage that is in its prompt, so the
   continuation copies the prompt and n-gram proposals are often right;
 - ``free``: an open question, where proposals are rarely found or right.
 
-Decode tokens/s = (output tokens - 1) / (time of the last token - time of the first),
-as ``bench_single.py``; with speculation several tokens share one step's time stamp,
-which this rate accounts for. The outputs must be token for token the same (greedy);
-a difference is reported. Also printed: the acceptance rate and mean acceptance length,
-and the time of one target forward pass that returns logits at 1, 2, 4, 6 and 8 rows
-after a prompt-length context (a verify of k proposals is k + 1 rows): on a
+Decode tokens/s = (output tokens - 1) / (time of the last token - time of the first), as
+``benchmarks/bench_single.py``; with speculation several tokens share one step's time
+stamp, which this rate accounts for. The outputs must be token for token the same
+(greedy); a difference is reported. Also printed: the acceptance rate and mean acceptance
+length, and the time of one target forward pass that returns logits at 1, 2, 4, 6 and 8
+rows after a prompt-length context (a verify of k proposals is k + 1 rows): on a
 memory-bound machine the extra rows should cost little.
-
-    python benchmarks/bench_spec.py [--model DIR] [--max-tokens 128] [-k 4] [--runs 3] [--json FILE]
 """
 
 from __future__ import annotations
 
-import os
 import statistics
-import sys
 import time
 
 import click
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from refengine.bench.report import busy_warning, environment, format_table, write_json  # noqa: E402
-from refengine.engine_args import resolve_model_dir  # noqa: E402
+from refengine.bench.options import build_llm_or_fail, engine_kwargs, output_path, performance_md_option
+from refengine.bench.report import busy_warning, environment, format_table, write_json, write_performance
+from refengine.cli_options import engine_options, fail
 
 PASSAGE = ("The paged KV cache stores the keys and values of every sequence in fixed-size blocks. "
            "A block table maps each position of a sequence to the block that holds it, so memory is "
@@ -41,19 +36,21 @@ WORKLOADS = {
     "grounded": f"Repeat the following text exactly, word for word.\n\n{PASSAGE}",
     "free": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
 }
+#: Rows of the verify-cost passes (a verify of k proposals is k + 1 rows).
+VERIFY_ROWS = (1, 2, 4, 6, 8)
 
 
-def build(model: str, spec: dict | None):
-    """An engine for one side of the comparison, warmed up."""
-    from refengine import LLM, SamplingParams
+def build(engine_kw: dict, spec: dict | None):
+    """An engine for one side of the comparison (``engine_kw`` with ``speculative_config=spec``), warmed up."""
+    from refengine import SamplingParams
 
-    llm = LLM(model=model, max_num_seqs=1, log_stats=False, speculative_config=spec)
+    llm = build_llm_or_fail({**engine_kw, "speculative_config": spec})
     llm.generate([[1, 2, 3, 4, 5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
     return llm
 
 
 def generate(llm, prompt_ids: list[int], max_tokens: int) -> dict:
-    """One greedy generation; its decode rate, tokens and acceptance."""
+    """One greedy generation; its decode rate (tokens/s), tokens and acceptance."""
     from refengine import SamplingParams
 
     before = dict(llm.llm_engine.metrics.spec_totals)
@@ -75,13 +72,13 @@ def median_run(runs: list[dict]) -> dict:
     return {**ordered[len(ordered) // 2], "decode_tok_per_s_all": [r["decode_tok_per_s"] for r in runs]}
 
 
-def forward_times(model: str, prompt_ids: list[int], rows: tuple[int, ...], repeats: int) -> dict[int, float]:
+def forward_times(engine_kw: dict, prompt_ids: list[int], rows: tuple[int, ...], repeats: int) -> dict[int, float]:
     """Median seconds of one target forward pass returning logits at ``n`` rows (a verify of
     n - 1 proposals) after a context of ``len(prompt_ids)`` tokens, for each ``n`` in ``rows``."""
-    from refengine import LLM, SamplingParams
+    from refengine import SamplingParams
     from refengine.sequence import Sequence
 
-    engine = LLM(model=model, max_num_seqs=1, log_stats=False).llm_engine
+    engine = build_llm_or_fail({**engine_kw, "speculative_config": None}).llm_engine
     context, most = len(prompt_ids), max(rows)
     tokens = (prompt_ids * 2)[:context + most]
     seq = Sequence("fwd", None, tokens, SamplingParams(max_tokens=1))
@@ -102,28 +99,41 @@ def forward_times(model: str, prompt_ids: list[int], rows: tuple[int, ...], repe
     return out
 
 
-@click.command()
-@click.option("--model", default=None, help="model directory (default: $REFENGINE_MODEL or the SmolLM2 checkout)")
-@click.option("--max-tokens", default=128, show_default=True, help="tokens generated per run")
-@click.option("-k", "--num-speculative-tokens", "k", default=4, show_default=True, help="proposals per step")
-@click.option("--prompt-lookup-max", default=4, show_default=True)
-@click.option("--prompt-lookup-min", default=2, show_default=True)
-@click.option("--runs", default=3, show_default=True, help="generations per workload and side (median reported)")
-@click.option("--repeats", default=10, show_default=True, help="timed repeats per forward-pass size")
-@click.option("--json", "json_path", default=None, help="write every figure to this file")
-def main(model, max_tokens, k, prompt_lookup_max, prompt_lookup_min, runs, repeats, json_path):
-    from refengine.tokenizer import Tokenizer
-
+@click.command("spec")
+@click.option("--max-tokens", type=click.IntRange(min=2), default=128, show_default=True,
+              help="Tokens generated per run.")
+@click.option("-k", "--num-speculative-tokens", "k", type=click.IntRange(min=1), default=4, show_default=True,
+              help="n-gram proposals per step.")
+@click.option("--prompt-lookup-max", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Longest n-gram looked up in the context.")
+@click.option("--prompt-lookup-min", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Shortest n-gram looked up in the context.")
+@click.option("--runs", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Generations per workload and side (median reported).")
+@click.option("--repeats", type=click.IntRange(min=1), default=10, show_default=True,
+              help="Timed repeats per forward-pass size.")
+@click.option("--json", "json_path", default=None, callback=output_path, show_default="none",
+              help="Write every figure to this file.")
+@performance_md_option
+@engine_options
+def spec_cmd(max_tokens, k, prompt_lookup_max, prompt_lookup_min, runs, repeats, json_path, performance_md, **kw):
+    """Batch-1 decode with n-gram speculation off and on: tokens/s, acceptance, same output."""
+    _, engine_kw = engine_kwargs(kw)
+    if engine_kw["speculative_config"] is not None:
+        fail("bench spec runs speculation off and on itself, n-gram from -k, --prompt-lookup-max and "
+             "--prompt-lookup-min: leave out --speculative-config")
     warning = busy_warning()
     if warning:
         click.echo(warning)
-    model = str(resolve_model_dir(model))
-    tok = Tokenizer.from_pretrained(model)
     spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": prompt_lookup_max,
             "prompt_lookup_min": prompt_lookup_min}
-    report = {"speculative_config": spec, "max_tokens": max_tokens, "environment": environment(), "workloads": {}}
+    report = {"speculative_config": spec, "max_tokens": max_tokens, "engine_settings": engine_kw,
+              "environment": environment(), "workloads": {}}
     rows = []
-    engines = {"off": build(model, None), "on": build(model, spec)}
+    engines = {"off": build(engine_kw, None), "on": build(engine_kw, spec)}
+    tok = engines["off"].get_tokenizer()
+    if tok is None:
+        fail(f"{engine_kw['model']} has no tokenizer.json: bench spec's prompts are chat text")
     for name, text in WORKLOADS.items():
         ids = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True)
         sides = {"off": [], "on": []}
@@ -136,18 +146,21 @@ def main(model, max_tokens, k, prompt_lookup_max, prompt_lookup_min, runs, repea
         rows.append([name, len(ids), off["num_tokens"], off["decode_tok_per_s"], on["decode_tok_per_s"],
                      on["decode_tok_per_s"] / off["decode_tok_per_s"], on["acceptance_rate"],
                      on["mean_acceptance_length"], same])
-    click.echo(format_table(["workload", "prompt", "tokens", "off tok/s", "n-gram tok/s", "speed-up",
-                             "acceptance", "mean acc. len", "same output"], rows))
+    speed = (["workload", "prompt", "tokens", "off tok/s", "n-gram tok/s", "speed-up", "acceptance",
+              "mean acc. len", "same output"], rows)
+    click.echo(format_table(*speed))
     del engines
     ids = tok.encode(WORKLOADS["grounded"])
-    fwd = forward_times(model, ids, (1, 2, 4, 6, 8), repeats)
+    fwd = forward_times(engine_kw, ids, VERIFY_ROWS, repeats)
     report["forward_s_by_rows"] = fwd
+    verify = (["rows", "ms", "x 1 row"], [[n, 1e3 * t, t / fwd[1]] for n, t in fwd.items()])
     click.echo(f"\none forward pass after {len(ids)} context tokens (median of {repeats}):")
-    click.echo(format_table(["rows", "ms", "x 1 row"], [[n, 1e3 * t, t / fwd[1]] for n, t in fwd.items()]))
+    click.echo(format_table(*verify))
     if json_path:
         write_json(json_path, report)
         click.echo(f"wrote {json_path}")
-
-
-if __name__ == "__main__":
-    main()
+    write_performance(performance_md, "bench spec", [
+        f"Batch 1, greedy, n-gram speculation off and on (k = {k}, prompt_lookup_max {prompt_lookup_max}, "
+        f"prompt_lookup_min {prompt_lookup_min}), {max_tokens} tokens per run, median of {runs} alternating runs.",
+        speed, f"One target forward pass returning logits at n rows after {len(ids)} context tokens "
+               f"(a verify of k proposals is k + 1 rows), median of {repeats}.", verify], echo=click.echo)

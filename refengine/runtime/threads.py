@@ -1,53 +1,39 @@
-"""How many threads BLAS and the numba kernels use, and how idle threads wait.
+"""How many threads the CPU engine uses, per step, and how idle threads wait.
 
-The engine calls :func:`configure_threads` once at start on the CPU and
-:func:`adapt_threads` once per step. Choices, and why:
+The engine calls :func:`configure_threads` once at start and :func:`adapt_threads` once
+per step; :func:`refengine.runtime.setup_cpu_runtime` calls :func:`use_wait_policy`
+before. docs/cpu_runtime.md walks through the choices; in short:
 
 * **Thread count**: the cores this process may run on (``os.sched_getaffinity``, so
-  ``taskset``, cpusets and containers count), **minus the cores other processes keep
-  busy**. A parallel kernel waits for its slowest thread, and a thread sharing a core with
-  another process waits for a time slice, at each of a decode step's ~150 parallel
+  ``taskset``, cpusets and containers count), minus the cores other processes keep busy.
+  A parallel kernel waits for its slowest thread, and a thread sharing its core with
+  another process waits for a time slice at each of a decode step's many parallel
   launches. So :func:`adapt_threads` reads, at most every :data:`ADAPT_INTERVAL_S`, how
   much CPU time this process's cores gave other processes (``/proc/stat`` minus our own
   ``os.times``) and uses one thread fewer per core they kept more than
   :data:`BUSY_CORE_SHARE` busy, never fewer than one. An explicit ``num_threads`` turns
   this off.
-* **BLAS's threads only in BLAS steps; numba's in every step**: a step with BLAS products
-  (``blas_step``: at least :data:`refengine.ops.numba_ops.BLAS_MIN_ROWS` rows, or a prefill
-  chunk long enough for the attention's BLAS products,
-  :func:`refengine.model_runner.is_blas_step`) gives BLAS the threads; any other step gives
-  BLAS one. numba keeps the thread count in both: in a BLAS step its kernels (the
-  decode attention of the batch's decode rows, the causal softmax, the elementwise layers)
-  run between BLAS calls. The model calls one kernel at a time, so the pools never work
-  together, but an idle pool's threads *wait* (spin) for a while after each call and take
-  the core from the other pool's threads; so both pools spin only briefly (below). With
-  the earlier spins (OpenBLAS ~0.1 s, libgomp ~1 ms), both pools at 2 threads made a
-  512-token prefill take 3.2 s against 0.8 s, so numba was cut to one thread in BLAS
-  steps; with the short spins, numba at full strength beside BLAS is the faster choice
-  (``refengine bench throughput``, two alternating pairs: 157 / 162 against 152 / 155
-  output tok/s; a 1024-token prefill 1.63 against 1.69 s).
+* **One thread pool per step**: numba's kernels get the thread count in every step, and so
+  do refengine's own BLAS threads (:mod:`refengine.runtime.blas`), which split the numba
+  backend's large products into one-thread BLAS calls. The BLAS library's own pool gets
+  the threads only in a ``blas_step``, which for the numba backend is never
+  (:func:`refengine.model_runner.is_blas_step`; the NumPy backend, all BLAS, always).
+  Two pools taking turns in one step wait on each other's idle threads: after each call
+  an idle thread spins for a while and holds its core. OpenBLAS's spin is long and fixed
+  as NumPy loads it, so whatever was imported first, its pool simply gets no work.
 * **numba's threading layer and wait policy**: OpenMP (GNU libgomp) with idle threads
-  spinning :data:`GOMP_SPINCOUNT` rounds (tens of microseconds) before they sleep. A decode
-  step launches ~150 parallel loops a few tens of microseconds apart; a sleeping thread
-  takes ~40-50 us to wake on this VM (``OMP_WAIT_POLICY=PASSIVE``), a spinning one ~1.5
-  us: 1-row decode 33 against 24 ms. 2,000 rounds keep that (1-row decode 21.4 ms at both
-  2,000 and 100,000) without holding a core while BLAS runs: at 100,000 (about a
-  millisecond) numba's threads, spinning after each kernel of a BLAS step, took the core
-  from BLAS's (1024-token prefill 2.75 against 1.63 s, ``refengine bench forward``).
-  With other processes running, spinning threads steal their time slices;
-  :func:`adapt_threads` then drops to one thread (no pool at all).
+  spinning :data:`GOMP_SPINCOUNT` rounds before they sleep. A decode step launches its
+  parallel loops tens of microseconds apart; a spinning thread picks up the next one at
+  once, a sleeping one must be woken by the kernel first. The count is short (tens of
+  microseconds to about a tenth of a millisecond, as the CPU's ``pause`` instruction is
+  fast or slow) so that a spinning thread gives its core back well within the gap to a
+  BLAS product or to another process's time slice; libgomp's own default spins 150
+  times longer. With other processes running, :func:`adapt_threads` drops to
+  one thread, and a kernel then runs its serial twin on the calling thread (no pool).
   The variable is set only while numba loads libgomp, then restored, so OpenMP runtimes
-  loaded later (PyTorch's) keep their defaults; a value the user set (``OMP_WAIT_POLICY``
-  or ``GOMP_SPINCOUNT``) is kept. Without libgomp numba falls back to its ``workqueue``
+  loaded later keep their defaults and a value the user set (``OMP_WAIT_POLICY`` or
+  ``GOMP_SPINCOUNT``) is kept. Without libgomp numba falls back to its ``workqueue``
   layer (threads sleep).
-
-OpenBLAS's own idle threads spin after each call for ``2**OPENBLAS_THREAD_TIMEOUT``
-cycles (default 2**28, ~0.1 s), so the first numba step after a BLAS step lost its second
-core to them: a 1-row decode right after a 256-token prefill took 52-120 ms against 24 ms.
-OpenBLAS reads the variable once, when NumPy loads it, so ``import refengine`` sets it to
-its minimum, 4 (threads sleep almost at once), when NumPy is not loaded yet and the user
-has not set it: then no penalty, and prefill unchanged (512 tokens: 782 vs 781 ms). A
-program that imports NumPy before refengine keeps OpenBLAS's default.
 """
 
 from __future__ import annotations
@@ -55,6 +41,8 @@ from __future__ import annotations
 import os
 import sys
 import time
+
+from refengine.runtime import blas
 
 #: How long libgomp's idle threads spin before they sleep, in its rounds (see the module docstring).
 GOMP_SPINCOUNT = "2000"
@@ -70,7 +58,6 @@ _requested: int | None = None  # the thread count asked for (fixed), or all usab
 _adaptive = False
 _current: int | None = None
 _pools: tuple[int, int] | None = None  # (BLAS threads, numba threads) last set
-_numba_started = False  # numba's threading layer is running (started by _start_numba_layer)
 _blas = None  # threadpoolctl's handle on the BLAS libraries
 _last_sample: tuple[float, float, float] | None = None  # (wall s, busy s of our cores, own CPU s)
 
@@ -86,8 +73,8 @@ def usable_cores() -> int:
 def configure_threads(num_threads: int | None = None) -> int:
     """Size the BLAS and numba thread pools; return the thread count.
 
-    numba is configured now if it is imported, else when :mod:`refengine.ops.numba_ops`
-    is first imported (so the NumPy backend never pays numba's import).
+    numba's count is set now if numba is imported, else when it is (the NumPy backend never
+    pays numba's import).
 
     Args:
         num_threads: threads for each pool, fixed; ``None`` = all :func:`usable_cores`,
@@ -132,11 +119,6 @@ def adapt_threads(blas_step: bool | None = None) -> int:
     return n
 
 
-def current_threads() -> int | None:
-    """The thread count last set (None before :func:`configure_threads`)."""
-    return _current
-
-
 def max_threads() -> int:
     """The most threads :func:`adapt_threads` may use: what :func:`configure_threads` was
     given, else all usable cores (``refengine bench forward`` measures the machine's limits
@@ -164,7 +146,8 @@ def _sample() -> tuple[float, float, float] | None:
 
 
 def _set_pools(blas_n: int, numba_n: int) -> None:
-    """BLAS to ``blas_n`` threads (when it changed), this thread's numba count to ``numba_n``."""
+    """The BLAS library to ``blas_n`` threads (when it changed); this thread's numba count,
+    and the threads :mod:`refengine.runtime.blas` spreads products over, to ``numba_n``."""
     global _blas, _pools
     if _pools is None or _pools[0] != blas_n:
         if _blas is None:
@@ -173,6 +156,7 @@ def _set_pools(blas_n: int, numba_n: int) -> None:
             _blas = ThreadpoolController().select(user_api="blas")
         _blas.limit(limits=blas_n)
     _pools = (blas_n, numba_n)
+    blas.set_threads(numba_n)
     if "numba" in sys.modules:
         _numba_set(numba_n)
 
@@ -180,22 +164,25 @@ def _set_pools(blas_n: int, numba_n: int) -> None:
 def _numba_set(n: int) -> None:
     import numba
 
-    if not _numba_started:
-        _start_numba_layer()  # set_num_threads would start it, without the wait policy
     n = min(n, numba.config.NUMBA_NUM_THREADS)
     if numba.get_num_threads() != n:
         numba.set_num_threads(n)
 
 
-def configure_numba() -> int:
-    """Start numba's threading layer (see the module docstring) and give it the current
-    thread count (all usable cores if :func:`configure_threads` was not called); returns it."""
-    import numba
-
+def use_wait_policy() -> None:
+    """Start numba's threading layer with the layers of
+    :data:`NUMBA_LAYERS` in that order and libgomp's idle threads spinning
+    :data:`GOMP_SPINCOUNT` rounds (module docstring). Called by
+    :func:`refengine.runtime.setup_cpu_runtime`; without it numba starts its own default way.
+    Imports numba and starts the layer now (a no-op if it is running already)."""
     _start_numba_layer()
-    n = min(_current or usable_cores(), numba.config.NUMBA_NUM_THREADS)
-    numba.set_num_threads(n)
-    return n
+
+
+def use_threads(blas_n: int, numba_n: int) -> None:
+    """Set BLAS to ``blas_n`` threads and the calling thread's numba count to ``numba_n``
+    (at most numba's pool size) now, whatever :func:`adapt_threads` would choose; the next
+    :func:`adapt_threads` call sets them its way again."""
+    _set_pools(max(1, int(blas_n)), max(1, int(numba_n)))
 
 
 def numba_threading_layer() -> str | None:
@@ -209,11 +196,9 @@ def numba_threading_layer() -> str | None:
 
 
 def _start_numba_layer() -> None:
-    global _numba_started
     import numba
 
     if numba_threading_layer() is not None:
-        _numba_started = True
         return
     if os.environ.get("NUMBA_THREADING_LAYER") is None and numba.config.THREADING_LAYER == "default":
         numba.config.THREADING_LAYER_PRIORITY = list(NUMBA_LAYERS)
@@ -224,10 +209,9 @@ def _start_numba_layer() -> None:
     for k, v in wanted.items():
         os.environ.setdefault(k, v)
     try:
-        from refengine.ops.numba_ops import start_thread_pool
+        from refengine.runtime.numba_support import start_thread_pool
 
         start_thread_pool()  # loads the layer (libgomp reads the environment now)
-        _numba_started = True
     finally:
         for k, v in saved.items():
             if v is None:

@@ -1,0 +1,36 @@
+"""Build an attention backend by name: the one place that knows every backend module.
+
+The contract every backend follows is in :mod:`refengine.attention`; the backends import it,
+so choosing among them lives here, not in the package's ``__init__``.
+"""
+
+from __future__ import annotations
+
+from refengine.attention import AttentionBackend
+
+ATTENTION_BACKENDS = ("numpy", "numba", "cuda", "cuda-emulated")
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    """Build the attention backend called ``name`` (one of :data:`ATTENTION_BACKENDS`).
+
+    Raises:
+        ValueError: ``name`` is not a known backend.
+    """
+    if name == "numpy":
+        from refengine.attention.numpy_ref import NumpyAttention
+
+        return NumpyAttention()
+    if name == "numba":
+        from refengine.attention.numba_cpu import NumbaAttention
+
+        return NumbaAttention()
+    if name == "cuda":
+        from refengine.attention.cuda import CudaAttention
+
+        return CudaAttention()
+    if name == "cuda-emulated":
+        from refengine.attention.cuda import EmulatedCudaAttention
+
+        return EmulatedCudaAttention()
+    raise ValueError(f"attention_backend={name!r} is not one of {ATTENTION_BACKENDS}")

@@ -1,0 +1,146 @@
+"""``config.json`` -> :class:`refengine.config.ModelConfig`, checked key by key.
+
+Which architectures exist, and which extra fields each reads, is the model registry's
+(:mod:`refengine.models.registry`); the generic keys are read here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from refengine.config import ModelConfig, check_key, read_json_object
+from refengine.models.registry import get_model_class
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def model_config_from_dict(cfg: dict, source: str = "config.json") -> ModelConfig:
+    """Build from a parsed ``config.json``, checking every key the engine reads.
+
+    Args:
+        cfg: the parsed file.
+        source: the file's name or path, for error messages.
+    Raises:
+        ValueError: a required key is missing; a value has the wrong type or is out of
+            range (sizes must be integers >= 1, ``rms_norm_eps`` and ``rope_theta``
+            finite and > 0); the head counts do not divide (``num_attention_heads`` by
+            ``num_key_value_heads``, ``hidden_size`` by ``num_attention_heads`` when
+            ``head_dim`` is absent), ``head_dim`` is odd; the architecture (see
+            :data:`refengine.models.registry.MODEL_REGISTRY`) or rope scaling type is not
+            supported. The message names ``source`` and the key.
+    """
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{source}: must hold a JSON object, got {type(cfg).__name__}")
+    for key, (kind, required) in CONFIG_KEYS.items():
+        check_key(cfg, key, kind, required, source)
+    architectures = cfg.get("architectures")
+    if not (isinstance(architectures, list) and architectures and all(isinstance(a, str) for a in architectures)):
+        raise ValueError(f"{source}: 'architectures' must be a non-empty list of class names, "
+                         f"got {architectures!r}")
+    model_class = get_model_class(architectures)
+    rope_scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    rope_theta = cfg.get("rope_theta")
+    if rope_scaling is not None:
+        rope_scaling = dict(rope_scaling)
+        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"{source}: unsupported rope scaling type {rope_type!r}; supported: "
+                f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+        rope_scaling["rope_type"] = rope_type
+        # transformers 5 moved rope_theta into rope_parameters
+        if rope_theta is None:
+            check_key(rope_scaling, "rope_theta", "positive", False, f"{source}: rope_parameters")
+            rope_theta = rope_scaling.get("rope_theta")
+        _check_rope_scaling(rope_scaling, source)
+        if rope_type == "default":
+            rope_scaling = None
+    n_heads = cfg["num_attention_heads"]
+    n_kv_heads = cfg.get("num_key_value_heads") or n_heads
+    if n_heads % n_kv_heads:
+        raise ValueError(f"{source}: 'num_attention_heads' ({n_heads}) must be a multiple of "
+                         f"'num_key_value_heads' ({n_kv_heads}): each KV head serves a whole group of query heads")
+    head_dim = cfg.get("head_dim")
+    if head_dim is None:
+        if cfg["hidden_size"] % n_heads:
+            raise ValueError(f"{source}: 'hidden_size' ({cfg['hidden_size']}) must be a multiple of "
+                             f"'num_attention_heads' ({n_heads}) when 'head_dim' is not given")
+        head_dim = cfg["hidden_size"] // n_heads
+    if head_dim % 2:
+        raise ValueError(f"{source}: the head size ({head_dim}) must be even: RoPE rotates pairs of dimensions")
+    return ModelConfig(
+        architecture=model_class.architecture,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
+        rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=cfg.get("max_position_embeddings") or 2048,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        eos_token_id=cfg.get("eos_token_id"),
+        **model_class.config_fields(cfg),
+    )
+
+def read_model_config(model_dir: str | Path) -> ModelConfig:
+    """Read ``model_dir/config.json``.
+
+    Raises:
+        FileNotFoundError: the directory or its ``config.json`` is missing.
+        ValueError: ``config.json`` is not a JSON object or fails :func:`model_config_from_dict`'s
+            checks; the message names the file and the key.
+    """
+    model_dir = Path(model_dir)
+    if model_dir.exists() and not model_dir.is_dir():
+        raise FileNotFoundError(f"model path {str(model_dir)!r} is a file, not a model directory")
+    if not model_dir.is_dir():
+        raise FileNotFoundError(
+            f"model directory {str(model_dir)!r} does not exist "
+            "(`make weights` fetches the default model, or pass --model DIR)"
+        )
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{str(path)!r} not found: a model directory needs a config.json")
+    return model_config_from_dict(read_json_object(path), source=str(path))
+
+
+# The config.json keys the engine reads: key -> (kind, required). Kinds: "count" an integer
+# >= 1, "positive" a finite number > 0, "bool", "ids" a token id or a list of them, "object"
+# a JSON object. An optional key set to null counts as absent (transformers writes nulls).
+CONFIG_KEYS = {
+    "vocab_size": ("count", True),
+    "hidden_size": ("count", True),
+    "intermediate_size": ("count", True),
+    "num_hidden_layers": ("count", True),
+    "num_attention_heads": ("count", True),
+    "num_key_value_heads": ("count", False),
+    "head_dim": ("count", False),
+    "max_position_embeddings": ("count", False),
+    "sliding_window": ("count", False),
+    "rms_norm_eps": ("positive", False),
+    "rope_theta": ("positive", False),
+    "tie_word_embeddings": ("bool", False),
+    "attention_bias": ("bool", False),
+    "use_sliding_window": ("bool", False),
+    "eos_token_id": ("ids", False),
+    "rope_scaling": ("object", False),
+    "rope_parameters": ("object", False),
+}
+
+
+def _check_rope_scaling(rope_scaling: dict, source: str) -> None:
+    """The numbers :func:`refengine.layers.rope_inv_freq` divides by must be finite and > 0."""
+    where = f"{source}: rope_scaling"
+    rope_type = rope_scaling["rope_type"]
+    if rope_type in ("linear", "llama3"):
+        check_key(rope_scaling, "factor", "positive", True, where)
+    if rope_type == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            check_key(rope_scaling, key, "positive", True, where)
+        if rope_scaling["high_freq_factor"] <= rope_scaling["low_freq_factor"]:
+            raise ValueError(f"{where}: 'high_freq_factor' ({rope_scaling['high_freq_factor']}) must be greater "
+                             f"than 'low_freq_factor' ({rope_scaling['low_freq_factor']})")

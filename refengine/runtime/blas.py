@@ -1,0 +1,81 @@
+"""Large matrix products on BLAS, spread over threads of this process's own.
+
+The numba backend keeps the BLAS library (OpenBLAS under NumPy) on one thread, always, and
+splits a product with many rows into row blocks, one per thread, each a single-threaded
+BLAS call (NumPy releases the GIL around it). Why not let OpenBLAS thread itself:
+
+* OpenBLAS's idle threads spin after each call (``2**OPENBLAS_THREAD_TIMEOUT`` cycles,
+  about 0.1 s by default) and take the cores from numba's threads in the steps that
+  follow. The variable is read once, as NumPy loads OpenBLAS, so a program that imported
+  NumPy before refengine could not change it, and neither could any set-up made at run time.
+* Two pools then take turns in one step (BLAS products, numba kernels between them), each
+  waiting on the other's idle threads.
+
+The threads here wait on a queue (asleep, not spinning) between products, so they cost
+the numba kernels nothing; the products they run are large (at least
+:data:`MIN_ROWS_PER_THREAD` rows each), so waking them is small beside the work.
+
+Numerics: ``a @ b`` up to float32 rounding, not its bits: OpenBLAS's summation order
+depends on how it blocks the rows, so its own threading changes the bits too. Products
+that must not depend on the batch go through the numba dot-product kernel instead
+(:func:`refengine.ops.numba_ops.matmul_dot`).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+#: A row block is at least this many rows (smaller products run in one call).
+MIN_ROWS_PER_THREAD = 32
+
+_threads = 1
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+_lock = threading.Lock()
+
+
+def set_threads(n: int) -> None:
+    """Spread products over ``n`` threads (the calling thread and ``n - 1`` workers) from now on."""
+    global _threads
+    _threads = max(1, int(n))
+
+
+def get_threads() -> int:
+    """The thread count :func:`matmul` spreads over."""
+    return _threads
+
+
+def _workers(n: int) -> ThreadPoolExecutor:
+    global _pool, _pool_size
+    with _lock:
+        if _pool is None or _pool_size < n:
+            old = _pool
+            _pool, _pool_size = ThreadPoolExecutor(max_workers=n, thread_name_prefix="refengine-blas"), n
+            if old is not None:
+                old.shutdown(wait=False)
+        return _pool
+
+
+def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``a [M, K] @ b [K, N]`` -> ``[M, N]`` (into ``out`` when given: C-contiguous rows),
+    by :func:`get_threads` single-threaded BLAS calls over row blocks of ``a``.
+
+    ``np.matmul(a, b, out=out)`` up to float32 rounding (module docstring), its dtype by
+    NumPy's rules; one thread is exactly that call.
+    """
+    rows = a.shape[0]
+    n = min(_threads, rows // MIN_ROWS_PER_THREAD)
+    if n <= 1:
+        return np.matmul(a, b, out=out)
+    if out is None:
+        out = np.empty((rows, b.shape[1]), dtype=np.result_type(a, b))
+    bounds = [rows * i // n for i in range(n + 1)]
+    pool = _workers(n - 1)
+    futures = [pool.submit(np.matmul, a[lo:hi], b, out=out[lo:hi]) for lo, hi in zip(bounds[1:-1], bounds[2:])]
+    np.matmul(a[:bounds[1]], b, out=out[:bounds[1]])
+    for f in futures:
+        f.result()
+    return out

@@ -1,0 +1,133 @@
+"""numba building blocks shared by the CPU kernels: parallel/serial kernel pairs, two LLVM
+intrinsics, the thread-pool starter and the kernel registry.
+
+Nothing here imports the rest of refengine: the kernel modules
+(:mod:`refengine.ops.numba_ops`, :mod:`refengine.attention.numba_cpu`) import it, and
+register themselves with :func:`register_kernels` so that the engine's warm-up can tell how
+many kernels numba compiled rather than loaded from its cache.
+"""
+
+from __future__ import annotations
+
+from types import FunctionType, ModuleType
+
+import numpy as np
+from llvmlite import ir
+from numba import get_num_threads, njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+
+class ParallelKernel:
+    """One ``prange`` loop compiled twice: spread over numba's threads, and as a plain
+    loop on the calling thread, which runs when numba is set to one thread.
+
+    A kernel compiled with ``parallel=True`` holds only its ``prange`` loop and plain calls:
+    the loop body is one call to an ``@njit`` task function, and allocations and
+    array expressions before or after the loop are calls to ``@njit`` functions too. Numba
+    turns every ``np.zeros``, slice assignment and array expression in a parallel function
+    into a parallel loop of its own, each a thread-pool launch (~40-70 us with passive
+    waits): the paged decode kernel's merge, with one small ``np.zeros`` per head, ran
+    10x slower on two threads than on one (16 sequences: 7.4 ms against 0.74 ms).
+
+    Why both: a parallel launch hands the work to pool threads even at one thread, and a
+    woken thread waits for a core; on a busy machine that wait (milliseconds) dwarfs a
+    decode kernel (microseconds). The serial twin is a separate function to numba (its own
+    name, so its own on-disk cache entry).
+    """
+
+    def __init__(self, py_func, **options):
+        self.parallel = njit(cache=True, parallel=True, **options)(py_func)
+        name = py_func.__name__ + "_serial"
+        serial = FunctionType(py_func.__code__, py_func.__globals__, name, py_func.__defaults__, py_func.__closure__)
+        serial.__qualname__ = py_func.__qualname__ + "_serial"
+        self.serial = njit(cache=True, **options)(serial)
+        self.__doc__ = py_func.__doc__
+
+    def __call__(self, *args):
+        return (self.parallel if get_num_threads() > 1 else self.serial)(*args)
+
+
+def parallel_kernel(**options):
+    """Decorator: a :class:`ParallelKernel` compiled with ``njit(cache=True, **options)``."""
+    return lambda py_func: ParallelKernel(py_func, **options)
+
+
+@njit(cache=True, parallel=True)
+def _fill_range(out):  # pragma: no cover - compiled
+    for i in prange(out.shape[0]):
+        out[i] = i
+
+
+def start_thread_pool() -> None:
+    """Run one tiny parallel loop so numba loads its threading layer now
+    (:mod:`refengine.runtime.threads` sets the environment libgomp reads around this call)."""
+    _fill_range(np.empty(64, dtype=np.int64))
+
+
+@intrinsic
+def stack_f32(typingctx, size):
+    """``float32*`` to ``size`` (a literal) floats on the stack of the calling kernel.
+
+    Accumulators that live there, indexed by constants once LLVM unrolls the loops over
+    them, become vector registers (numba has no fixed-size local array of its own on the CPU;
+    ``np.empty`` would be a heap array that LLVM must assume aliases the inputs).
+    """
+    if not isinstance(size, types.IntegerLiteral):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return cgutils.alloca_once(builder, context.get_value_type(types.float32), size=size.literal_value)
+
+    return types.CPointer(types.float32)(size), codegen
+
+
+@intrinsic
+def prefetch(typingctx, array, index):
+    """Ask the CPU to bring the cache line holding element ``index`` of the C-contiguous
+    ``array``, counted flat, into cache (LLVM's ``llvm.prefetch``: read, keep in all
+    levels). A hint: it changes no result and cannot fault, even past the array's end.
+    For memory read in more interleaved streams than the hardware prefetcher follows, or
+    in scattered blocks it cannot predict (the paged KV cache)."""
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        ptr = builder.gep(ary.data, [args[1]])
+        i32 = ir.IntType(32)
+        fn = builder.module.declare_intrinsic("llvm.prefetch", [ptr.type],
+                                              ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]))
+        builder.call(fn, [ptr, i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return types.void(array, index), codegen
+
+
+_KERNEL_MODULES: list[ModuleType] = []
+
+
+def register_kernels(module: ModuleType) -> None:
+    """Count ``module``'s compiled functions (``@njit`` dispatchers and
+    :class:`ParallelKernel` pairs) in :func:`kernel_cache_misses` and :func:`kernel_cache_dirs`."""
+    if module not in _KERNEL_MODULES:
+        _KERNEL_MODULES.append(module)
+
+
+def _dispatchers():
+    """Every compiled function of the registered kernel modules, serial twins included."""
+    for module in _KERNEL_MODULES:
+        for value in vars(module).values():
+            if isinstance(value, ParallelKernel):
+                yield value.parallel
+                yield value.serial
+            elif hasattr(value, "py_func") and hasattr(value, "stats"):
+                yield value
+
+
+def kernel_cache_misses() -> int:
+    """How many kernel versions numba compiled (not found in its cache) in this process."""
+    return sum(sum(d.stats.cache_misses.values()) for d in _dispatchers())
+
+
+def kernel_cache_dirs() -> str:
+    """Where numba keeps the compiled kernels (``__pycache__`` beside the sources, or
+    numba's user-wide cache directory when that is not writable)."""
+    return ", ".join(sorted({d.stats.cache_path for d in _dispatchers() if d.stats.cache_path}))
