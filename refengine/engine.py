@@ -186,8 +186,8 @@ class LLMEngine:
             import cupy as xp
         attention = get_attention_backend(config.attention_backend)
         ops = get_layer_ops(config.layer_ops, xp)  # CUDA ops share the attention backend's compiled module
-        if config.device == "cpu":  # BLAS and numba threads sized to this process's cores (refengine/runtime/threads.py)
-            configure_threads(config.num_threads)
+        if config.device == "cpu":  # thread pools sized to this process's cores (refengine/runtime/threads.py)
+            configure_threads(config.num_threads, library_blas=not getattr(ops, "spreads_blas", False))
         self.model = load_model(model_dir, model_config, attention, ops, xp=xp, dtype=config.dtype)
         spec_cfg = config.speculative_config
         draft_model = None

@@ -297,8 +297,8 @@ class EngineArgs:
 
 
 def default_cpu_backend() -> str:
-    """``"numba"`` (compiled CPU kernels: faster than NumPy at decode and prefill, measured in
-    ``benchmarks/bench_single.py``), or ``"numpy"`` where numba is not importable."""
+    """``"numba"`` (compiled CPU kernels: faster than NumPy at decode and prefill, measured by
+    ``refengine bench kernels --sections step``), or ``"numpy"`` where numba is not importable."""
     try:
         import numba  # noqa: F401
     except ImportError:

@@ -63,14 +63,14 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int,
     return ids, positions.astype(np.int64), meta, np.array(sample_rows, dtype=np.int64), sample_seqs
 
 
-def is_blas_step(model) -> bool:
-    """Whether a CPU step gives the BLAS library's own thread pool the threads
-    (:func:`refengine.runtime.threads.adapt_threads`): yes for layer ops that leave every
-    product to the library's threading (NumPy); no for the numba backend, whose large
-    products are split over refengine's own threads (``ops.spreads_blas``,
-    :mod:`refengine.runtime.blas`) while the library stays on one thread, so that two
-    thread pools never take turns in one step."""
-    return not getattr(model.ops, "spreads_blas", False)
+def is_blas_step(model, num_rows: int, longest_chunk: int = 0) -> bool:
+    """Whether a CPU step of ``num_rows`` flat-batch rows, the longest sequence's chunk
+    ``longest_chunk`` rows, has BLAS products (:func:`refengine.runtime.threads.adapt_threads`
+    sizes the pools by it): its layer products go to BLAS from the layer ops'
+    ``blas_min_rows`` on (always for ops that have none: NumPy), or the attention backend
+    computes that chunk with BLAS products (its ``blas_prefill_min_rows``)."""
+    return (num_rows >= getattr(model.ops, "blas_min_rows", 0)
+            or longest_chunk >= getattr(model.attention, "blas_prefill_min_rows", float("inf")))
 
 
 class ModelRunner:
@@ -97,8 +97,9 @@ class ModelRunner:
         xp = self.xp
         ids, positions, meta, sample_rows, sample_seqs = build_batch(scheduled, self.kv_cache.block_size,
                                                                      spec_tokens)
-        if xp is np:  # CPU threads: fewer while other processes hold cores (refengine/runtime/threads.py)
-            adapt_threads(blas_step=is_blas_step(self.model))
+        if xp is np:  # CPU threads: one pool per step, fewer while other processes hold cores (refengine/runtime/threads.py)
+            longest = int(np.diff(meta.query_start_loc).max(initial=0))
+            adapt_threads(blas_step=is_blas_step(self.model, ids.shape[0], longest))
         rows = np.arange(ids.shape[0]) if all_logits else sample_rows
         logits = self.model.forward(xp.asarray(ids), positions, self.kv_cache, meta, xp.asarray(rows))
         if xp is not np:
@@ -141,7 +142,7 @@ def warm_up_cpu_kernels(model, kv_cache: KVCache, max_rows: int, max_model_len: 
     prefill = min(max(model.ops.blas_min_rows, 2), max_rows, context)
     cores = max_threads()
     for numba_threads in sorted({1, cores}):
-        use_threads(cores if is_blas_step(model) else 1, numba_threads)
+        use_threads(1, numba_threads)
         run(prefill, prefill)
         run(1, context + 1)
         run(2, context)

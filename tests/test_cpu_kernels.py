@@ -366,8 +366,9 @@ def test_configure_and_adapt_threads(monkeypatch):
         assert threads.adapt_threads() == max(1, cores - 2)
         assert numba.get_num_threads() == max(1, cores - 2)
 
-        # BLAS's threads only in BLAS steps; numba's in every step
+        # BLAS's threads only in BLAS steps; numba's in every step (its idle threads spin briefly)
         monkeypatch.setattr(threads, "_sample", lambda: None)
+        monkeypatch.setattr(threads, "_short_spin", True)
         blas_threads = lambda: {lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"}  # noqa: E731
         n = max(1, cores - 2)
         assert threads.adapt_threads(blas_step=True) == n
@@ -520,3 +521,53 @@ def test_blas_matmul_over_own_threads(rows, k, n):
                 assert blas.matmul(a, b, out=out) is out and np.array_equal(out, got)
         finally:
             blas.set_threads(before)
+
+
+def test_pools_per_step_for_the_numba_backend(monkeypatch):
+    """The numba backend keeps the BLAS library on one thread and spreads its products over
+    refengine's own threads; numba's kernels run serial in a BLAS step only while numba's
+    idle threads spin long (libgomp loaded by another library first)."""
+    import numba
+    from threadpoolctl import threadpool_info
+
+    from refengine.runtime import blas, threads
+
+    blas_threads = lambda: {lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"}  # noqa: E731
+    try:
+        monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+        monkeypatch.setattr(threads, "_sample", lambda: None)
+        assert threads.configure_threads(None, library_blas=False) == 2
+        assert blas_threads() == {1} and blas.get_threads() == 2
+        for short, numba_in_blas_step in ((True, min(2, numba.config.NUMBA_NUM_THREADS)), (False, 1)):
+            monkeypatch.setattr(threads, "_short_spin", short)
+            assert threads.adapt_threads(blas_step=True) == 2
+            assert blas_threads() == {1} and blas.get_threads() == 2
+            assert numba.get_num_threads() == numba_in_blas_step
+            threads.adapt_threads(blas_step=False)
+            assert blas_threads() == {1} and numba.get_num_threads() == min(2, numba.config.NUMBA_NUM_THREADS)
+    finally:
+        monkeypatch.undo()
+        threads.configure_threads(None)
+
+
+def test_short_spin_follows_who_loaded_libgomp():
+    """A process that loaded libgomp (torch does) before refengine's set-up cannot have the
+    short spin; a fresh one has it."""
+    import subprocess
+    import sys
+
+    code = ("import ctypes, sys\n"
+            "if sys.argv[1] == 'first': ctypes.CDLL('libgomp.so.1')\n"
+            "from refengine.runtime import setup_cpu_runtime, threads\n"
+            "setup_cpu_runtime()\n"
+            "print(threads.numba_threading_layer(), threads.short_spin())\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    got = {}
+    for case in ("fresh", "first"):
+        out = subprocess.run([sys.executable, "-c", code, case], env=env, cwd=root, capture_output=True, text=True,
+                             check=True)
+        got[case] = out.stdout.split()
+    if got["fresh"][0] != "omp":
+        pytest.skip(f"numba's threading layer here is {got['fresh'][0]!r}, not libgomp's")
+    assert got == {"fresh": ["omp", "True"], "first": ["omp", "False"]}

@@ -25,9 +25,9 @@ twin (:mod:`refengine.attention.numpy_ref`), written as loops over the cache lay
   second BLAS product. The two products are the attention's flops and BLAS does them at
   its packed-GEMM rate; the softmax is one vectorised pass. The score tile
   (``group x 128 x context`` float32, 12 MB at 8k tokens for SmolLM2) replaces the online
-  softmax: it is bounded by the tile, not by the prompt. Measured on 2 cores, one layer of
-  SmolLM2, a 512-token prompt: 4.3 ms this way, 13.7 ms in the flash kernel, 12.6 ms in
-  the NumPy twin.
+  softmax: it is bounded by the tile, not by the prompt. At a 512-token prompt this is
+  several times faster than the flash kernel or the NumPy twin (``refengine bench kernels``
+  times the backend against the twin).
 
 Decode rows and prefill sequences of one batch go to their kernels (one parallel launch
 each per layer, plus the BLAS products of long chunks).
@@ -55,8 +55,7 @@ from refengine.runtime.numba_support import parallel_kernel, prefetch, register_
 #: Context tokens per decode task (a multiple of the block size is used).
 DECODE_PARTITION = 128
 #: Decode batches whose contexts add up to fewer tokens than this run on the calling thread:
-#: about 30 ns per (token, KV head) of work against a parallel launch (2-50 us, spinning or
-#: sleeping threads).
+#: their work is less than a parallel launch costs (waking spinning or sleeping threads).
 SERIAL_DECODE_MAX_TOKENS = 256
 #: Query rows per prefill task.
 PREFILL_Q_TILE = 32
@@ -65,9 +64,9 @@ PREFILL_K_TILE = 128
 #: Prefill chunks with at least this many query rows use BLAS products for ``Q K^T`` and ``P V``.
 BLAS_PREFILL_MIN_ROWS = 64
 #: Query rows per BLAS prefill tile: smaller tiles compute fewer scores above the diagonal,
-#: larger ones make bigger products. One layer, 2 cores, seven 290-token prompts / one
-#: 2048-token prompt: 64 rows 12.2 / 52.0 ms, 128 rows 12.0 / 51.7, 256 rows 13.8 / 56.0,
-#: 512 rows 14.2 / 57.4.
+#: larger ones make bigger products. Measured side by side on one layer, 64 to 512 rows,
+#: several short prompts and one long one: 128 is the fastest at both (64 about level,
+#: larger tiles slower: the scores above the diagonal cost more than the bigger products gain).
 BLAS_PREFILL_Q_TILE = 128
 #: Score rows per task of :func:`_causal_softmax`.
 SOFTMAX_ROWS_PER_TASK = 32
@@ -126,8 +125,8 @@ def _decode_partition(p, q, k_cache, v_cache, block_tables, seqs, rows, part_seq
     The cache is indexed in place with unsigned indices (no row views: each view costs two
     atomic reference-count updates; no negative-index checks). While one block is read,
     the same rows of the sequence's next block are prefetched: blocks are scattered, so the
-    hardware prefetcher cannot run ahead across them (30 layers, alternating A/B: 8 sequences
-    x 512 tokens 16.9 -> 14.6 ms, 38 x 400 tokens 66.2 -> 51.4 ms).
+    hardware prefetcher cannot run ahead across them (measured faster with the hint, side by
+    side, at a few and at dozens of sequences).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
@@ -161,7 +160,8 @@ def _decode_partition(p, q, k_cache, v_cache, block_tables, seqs, rows, part_seq
             part_max[p, h, g] = m
             part_sum[p, h, g] = _exp_and_sum(scores[h, g], n, m, scratch)
     # P V one position at a time, all heads of its (contiguous) value rows, into a local
-    # accumulator: 20% faster than four positions per head into part_acc (8 sequences x 513 tokens)
+    # accumulator, written to part_acc once: measured faster than four positions per head into
+    # part_acc, as the value rows are read in the cache's own order
     acc = np.zeros((num_kv, group, head_dim), dtype=np.float32)
     for b in range(first_block, end_block):
         block, ahead = _U(block_tables[seq, b]), _U(block_tables[seq, min(b + 1, end_block - 1)])
@@ -507,7 +507,7 @@ class NumbaAttention:
         query rows, ``S = Q K^T`` over the keys up to the tile's last position, the causal
         softmax in place, ``O = S V``. The score tiles live in one buffer kept between calls:
         a fresh multi-MB array per tile costs a page fault per 4 KB on first write (about as
-        long as the product itself, measured at 1024 tokens)."""
+        long as the product itself at a 1024-token chunk)."""
         start, end = int(plan.query_start_loc[i]), int(plan.query_start_loc[i + 1])
         seq_len = int(plan.seq_lens[i])
         first_pos = seq_len - (end - start)

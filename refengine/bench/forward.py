@@ -147,7 +147,7 @@ def run_forward_bench(engine, rows_list, context_len: int, decode_max_rows: int,
         best, parts = None, None
         for i, (ids, positions, meta, logit_rows) in enumerate(inputs):
             if xp is np:  # the thread pools as the model runner sets them for a step of this many rows
-                adapt_threads(blas_step=is_blas_step(model))
+                adapt_threads(blas_step=is_blas_step(model, rows, 1 if rows <= decode_max_rows else rows))
             with PartTimer(model) as timer:
                 t0 = time.perf_counter()
                 model.forward(xp.asarray(ids), positions, engine.kv_cache, meta, xp.asarray(logit_rows))

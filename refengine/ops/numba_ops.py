@@ -7,8 +7,8 @@ Why these kernels exist:
 
 * **The small-row matrix product.** Decode multiplies a few to a hundred rows by every
   weight matrix. At a few rows it is bound by reading the weights from memory; OpenBLAS
-  reads them once at one row (GEMV) but its GEMM path costs about 3x that at 2-8 rows, and
-  more still for the tied ``lm_head`` (``embed.T``). From ~8 rows it is bound by
+  reads them once at one row (GEMV) but its GEMM path costs several times that at 2-8 rows,
+  and more still for the tied ``lm_head`` (``embed.T``). From ~8 rows it is bound by
   arithmetic, where OpenBLAS's packed GEMM needs more than a hundred rows to pay for its
   packing. :func:`_matmul_dot` keeps the weights in the checkpoint's ``[out, in]`` layout
   (every output's weights one contiguous row, :meth:`NumbaOps.weight`) and computes dot
@@ -50,21 +50,19 @@ from refengine.runtime.numba_support import ParallelKernel, stack_f32, parallel_
 
 #: From this many rows ``linear`` hands the product to BLAS, and the step gives BLAS the
 #: threads (:func:`refengine.runtime.threads.adapt_threads`). Below it :func:`_matmul_dot`'s 4 x 4
-#: tile beats OpenBLAS's GEMM, whose packing pays off only on big products. SmolLM2, 2
-#: cores, ``refengine bench forward``, two runs each, kernel vs BLAS: decode passes at a
-#: 512-token context, 64 rows 216 / 233 vs 281 / 296 ms, 128 rows 421 / 445 vs 452 / 594;
-#: prefill chunks, 128 rows 206 / 221 vs 221 / 243 ms, 192 rows 308 / 342 vs 307 / 315,
-#: 256 rows 413 / 433 vs 397 / 397.
+#: tile beats OpenBLAS's GEMM, whose packing pays off only on big products; around this
+#: size the two are level, and above it BLAS is ahead. Measured side by side, decode passes
+#: and prefill chunks, kernel against BLAS: ``refengine bench forward`` (docs/PERFORMANCE.md).
 BLAS_MIN_ROWS = 160
 #: From this many rows :func:`_matmul_dot` uses the 4 x 4 register tile (compute-bound), below
-#: it the 4 x 1 tile (memory-bound: one weight row streamed at a time). SmolLM2's 120 layer
-#: matrices / lm_head, 2 cores, 4 x 1 vs 4 x 4 (``benchmarks/bench_cpu_kernels.py --sections
-#: linear``): 2 rows 13.9 vs 17.6 / 3.5 vs 4.4 ms, 4 rows 15.3 vs 17.4 / 3.0 vs 4.3 ms,
-#: 8 rows 27.0 vs 22.2 / 6.6 vs 5.8 ms, 16 rows 53.8 vs 30.4 / 14.2 vs 8.0 ms.
+#: it the 4 x 1 tile (memory-bound: one weight row streamed at a time). At 2-4 rows the
+#: 4 x 1 tile is ahead on the layer matrices and the lm_head; from 8 rows the 4 x 4 one is,
+#: and its lead grows with the rows. Measured side by side: ``refengine bench kernels
+#: --sections linear`` (docs/PERFORMANCE.md).
 DOT_4X4_MIN_ROWS = 5
 
 #: From this many rows RMSNorm, RoPE and SiLU-and-mul run over row blocks in parallel; below,
-#: on the calling thread (a parallel launch, ~50 us with sleeping threads, is more than a
+#: on the calling thread (a parallel launch, waking sleeping threads, costs more than a
 #: decode step's elementwise work).
 ELEMENTWISE_PARALLEL_MIN_ROWS = 32
 
@@ -82,14 +80,14 @@ def exp_affine(x, a, b, out, scratch):  # pragma: no cover - compiled
     """``out[j] = exp(a * x[j] + b)`` for float32 ``x``, ``out [n]``; ``scratch``: int32 ``[>= 2n]``.
 
     A loop LLVM vectorises, where calling the C library's ``expf`` per element does not
-    (about 3x faster here): ``exp(y) = 2**k * exp(r)`` with ``k = round(y / ln 2)``,
+    (several times faster): ``exp(y) = 2**k * exp(r)`` with ``k = round(y / ln 2)``,
     ``|r| <= ln 2 / 2``, ``exp(r)`` by its degree-6 Taylor polynomial (Horner) and ``2**k``
     built as float32 bits. Within 2 ulp of the true value (as NumPy's ``exp``) on
     [-87, 88.3]; below, ``exp(-87)`` (1.6e-38) instead of smaller or 0; from 88.4 (where
     ``k`` reaches 128), ``inf``, a little before float32's own overflow at 88.72.
     NaN stays NaN. ``out`` may be ``x``: the first loop writes only to ``scratch`` (were it
     to write ``out``, LLVM could not rule out a shifted overlap with ``x`` and would run its
-    scalar fallback: 6x slower in place, measured).
+    scalar fallback, several times slower in place).
     """
     a32, b32 = np.float32(a), np.float32(b)
     n = x.shape[0]
@@ -197,9 +195,9 @@ def _dot_rows_4x4(x, wt, out, j0, j1):  # pragma: no cover - compiled
     weight rows used in place, each contiguous (AVX-512 has the 32 registers this needs;
     with AVX2's 16 the tile spills: the same results, slower). Every pass over a tile prefetches the
     next tile's weight rows: four interleaved streams are more than the hardware prefetcher
-    follows on its own (4-8 rows: 15-20% faster than without the hint), and a hint in every
-    pass keeps memory busy while the later passes compute (8 / 16 rows: 0.66 / 0.99 ms per
-    layer against 0.74 / 1.08 with hints in the first pass only; a tile two ahead: 0.68 / 1.03).
+    follows on its own (4-8 rows run faster with the hint than without), and a hint in every
+    pass keeps memory busy while the later passes compute (faster than hints in the first
+    pass only, or a tile two ahead; ``refengine bench kernels --sections linear``).
     A last ``(j1 - j0) % 4`` weight rows go through :func:`_dot_rows_4x1`.
     """
     rows, k_dim = x.shape
@@ -365,8 +363,8 @@ class NumbaOps:
     """
 
     name = "numba"
-    #: Large products are split over refengine's threads (:mod:`refengine.runtime.blas`), so a
-    #: step never gives the BLAS library's own pool threads (:func:`refengine.model_runner.is_blas_step`).
+    #: Large products are split over refengine's threads (:mod:`refengine.runtime.blas`): the
+    #: engine keeps the BLAS library's own pool on one thread (``configure_threads(library_blas=False)``).
     spreads_blas = True
 
     def __init__(self, blas_min_rows: int = BLAS_MIN_ROWS):

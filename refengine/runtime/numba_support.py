@@ -26,9 +26,9 @@ class ParallelKernel:
     the loop body is one call to an ``@njit`` task function, and allocations and
     array expressions before or after the loop are calls to ``@njit`` functions too. Numba
     turns every ``np.zeros``, slice assignment and array expression in a parallel function
-    into a parallel loop of its own, each a thread-pool launch (~40-70 us with passive
-    waits): the paged decode kernel's merge, with one small ``np.zeros`` per head, ran
-    10x slower on two threads than on one (16 sequences: 7.4 ms against 0.74 ms).
+    into a parallel loop of its own, each a thread-pool launch, which costs more than
+    small work (the more so with passive waits): the paged decode kernel's merge, with one
+    small ``np.zeros`` per head, ran an order of magnitude slower on two threads than on one.
 
     Why both: a parallel launch hands the work to pool threads even at one thread, and a
     woken thread waits for a core; on a busy machine that wait (milliseconds) dwarfs a

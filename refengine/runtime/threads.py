@@ -15,12 +15,15 @@ before. docs/cpu_runtime.md walks through the choices; in short:
   this off.
 * **One thread pool per step**: numba's kernels get the thread count in every step, and so
   do refengine's own BLAS threads (:mod:`refengine.runtime.blas`), which split the numba
-  backend's large products into one-thread BLAS calls. The BLAS library's own pool gets
-  the threads only in a ``blas_step``, which for the numba backend is never
-  (:func:`refengine.model_runner.is_blas_step`; the NumPy backend, all BLAS, always).
-  Two pools taking turns in one step wait on each other's idle threads: after each call
-  an idle thread spins for a while and holds its core. OpenBLAS's spin is long and fixed
-  as NumPy loads it, so whatever was imported first, its pool simply gets no work.
+  backend's large products into one-thread BLAS calls (``library_blas=False``). The BLAS
+  library's own pool gets the threads only where it runs the products itself (the NumPy
+  backend, all BLAS). Two pools taking turns in one step wait on each other's idle
+  threads: after each call an idle thread spins for a while and holds its core.
+  OpenBLAS's spin is long and fixed as NumPy loads it, so, whatever was imported first,
+  its pool is given no work. numba's spin is made short (below); where it cannot be
+  (:func:`short_spin`: PyTorch, imported first, loaded libgomp, which numba then shares),
+  a step with BLAS products (``blas_step``, :func:`refengine.model_runner.is_blas_step`)
+  runs numba's serial twins, so no numba thread spins on a core a BLAS thread needs.
 * **numba's threading layer and wait policy**: OpenMP (GNU libgomp) with idle threads
   spinning :data:`GOMP_SPINCOUNT` rounds before they sleep. A decode step launches its
   parallel loops tens of microseconds apart; a spinning thread picks up the next one at
@@ -58,6 +61,8 @@ _requested: int | None = None  # the thread count asked for (fixed), or all usab
 _adaptive = False
 _current: int | None = None
 _pools: tuple[int, int] | None = None  # (BLAS threads, numba threads) last set
+_library_blas = True  # BLAS products run on the BLAS library's threads (else on refengine.runtime.blas's)
+_short_spin = False  # numba's idle threads spin briefly (set by _start_numba_layer when it could make it so)
 _blas = None  # threadpoolctl's handle on the BLAS libraries
 _last_sample: tuple[float, float, float] | None = None  # (wall s, busy s of our cores, own CPU s)
 
@@ -70,8 +75,8 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def configure_threads(num_threads: int | None = None) -> int:
-    """Size the BLAS and numba thread pools; return the thread count.
+def configure_threads(num_threads: int | None = None, library_blas: bool = True) -> int:
+    """Size the thread pools; return the thread count.
 
     numba's count is set now if numba is imported, else when it is (the NumPy backend never
     pays numba's import).
@@ -79,17 +84,21 @@ def configure_threads(num_threads: int | None = None) -> int:
     Args:
         num_threads: threads for each pool, fixed; ``None`` = all :func:`usable_cores`,
             adapted each step to the cores other processes leave free (:func:`adapt_threads`).
+        library_blas: BLAS products run on the BLAS library's own threads (the NumPy
+            backend); False: on refengine's (:mod:`refengine.runtime.blas`, the numba
+            backend), and the library stays on one thread.
     Raises:
         ValueError: ``num_threads < 1``.
     """
-    global _requested, _adaptive, _last_sample, _current
+    global _requested, _adaptive, _last_sample, _current, _library_blas
     if num_threads is not None and int(num_threads) < 1:
         raise ValueError(f"num_threads={num_threads} must be >= 1")
     _adaptive = num_threads is None
     _requested = usable_cores() if num_threads is None else int(num_threads)
     _last_sample = _sample() if _adaptive else None
     _current = _requested
-    _set_pools(_current, _current)
+    _library_blas = bool(library_blas)
+    _set_pools(_current if _library_blas else 1, _current)
     return _requested
 
 
@@ -97,12 +106,16 @@ def adapt_threads(blas_step: bool | None = None) -> int:
     """Call once per engine step, from the thread that runs the model. After
     :func:`configure_threads` ``(None)``, every :data:`ADAPT_INTERVAL_S` seconds, sets the
     thread count to the usable cores minus those other processes kept busy since the last
-    look (at least 1). numba gets that count; BLAS gets it when ``blas_step`` is True or
-    None, one thread when False (a numba step: module docstring). Always makes the calling
-    thread's numba count match (numba keeps one per Python thread). Returns the thread
-    count in use (1 before :func:`configure_threads`).
-    Cost: ~1 us, plus one ``/proc/stat`` read (~0.1 ms) per interval, plus ~20 us when
-    the pools change."""
+    look (at least 1). Returns the thread count in use (1 before :func:`configure_threads`).
+
+    ``blas_step``: the step has BLAS products (None: assume so). Then the BLAS library gets
+    the threads if it runs them (``library_blas``), else it stays on one and
+    :mod:`refengine.runtime.blas` spreads them; numba's kernels get the threads in every
+    step, except in a BLAS step while numba's idle threads spin long (:func:`short_spin`
+    is False: a spinning numba thread would hold the core that a BLAS thread needs), when
+    they run their serial twins. The calling thread's numba count always matches (numba
+    keeps one per Python thread). Cost: microseconds, plus one ``/proc/stat`` read per
+    interval."""
     global _last_sample, _current
     if _current is None:
         return 1
@@ -115,8 +128,18 @@ def adapt_threads(blas_step: bool | None = None) -> int:
             taken = int(others + 1.0 - BUSY_CORE_SHARE)  # cores others used more than BUSY_CORE_SHARE of
             _current = max(1, _requested - taken)
     n = _current
-    _set_pools(1 if blas_step is False else n, n)
+    blas_products = blas_step is not False
+    _set_pools(n if blas_products and _library_blas else 1,
+               1 if blas_products and not _short_spin else n, n)
     return n
+
+
+def short_spin() -> bool:
+    """Whether numba's idle threads spin only briefly: its ``omp`` layer started by
+    :func:`use_wait_policy` with :data:`GOMP_SPINCOUNT` in effect (libgomp was not loaded
+    before, e.g. by PyTorch, which then set its spin as it loaded; or the user set
+    ``OMP_WAIT_POLICY`` / ``GOMP_SPINCOUNT``), or a layer whose threads sleep."""
+    return _short_spin
 
 
 def max_threads() -> int:
@@ -145,9 +168,10 @@ def _sample() -> tuple[float, float, float] | None:
         return None
 
 
-def _set_pools(blas_n: int, numba_n: int) -> None:
-    """The BLAS library to ``blas_n`` threads (when it changed); this thread's numba count,
-    and the threads :mod:`refengine.runtime.blas` spreads products over, to ``numba_n``."""
+def _set_pools(blas_n: int, numba_n: int, own_blas_n: int | None = None) -> None:
+    """The BLAS library to ``blas_n`` threads (when it changed); this thread's numba count
+    to ``numba_n``; the threads :mod:`refengine.runtime.blas` spreads products over to
+    ``own_blas_n`` (default ``numba_n``)."""
     global _blas, _pools
     if _pools is None or _pools[0] != blas_n:
         if _blas is None:
@@ -156,7 +180,7 @@ def _set_pools(blas_n: int, numba_n: int) -> None:
             _blas = ThreadpoolController().select(user_api="blas")
         _blas.limit(limits=blas_n)
     _pools = (blas_n, numba_n)
-    blas.set_threads(numba_n)
+    blas.set_threads(numba_n if own_blas_n is None else own_blas_n)
     if "numba" in sys.modules:
         _numba_set(numba_n)
 
@@ -196,15 +220,16 @@ def numba_threading_layer() -> str | None:
 
 
 def _start_numba_layer() -> None:
+    global _short_spin
     import numba
 
     if numba_threading_layer() is not None:
         return
     if os.environ.get("NUMBA_THREADING_LAYER") is None and numba.config.THREADING_LAYER == "default":
         numba.config.THREADING_LAYER_PRIORITY = list(NUMBA_LAYERS)
-    wanted = {"GOMP_SPINCOUNT": GOMP_SPINCOUNT}
-    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:  # the user's choice stands
-        wanted = {}
+    user_choice = "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ  # the user's choice stands
+    gomp_loaded_before = _libgomp_loaded()  # then it read its spin as it loaded, and numba's layer shares it
+    wanted = {} if user_choice else {"GOMP_SPINCOUNT": GOMP_SPINCOUNT}
     saved = {k: os.environ.get(k) for k in wanted}
     for k, v in wanted.items():
         os.environ.setdefault(k, v)
@@ -218,3 +243,13 @@ def _start_numba_layer() -> None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+    _short_spin = numba_threading_layer() != "omp" or user_choice or not gomp_loaded_before
+
+
+def _libgomp_loaded() -> bool:
+    """Whether a GNU OpenMP runtime is mapped into this process already (Linux; else False)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return any("libgomp" in line for line in f)
+    except OSError:
+        return False
