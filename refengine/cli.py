@@ -94,7 +94,7 @@ class _Main(click.Group):
 @click.option("--log-level", default="warning", show_default=True, type=click.Choice(LOG_LEVELS),
               help="Python logging level on stderr (also accepted after the command)")
 def main(log_level: str):
-    """refengine: a readable LLM inference engine (NumPy on the CPU, CuPy + CUDA on NVIDIA GPUs)."""
+    """refengine: a readable LLM inference engine (numba kernels on the CPU, CuPy + CUDA on NVIDIA GPUs)."""
     setup_logging(log_level)
 
 

@@ -179,15 +179,13 @@ def build_engine(kw: dict):
     """The engine of a command's engine flags (taken out of ``kw``). A bad value ends the
     command with its message and exit status 2; a missing device or library with 1."""
     from refengine.engine import LLMEngine
-    from refengine.runtime import setup_cpu_runtime
 
     try:
         args = EngineArgs.from_cli(kw)
     except ValueError as e:
         fail(str(e))
-    setup_cpu_runtime()  # the process-wide CPU settings, before the engine starts numba's threads
-    try:
-        return LLMEngine.from_engine_args(args)
+    try:  # on the CPU with the process-wide settings of refengine.runtime.setup_cpu_runtime
+        return LLMEngine.from_engine_args(args, setup_runtime=True)
     except (ValueError, FileNotFoundError) as e:
         fail(str(e))
     except (RuntimeError, ImportError) as e:

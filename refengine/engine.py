@@ -169,15 +169,19 @@ class LLMEngine:
         self._init(EngineArgs.from_kwargs(model, **kwargs))
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
-        """Build an engine from an :class:`EngineArgs` (as the CLI does)."""
+    def from_engine_args(cls, args: EngineArgs, setup_runtime: bool = False) -> "LLMEngine":
+        """Build an engine from an :class:`EngineArgs` (as the CLI does). ``setup_runtime``:
+        on the CPU, call :func:`refengine.runtime.setup_cpu_runtime` first (``LLM`` and the
+        CLI do; a plain ``LLMEngine(...)`` changes nothing process-wide but its thread counts)."""
         engine = cls.__new__(cls)
-        engine._init(args)
+        engine._init(args, setup_runtime)
         return engine
 
-    def _init(self, args: EngineArgs) -> None:
+    def _init(self, args: EngineArgs, setup_runtime: bool = False) -> None:
         model_dir, model_config = args.model_config()
         config = args.create_engine_config(model_dir, model_config)  # every check before allocating
+        if setup_runtime and config.device == "cpu":
+            setup_cpu_runtime()  # before the backends start numba's threads
         # The small files next, so a broken one fails before the weights are read.
         self.tokenizer = _load_tokenizer(model_dir, model_config.vocab_size)
         self.eos_token_ids = _eos_token_ids(model_dir, model_config, self.tokenizer)
@@ -561,8 +565,7 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike | None = None, **kwargs):
-        setup_cpu_runtime()
-        self.llm_engine = LLMEngine(model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model, **kwargs), setup_runtime=True)
         self._counter = 0
 
     def get_tokenizer(self):

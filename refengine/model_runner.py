@@ -99,7 +99,8 @@ class ModelRunner:
                                                                      spec_tokens)
         if xp is np:  # CPU threads: one pool per step, fewer while other processes hold cores (refengine/runtime/threads.py)
             longest = int(np.diff(meta.query_start_loc).max(initial=0))
-            adapt_threads(blas_step=is_blas_step(self.model, ids.shape[0], longest))
+            adapt_threads(blas_step=is_blas_step(self.model, ids.shape[0], longest),
+                          library_blas=not getattr(self.model.ops, "spreads_blas", False))
         rows = np.arange(ids.shape[0]) if all_logits else sample_rows
         logits = self.model.forward(xp.asarray(ids), positions, self.kv_cache, meta, xp.asarray(rows))
         if xp is not np:
@@ -115,7 +116,7 @@ def warm_up_cpu_kernels(model, kv_cache: KVCache, max_rows: int, max_model_len: 
 
     The passes: with numba on one thread (the serial twins, which run when other processes
     hold the other cores) a prefill chunk of up to ``model.ops.blas_min_rows`` rows, a
-    decode row and a 2-row chunk; then the same with numba on every usable core
+    decode row and a 2-row chunk; then the same with numba at the engine's most threads
     (:func:`refengine.runtime.threads.max_threads`: the parallel kernels), plus an
     ``ELEMENTWISE_PARALLEL_MIN_ROWS``-row chunk (parallel elementwise layers). The thread
     counts are set outright, not adapted to the load, so the set of variants compiled is

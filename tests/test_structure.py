@@ -126,3 +126,34 @@ def test_importing_refengine_changes_nothing_process_wide():
     assert res.returncode == 0, res.stderr
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got == {"changed": [], "set_up": False, "malloc": False, "numba_started": False}, got
+
+
+BUILD_ENGINES = """
+import json, os, sys
+import threadpoolctl  # sets KMP_DUPLICATE_LIB_OK as it loads (its guard for two Intel OpenMP runtimes): not ours
+before = dict(os.environ)
+from refengine import LLMEngine
+from refengine.runtime import is_set_up, malloc
+engine = LLMEngine(sys.argv[1], max_model_len=64, log_stats=False)  # the numba backend, the CPU default
+after_engine = {"changed": sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)),
+                "set_up": is_set_up(), "malloc": malloc._applied}
+from refengine import LLM
+LLM(sys.argv[1], max_model_len=64, log_stats=False)
+print(json.dumps({"engine": after_engine, "llm": {"set_up": is_set_up(), "malloc": malloc._applied,
+                  "env_restored": dict(os.environ) == before}}))
+"""
+
+
+def test_an_engine_is_built_without_the_process_wide_set_up(tiny_llama_dir):
+    """``LLMEngine(...)`` leaves the environment and the allocator alone (only its thread
+    counts are set); ``LLM(...)`` makes the explicit set-up, which leaves no variable set.
+    (threadpoolctl, which sizes the BLAS pool, sets one variable of its own as it is first
+    imported; the test imports it before looking.)"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENBLAS", "GOMP", "OMP_", "MALLOC_"))}
+    res = subprocess.run([sys.executable, "-c", BUILD_ENGINES, str(tiny_llama_dir)], capture_output=True, text=True,
+                         env=env, cwd=ROOT, timeout=600)
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    glibc = __import__("platform").libc_ver()[0] == "glibc"
+    assert got == {"engine": {"changed": [], "set_up": False, "malloc": False},
+                   "llm": {"set_up": True, "malloc": glibc, "env_restored": True}}, got

@@ -230,7 +230,7 @@ def build_llm(engine_kwargs: dict):
 
     Args:
         engine_kwargs: ``LLMEngine`` keyword arguments, ``model`` included, as
-            :func:`refengine.bench.scenarios.llm_kwargs` makes them from the engine flags (so the
+            :func:`refengine.bench.options.engine_kwargs` makes them from the engine flags (so the
             bench runs with the engine's own defaults).
 
     Raises:

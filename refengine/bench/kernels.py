@@ -49,13 +49,14 @@ def best_of(fns: dict, repeats: int, inner: int = 1, blas_step: dict | None = No
     from refengine.runtime.threads import adapt_threads
 
     sides = {**BLAS_SIDES, **(blas_step or {})}
+    library = {k: not k.startswith("numba") for k in fns}  # the numba side spreads BLAS over its own threads
     for k, f in fns.items():
-        adapt_threads(blas_step=sides.get(k))
+        adapt_threads(blas_step=sides.get(k), library_blas=library[k])
         f()
     best = {k: float("inf") for k in fns}
     for _ in range(repeats):
         for k, f in fns.items():
-            adapt_threads(blas_step=sides.get(k))
+            adapt_threads(blas_step=sides.get(k), library_blas=library[k])
             t = time.perf_counter()
             for _ in range(inner):
                 f()

@@ -16,6 +16,8 @@ Modules (nothing here imports the rest of refengine):
 * :mod:`~refengine.runtime.malloc`: glibc malloc thresholds; the KV pool in huge pages.
 * :mod:`~refengine.runtime.numba_support`: parallel/serial kernel pairs, LLVM intrinsics,
   the kernel registry that the warm-up counts compiles with.
+* :mod:`~refengine.runtime.blas`: large matrix products as one-thread BLAS calls over
+  refengine's own threads (the numba backend's).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ that must not depend on the batch go through the numba dot-product kernel instea
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -49,6 +50,8 @@ def get_threads() -> int:
 
 
 def _workers(n: int) -> ThreadPoolExecutor:
+    """A pool of at least ``n`` workers. Only the thread that runs the model calls
+    :func:`matmul`, so a replaced pool has no other submitter; it finishes what it has."""
     global _pool, _pool_size
     with _lock:
         if _pool is None or _pool_size < n:
@@ -57,6 +60,16 @@ def _workers(n: int) -> ThreadPoolExecutor:
             if old is not None:
                 old.shutdown(wait=False)
         return _pool
+
+
+def _forget_pool_after_fork() -> None:
+    """A forked child has none of the parent's threads: start a fresh pool when needed."""
+    global _pool, _pool_size, _lock
+    _pool, _pool_size, _lock = None, 0, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
 def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

@@ -78,8 +78,10 @@ def usable_cores() -> int:
 def configure_threads(num_threads: int | None = None, library_blas: bool = True) -> int:
     """Size the thread pools; return the thread count.
 
-    numba's count is set now if numba is imported, else when it is (the NumPy backend never
-    pays numba's import).
+    These are the libraries' own process-wide settings (BLAS through threadpoolctl, numba's
+    count for the calling thread): one CPU engine per process uses them as its own. numba's
+    count is set now if numba is imported, else at the next :func:`adapt_threads` (the NumPy
+    backend never pays numba's import).
 
     Args:
         num_threads: threads for each pool, fixed; ``None`` = all :func:`usable_cores`,
@@ -102,14 +104,15 @@ def configure_threads(num_threads: int | None = None, library_blas: bool = True)
     return _requested
 
 
-def adapt_threads(blas_step: bool | None = None) -> int:
+def adapt_threads(blas_step: bool | None = None, library_blas: bool | None = None) -> int:
     """Call once per engine step, from the thread that runs the model. After
     :func:`configure_threads` ``(None)``, every :data:`ADAPT_INTERVAL_S` seconds, sets the
     thread count to the usable cores minus those other processes kept busy since the last
     look (at least 1). Returns the thread count in use (1 before :func:`configure_threads`).
 
     ``blas_step``: the step has BLAS products (None: assume so). Then the BLAS library gets
-    the threads if it runs them (``library_blas``), else it stays on one and
+    the threads if it runs them (``library_blas``: the step's layer ops leave their products
+    to the library's threads; None: as :func:`configure_threads` was told), else it stays on one and
     :mod:`refengine.runtime.blas` spreads them; numba's kernels get the threads in every
     step, except in a BLAS step while numba's idle threads spin long (:func:`short_spin`
     is False: a spinning numba thread would hold the core that a BLAS thread needs), when
@@ -129,7 +132,8 @@ def adapt_threads(blas_step: bool | None = None) -> int:
             _current = max(1, _requested - taken)
     n = _current
     blas_products = blas_step is not False
-    _set_pools(n if blas_products and _library_blas else 1,
+    library = _library_blas if library_blas is None else library_blas
+    _set_pools(n if blas_products and library else 1,
                1 if blas_products and not _short_spin else n, n)
     return n
 
@@ -243,7 +247,22 @@ def _start_numba_layer() -> None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    _short_spin = numba_threading_layer() != "omp" or user_choice or not gomp_loaded_before
+    applied = not gomp_loaded_before and (not user_choice or _user_spin_is_short())
+    _short_spin = numba_threading_layer() != "omp" or applied or (user_choice and _user_spin_is_short())
+
+
+def _user_spin_is_short() -> bool:
+    """The user's ``OMP_WAIT_POLICY`` / ``GOMP_SPINCOUNT`` make libgomp's idle threads sleep
+    at once or spin no longer than :data:`GOMP_SPINCOUNT` rounds (libgomp reads both as it
+    loads, so they hold whoever loaded it)."""
+    policy = os.environ.get("OMP_WAIT_POLICY", "").strip().lower()
+    count = os.environ.get("GOMP_SPINCOUNT", "").strip()
+    if count:
+        try:
+            return int(count) <= int(GOMP_SPINCOUNT)
+        except ValueError:  # "infinite" or a suffixed count
+            return False
+    return policy == "passive"
 
 
 def _libgomp_loaded() -> bool:
