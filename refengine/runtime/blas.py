@@ -78,6 +78,9 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
 
     ``np.matmul(a, b, out=out)`` up to float32 rounding (module docstring), its dtype by
     NumPy's rules; one thread is exactly that call.
+
+    Raises:
+        ValueError: shapes that do not chain, or an ``out`` of the wrong shape (as ``np.matmul``).
     """
     rows = a.shape[0]
     n = min(_threads, rows // MIN_ROWS_PER_THREAD)

@@ -62,7 +62,7 @@ _adaptive = False
 _current: int | None = None
 _pools: tuple[int, int] | None = None  # (BLAS threads, numba threads) last set
 _library_blas = True  # BLAS products run on the BLAS library's threads (else on refengine.runtime.blas's)
-_short_spin = False  # numba's idle threads spin briefly (set by _start_numba_layer when it could make it so)
+_short_spin = False  # numba's idle threads spin briefly (set by use_wait_policy when it could make it so)
 _blas = None  # threadpoolctl's handle on the BLAS libraries
 _last_sample: tuple[float, float, float] | None = None  # (wall s, busy s of our cores, own CPU s)
 
@@ -197,15 +197,6 @@ def _numba_set(n: int) -> None:
         numba.set_num_threads(n)
 
 
-def use_wait_policy() -> None:
-    """Start numba's threading layer with the layers of
-    :data:`NUMBA_LAYERS` in that order and libgomp's idle threads spinning
-    :data:`GOMP_SPINCOUNT` rounds (module docstring). Called by
-    :func:`refengine.runtime.setup_cpu_runtime`; without it numba starts its own default way.
-    Imports numba and starts the layer now (a no-op if it is running already)."""
-    _start_numba_layer()
-
-
 def use_threads(blas_n: int, numba_n: int) -> None:
     """Set BLAS to ``blas_n`` threads and the calling thread's numba count to ``numba_n``
     (at most numba's pool size) now, whatever :func:`adapt_threads` would choose; the next
@@ -223,7 +214,12 @@ def numba_threading_layer() -> str | None:
         return None
 
 
-def _start_numba_layer() -> None:
+def use_wait_policy() -> None:
+    """Start numba's threading layer with the layers of
+    :data:`NUMBA_LAYERS` in that order and libgomp's idle threads spinning
+    :data:`GOMP_SPINCOUNT` rounds (module docstring). Called by
+    :func:`refengine.runtime.setup_cpu_runtime`; without it numba starts its own default way.
+    Imports numba and starts the layer now (a no-op if it is running already)."""
     global _short_spin
     import numba
 
@@ -247,8 +243,8 @@ def _start_numba_layer() -> None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    applied = not gomp_loaded_before and (not user_choice or _user_spin_is_short())
-    _short_spin = numba_threading_layer() != "omp" or applied or (user_choice and _user_spin_is_short())
+    # The user's setting holds whoever loaded libgomp; ours only if numba's layer loaded it.
+    _short_spin = numba_threading_layer() != "omp" or (_user_spin_is_short() if user_choice else not gomp_loaded_before)
 
 
 def _user_spin_is_short() -> bool:
