@@ -154,6 +154,10 @@ class EngineConfig:
         draft_model_config: the draft model's config (``method="draft_model"``), else None.
         draft_bytes_per_block: one block of the draft's KV cache (0 without a draft); the
             draft's pool has ``num_kv_blocks`` blocks too.
+        kv_cache_dtype: KV cache storage, "auto" (``dtype``) or "int8" (with float32 scales
+            per token and KV head; :class:`refengine.kv_cache.KVCache`); the draft's cache too.
+        quantization: the target model's weights: None (float), "int8" (quantized at load),
+            "awq" or "gptq" (the checkpoint's; :func:`refengine.quant.awq_gptq.resolve_quantization`).
     """
 
     model_dir: Path
@@ -175,6 +179,8 @@ class EngineConfig:
     speculative_config: object | None = None
     draft_model_config: ModelConfig | None = None
     draft_bytes_per_block: int = 0
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
 
     @property
     def max_model_len(self) -> int | None:
@@ -188,7 +194,8 @@ class EngineConfig:
         """The resolved settings as a JSON-ready dict (what benchmarks record)."""
         return {"model_dir": str(self.model_dir), "architecture": self.model_config.architecture,
                 "device": self.device, "dtype": str(self.dtype), "attention_backend": self.attention_backend,
-                "layer_ops": self.layer_ops, "block_size": self.block_size, "num_kv_blocks": self.num_kv_blocks,
+                "layer_ops": self.layer_ops, "kv_cache_dtype": self.kv_cache_dtype, "block_size": self.block_size,
+                "num_kv_blocks": self.num_kv_blocks, "quantization": self.quantization,
                 **{k: getattr(self.scheduler_config, k) for k in ("max_num_seqs", "max_num_batched_tokens",
                                                                    "enable_chunked_prefill", "max_model_len")},
                 "speculative_config": None if self.speculative_config is None else asdict(self.speculative_config)}

@@ -36,6 +36,7 @@ from refengine.beam_search import BeamSearchOutput, BeamSearchParams, beam_searc
 from refengine.config import read_generation_config
 from refengine.detokenizer import IncrementalDetokenizer
 from refengine.engine_args import EngineArgs
+from refengine.gguf_file import close_gguf_files, is_gguf, open_gguf
 from refengine.kv_cache import BlockManager, KVCache, cdiv
 from refengine.metrics import EngineMetrics, RequestMetrics
 from refengine.model_runner import ModelRunner, warm_up_cpu_kernels
@@ -89,13 +90,16 @@ def _load_tokenizer(model_dir, vocab_size: int):
         ValueError: a broken tokenizer file (see ``Tokenizer.from_pretrained``), or a
             tokenizer with more tokens than the model's vocabulary.
     """
-    if not (model_dir / "tokenizer.json").is_file():
+    if is_gguf(model_dir):
+        tokenizer, source = open_gguf(model_dir).tokenizer(), model_dir
+    elif not (model_dir / "tokenizer.json").is_file():
         return None
-    from refengine.tokenizer import Tokenizer
+    else:
+        from refengine.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_pretrained(model_dir)
+        tokenizer, source = Tokenizer.from_pretrained(model_dir), model_dir / "tokenizer.json"
     if tokenizer.vocab_size > vocab_size:
-        raise ValueError(f"{model_dir / 'tokenizer.json'} has {tokenizer.vocab_size} tokens but config.json's "
+        raise ValueError(f"{source} has {tokenizer.vocab_size} tokens but config.json's "
                          f"'vocab_size' is {vocab_size}: the tokenizer does not belong to this model")
     return tokenizer
 
@@ -108,7 +112,7 @@ def _eos_token_ids(model_dir, model_config, tokenizer) -> set[int]:
         ValueError: an id outside the vocabulary; the message names the file.
     """
     ids: set[int] = set()
-    gen = read_generation_config(model_dir)
+    gen = open_gguf(model_dir).generation_config if is_gguf(model_dir) else read_generation_config(model_dir)
     for source, value in (("config.json", model_config.eos_token_id),
                           ("generation_config.json", gen.get("eos_token_id"))):
         for t in [value] if isinstance(value, int) else value or []:
@@ -192,7 +196,10 @@ class LLMEngine:
         ops = get_layer_ops(config.layer_ops, xp)  # CUDA ops share the attention backend's compiled module
         if config.device == "cpu":  # thread pools sized to this process's cores (refengine/runtime/threads.py)
             configure_threads(config.num_threads, library_blas=not getattr(ops, "spreads_blas", False))
-        self.model = load_model(model_dir, model_config, attention, ops, xp=xp, dtype=config.dtype)
+        self.model = load_model(model_dir, model_config, attention, ops, xp=xp, dtype=config.dtype,
+                                dequantize_gguf=args.dtype != "auto" or config.device != "cpu",
+                                quantization=config.quantization)
+        close_gguf_files()  # the blocks are copied out: the file's memory map is no longer needed
         spec_cfg = config.speculative_config
         draft_model = None
         if spec_cfg is not None and spec_cfg.method == "draft_model":  # loaded before a GPU pool is measured
@@ -204,7 +211,8 @@ class LLMEngine:
         self.config = config
         mc = model_config
         self.kv_cache = KVCache(mc.num_hidden_layers, config.num_kv_blocks, config.block_size,
-                                mc.num_key_value_heads, mc.head_dim, dtype=config.dtype, xp=xp)
+                                mc.num_key_value_heads, mc.head_dim, dtype=config.dtype, xp=xp,
+                                kv_cache_dtype=config.kv_cache_dtype)
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.kv_cache)
@@ -217,7 +225,8 @@ class LLMEngine:
             if draft_model is not None:
                 dc = config.draft_model_config
                 draft_cache = KVCache(dc.num_hidden_layers, config.num_kv_blocks, config.block_size,
-                                      dc.num_key_value_heads, dc.head_dim, dtype=config.dtype, xp=xp)
+                                      dc.num_key_value_heads, dc.head_dim, dtype=config.dtype, xp=xp,
+                                      kv_cache_dtype=config.kv_cache_dtype)
                 draft = DraftModelProposer(draft_model, draft_cache, self.sampler)
             self.spec_decoder = SpecDecoder(spec_cfg, self.sampler, config.max_model_len, draft)
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager,
@@ -361,7 +370,9 @@ class LLMEngine:
 
 
 
-    def _check_prompt(self, token_ids: list[int]) -> None:
+    def _check_prompt(self, token_ids: list[int], generates: bool = True) -> None:
+        """``generates``: the prompt must leave room for one generated token (False: a prompt
+        that is only scored, :meth:`prompt_logits`, may fill ``max_model_len``)."""
         n, limit = len(token_ids), self.config.max_model_len
         if n == 0:
             raise ValueError("the prompt is empty: at least one token is needed")
@@ -369,9 +380,11 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if n >= limit:
+        if generates and n >= limit:
             raise PromptTooLongError(f"the prompt has {n} tokens but max_model_len is {limit}: "
                                      f"it must be shorter than {limit} to leave room for one generated token")
+        if n > limit:
+            raise PromptTooLongError(f"the prompt has {n} tokens but max_model_len is {limit}")
         # No separate "more blocks than the pool" check: __init__ keeps max_model_len within
         # the pool, so a prompt that passed the limit above always fits.
 
@@ -526,32 +539,44 @@ class LLMEngine:
                     req.request_id, len(req.prompt_token_ids), sum(s.num_output_tokens for s in req.seqs),
                     ms(m.ttft), ms(m.tpot), ms(m.e2e_latency), req.seqs[0].finish_reason)
 
-    # --- golden-test helper -----------------------------------------------------------------
-    def prompt_logits(self, token_ids: list[int]) -> np.ndarray:
-        """Logits at every prompt position, for golden tests.
+    # --- scoring: golden tests, refengine eval ------------------------------------------------
+    def prompt_logits(self, token_ids: list[int], first_row: int = 0) -> np.ndarray:
+        """Logits at every prompt position from ``first_row`` on, for golden tests and
+        scoring (:mod:`refengine.eval.perplexity`).
 
         Runs the prompt through the model in chunks of ``max_num_batched_tokens`` using
-        its own KV blocks, which are freed afterwards.
+        its own KV blocks, which are freed afterwards. A chunk ends at ``first_row``: the
+        rows before it run without the LM head. The prompt may fill ``max_model_len``
+        (nothing is generated after it).
 
         Returns:
-            ``[len(token_ids), vocab_size]`` float32.
+            ``[len(token_ids) - first_row, vocab_size]`` float32; row ``i`` predicts the
+            token after position ``first_row + i``.
         Raises:
-            ValueError: as :meth:`add_request` for a bad prompt, or not enough free blocks now.
+            ValueError: as :meth:`add_request` for a bad prompt (but ``max_model_len`` tokens
+                are allowed), ``first_row`` outside ``[0, len(token_ids))``, or not enough
+                free blocks now.
         """
         token_ids = [int(t) for t in token_ids]
-        self._check_prompt(token_ids)
+        self._check_prompt(token_ids, generates=False)
+        if not 0 <= first_row < len(token_ids):
+            raise ValueError(f"first_row={first_row} is outside [0, {len(token_ids)}): the prompt has "
+                             f"{len(token_ids)} tokens")
         seq = Sequence("__prompt_logits__", None, token_ids, SamplingParams(max_tokens=1))
         seq.status = SequenceStatus.RUNNING
         chunks = []
         try:
             while seq.num_computed_tokens < len(seq):
-                n = min(self.config.max_num_batched_tokens, len(seq) - seq.num_computed_tokens)
+                start = seq.num_computed_tokens
+                end = first_row if start < first_row else len(seq)  # a chunk does not cross first_row
+                n = min(self.config.max_num_batched_tokens, end - start)
                 if not self.block_manager.can_allocate(seq, n):
                     raise ValueError(f"a {len(seq)}-token prompt needs {self.block_manager.blocks_needed(seq, n)} "
                                      f"more KV blocks now, {self.block_manager.num_free_blocks} are free")
                 self.block_manager.allocate(seq, n)
-                logits, _ = self.runner.execute([(seq, n)], all_logits=True)
-                chunks.append(logits)
+                logits, _ = self.runner.execute([(seq, n)], all_logits=start >= first_row)
+                if start >= first_row:
+                    chunks.append(logits)
                 self.scheduler.postprocess([(seq, n)], [])
         finally:
             self.block_manager.free(seq)
@@ -571,9 +596,9 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
-    def prompt_logits(self, token_ids: list[int]) -> np.ndarray:
+    def prompt_logits(self, token_ids: list[int], first_row: int = 0) -> np.ndarray:
         """See :meth:`LLMEngine.prompt_logits`."""
-        return self.llm_engine.prompt_logits(token_ids)
+        return self.llm_engine.prompt_logits(token_ids, first_row)
 
     def reset_prefix_cache(self) -> bool:
         """See :meth:`LLMEngine.reset_prefix_cache`."""

@@ -24,8 +24,10 @@ import ml_dtypes
 import numpy as np
 
 from refengine.config import EngineConfig, ModelConfig, SchedulerConfig
-from refengine.kv_cache import cdiv
-from refengine.models.hf_config import read_model_config
+from refengine.gguf_file import is_gguf, open_gguf
+from refengine.kv_cache import KV_CACHE_DTYPES, KVCache, cdiv
+from refengine.models.hf_config import model_config_from_dict, read_model_config
+from refengine.quant.awq_gptq import QUANTIZATIONS, resolve_quantization
 from refengine.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger("refengine")
@@ -38,6 +40,8 @@ DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bf
 BACKENDS = {"numpy": "cpu", "numba": "cpu", "cuda-emulated": "cpu", "cuda": "cuda"}
 LAYER_OPS_FOR_BACKEND = {"numpy": "numpy", "numba": "numba", "cuda-emulated": "numpy", "cuda": "cuda"}
 DEFAULT_BATCHED_TOKENS = 2048
+#: Attention backends that read an int8 KV cache (``kv_cache_dtype="int8"``).
+INT8_KV_BACKENDS = ("numpy", "numba")
 
 
 def _option(help: str, *, metavar: str | None = None, choices=None, flag: str | None = None,
@@ -71,11 +75,17 @@ class EngineArgs:
     """
 
     model: str | None = field(default=None, metadata=_option(
-        "model directory (default: $REFENGINE_MODEL or weights/SmolLM2-135M-Instruct)", metavar="DIR"))
+        "model directory or .gguf file (default: $REFENGINE_MODEL or weights/SmolLM2-135M-Instruct)",
+        metavar="PATH"))
     device: str = field(default="cpu", metadata=_option(
         "where the model runs (auto: a GPU when CuPy finds one)", choices=DEVICES))
     dtype: str = field(default="auto", metadata=_option(
-        "weights and KV cache (auto: float32 on the CPU, bfloat16 on a GPU)", choices=("auto", *DTYPES)))
+        "weights and KV cache (auto: float32 on the CPU, bfloat16 on a GPU; a GGUF file's tensors as stored, "
+        "an explicit dtype dequantizes them)", choices=("auto", *DTYPES)))
+    quantization: str | None = field(default=None, metadata=_option(
+        "weight quantization (vLLM's name; CPU): int8 (per-output-channel symmetric, computed at load from a "
+        "float checkpoint), awq or gptq (4-bit checkpoints, detected from config.json's quantization_config, "
+        "which the value must match); default: as the checkpoint is", choices=QUANTIZATIONS))
     attention_backend: str | None = field(default=None, metadata=_option(
         "how attention (and the layer ops) are computed: numpy, numba (compiled CPU kernels) or cuda-emulated "
         "on the CPU, cuda on a GPU (default: numba on the CPU, the faster there, measured; numpy when numba "
@@ -95,6 +105,10 @@ class EngineArgs:
     num_kv_blocks: int | None = field(default=None, metadata=_option(
         "KV pool size in blocks (default: from --kv-cache-memory on the CPU, --gpu-memory-utilization on a GPU)",
         minimum=1))
+    kv_cache_dtype: str = field(default="auto", metadata=_option(
+        "KV cache storage (vLLM's name): auto (the dtype) or int8 (int8 values and a float32 scale per token "
+        "and KV head, LMDeploy's scheme: about 3.8x the blocks in the same memory; numpy and numba backends)",
+        choices=KV_CACHE_DTYPES))
     kv_cache_memory: int = field(default=2 * 1024**3, metadata=_option(
         "bytes for the KV pool on the CPU (allocated lazily)", minimum=1))
     gpu_memory_utilization: float = field(default=0.9, metadata=_option(
@@ -189,13 +203,15 @@ class EngineArgs:
 
     # --- resolution ---------------------------------------------------------------------
     def model_config(self) -> tuple[Path, ModelConfig]:
-        """``(model directory, its ModelConfig)``.
+        """``(model directory or GGUF file, its ModelConfig)``.
 
         Raises:
             FileNotFoundError: the directory or its config.json is missing.
-            ValueError: an unsupported or invalid config.json.
+            ValueError: an unsupported or invalid config.json (or GGUF metadata).
         """
         model_dir = resolve_model_dir(self.model)
+        if is_gguf(model_dir):  # config, tokenizer and tensors all come from the one file
+            return model_dir, model_config_from_dict(open_gguf(model_dir).config, source=str(model_dir))
         return model_dir, read_model_config(model_dir)
 
     def create_engine_config(self, model_dir: Path, model_config: ModelConfig,
@@ -209,7 +225,9 @@ class EngineArgs:
                 (``num_kv_blocks``, ``max_model_len``) are left unresolved and every other
                 check runs.
         Raises:
-            ValueError: a device/backend mismatch, a dtype the device cannot run, a pool
+            ValueError: a device/backend mismatch, a dtype the device cannot run, a
+                ``kv_cache_dtype`` the backend cannot read, a ``quantization`` the checkpoint
+                or the device does not allow, a pool
                 smaller than one block or (on the CPU) larger than the machine's memory, ``max_model_len`` beyond the model's context, the
                 pool or the sliding window, or a token budget that cannot hold a prompt
                 without chunked prefill; the message names the values.
@@ -225,10 +243,16 @@ class EngineArgs:
                              f"device={device!r}; on {device!r} use one of "
                              f"{[b for b, d in BACKENDS.items() if d == device]}")
         dtype = resolve_dtype(self.dtype, device)
-        per_block = 2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim * dtype.itemsize
+        quantization = resolve_quantization(self.quantization, model_dir)
+        if quantization is not None and device != "cpu":
+            raise ValueError(f"quantization={quantization!r} runs on the CPU only (its kernels are numba and NumPy "
+                             f"ones), not on device={device!r}")
+        kv_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, backend)
+        per_block = KVCache.bytes_per_block(mc.num_hidden_layers, self.block_size, mc.num_key_value_heads,
+                                            mc.head_dim, dtype.itemsize, kv_dtype)
         # a draft model's cache has as many blocks as the target's (it shares the block tables)
-        draft_per_block = 0 if draft is None else (2 * draft.num_hidden_layers * self.block_size
-                                                   * draft.num_key_value_heads * draft.head_dim * dtype.itemsize)
+        draft_per_block = 0 if draft is None else KVCache.bytes_per_block(
+            draft.num_hidden_layers, self.block_size, draft.num_key_value_heads, draft.head_dim, dtype.itemsize, kv_dtype)
         num_blocks = self.num_kv_blocks
         if num_blocks is None and device == "cpu":
             if self.kv_cache_memory < per_block + draft_per_block:
@@ -275,7 +299,8 @@ class EngineArgs:
         return EngineConfig(
             model_dir=model_dir, model_config=mc, device=device, dtype=dtype, attention_backend=backend,
             layer_ops=LAYER_OPS_FOR_BACKEND[backend], num_threads=self.num_threads, block_size=self.block_size,
-            num_kv_blocks=num_blocks, bytes_per_block=per_block, enable_prefix_caching=self.enable_prefix_caching,
+            num_kv_blocks=num_blocks, bytes_per_block=per_block, kv_cache_dtype=kv_dtype, quantization=quantization,
+            enable_prefix_caching=self.enable_prefix_caching,
             gpu_memory_utilization=self.gpu_memory_utilization,
             max_logprobs=self.max_logprobs, log_stats=self.log_stats, trace=self.trace,
             scheduler_config=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
@@ -444,6 +469,20 @@ def resolve_device(device: str) -> str:
                                f"(pip install 'refengine[cuda]'): {e}") from e
         logger.warning("device='auto': using the CPU (NumPy) because CuPy/CUDA is unavailable: %s", e)
         return "cpu"
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, backend: str) -> str:
+    """``kv_cache_dtype`` (one of :data:`refengine.kv_cache.KV_CACHE_DTYPES`) checked against
+    the attention backend: "int8" runs on the CPU backends that dequantize it (numpy, numba).
+
+    Raises:
+        ValueError: "int8" with a CUDA backend (cuda, cuda-emulated), naming what is supported.
+    """
+    if kv_cache_dtype == "int8" and backend not in INT8_KV_BACKENDS:
+        raise ValueError(f"kv_cache_dtype='int8' is not supported with attention_backend={backend!r}: the int8 KV "
+                         f"cache runs on the {' and '.join(INT8_KV_BACKENDS)} backends (CPU); with {backend!r} "
+                         "use kv_cache_dtype='auto'")
+    return kv_cache_dtype
 
 
 def resolve_dtype(dtype: str, device: str) -> np.dtype:

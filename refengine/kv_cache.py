@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -48,6 +49,53 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: list[int], extra_key
     return h.digest()
 
 
+#: ``kv_cache_dtype`` values (vLLM's names): "auto" stores K/V in the activation dtype;
+#: "int8" stores int8 values and a float32 scale per token and KV head (CPU backends).
+KV_CACHE_DTYPES = ("auto", "int8")
+INT8_MAX = 127
+
+
+def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 quantization over the last axis (LMDeploy's KV int8 scheme, per token
+    and KV head): ``scale = max|x| / 127``, ``q = round(x / scale)`` clipped to [-127, 127]
+    (round half to even); a row of zeros has scale 0 and ``q = 0``.
+
+    Args:
+        x: ``[..., head_dim]`` float32 (a K or V row per token and KV head).
+    Returns:
+        ``q [..., head_dim]`` int8 and ``scale [...]`` float32, so ``q * scale`` is within
+        ``scale / 2`` of ``x`` (:func:`dequantize_int8`).
+    """
+    x = np.asarray(x, dtype=np.float32)
+    scale = np.abs(x).max(axis=-1) / np.float32(INT8_MAX)
+    safe = np.where(scale > 0, scale, np.float32(1.0))[..., None]  # scale 0: x is all zeros, q = 0
+    q = np.clip(np.rint(x / safe), -INT8_MAX, INT8_MAX).astype(np.int8)
+    return q, scale.astype(np.float32, copy=False)
+
+
+def dequantize_int8(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """``q [..., head_dim]`` int8, ``scale [...]`` float32 -> ``q * scale`` float32."""
+    return q.astype(np.float32) * scale[..., None]
+
+
+class LayerKVCache(NamedTuple):
+    """One layer's share of a :class:`KVCache`: what an attention backend's ``write_kv``
+    and ``forward`` take.
+
+    Attributes:
+        k, v: ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the cache dtype.
+        k_scale, v_scale: ``[num_blocks, block_size, num_kv_heads]`` float32 per-token
+            scales with an int8 cache, else None.
+        dtype: the dtype K/V are written in and queries read in (the activation dtype).
+    """
+
+    k: Any
+    v: Any
+    k_scale: Any
+    v_scale: Any
+    dtype: Any
+
+
 class KVCache:
     """Per-layer key and value pools.
 
@@ -55,21 +103,48 @@ class KVCache:
     (the attention contract's layout). On the CPU the pool is allocated lazily by the OS
     (zero pages), so untouched blocks cost no memory, in 2 MB pages where the kernel grants
     them (:func:`refengine.runtime.malloc.huge_page_zeros`).
+
+    With ``kv_cache_dtype="int8"`` the pools hold int8 values and ``k_scale[layer]``,
+    ``v_scale[layer]`` (``[num_blocks, block_size, num_kv_heads]`` float32) the scale of each
+    token's row per KV head (:func:`quantize_int8`); a block id indexes both, so whatever
+    moves or shares a block (prefix caching, preemption) carries its scales. With "auto"
+    the scale lists hold None.
+
+    Args:
+        dtype: the activation dtype (and, with "auto", the pools' dtype).
+        kv_cache_dtype: one of :data:`KV_CACHE_DTYPES`.
+    Raises:
+        ValueError: an unknown ``kv_cache_dtype``.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype=np.float32, xp=np):
+                 dtype=np.float32, xp=np, kv_cache_dtype: str = "auto"):
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         zeros = huge_page_zeros if xp is np else xp.zeros
-        self.k = [zeros(shape, dtype) for _ in range(num_layers)]
-        self.v = [zeros(shape, dtype) for _ in range(num_layers)]
+        quantized = kv_cache_dtype == "int8"
+        store = np.int8 if quantized else dtype
+        self.k = [zeros(shape, store) for _ in range(num_layers)]
+        self.v = [zeros(shape, store) for _ in range(num_layers)]
+        self.k_scale = [zeros(shape[:3], np.float32) if quantized else None for _ in range(num_layers)]
+        self.v_scale = [zeros(shape[:3], np.float32) if quantized else None for _ in range(num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.dtype = np.dtype(dtype)
+        self.kv_cache_dtype = kv_cache_dtype
+
+    def layer(self, i: int) -> LayerKVCache:
+        """Layer ``i``'s pools and scales."""
+        return LayerKVCache(self.k[i], self.v[i], self.k_scale[i], self.v_scale[i], self.dtype)
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
-        """Bytes one block takes across all layers, keys and values."""
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int,
+                        kv_cache_dtype: str = "auto") -> int:
+        """Bytes one block takes across all layers, keys and values (``itemsize``: bytes per
+        activation value; with "int8", 1 byte per value plus a 4-byte scale per token and head)."""
+        row = head_dim + 4 if kv_cache_dtype == "int8" else head_dim * itemsize
+        return 2 * num_layers * block_size * num_kv_heads * row
 
 
 class BlockManager:

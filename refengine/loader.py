@@ -3,7 +3,10 @@
 Every tensor the model class expects (:meth:`refengine.models.llama.LlamaForCausalLM.checkpoint_shapes`)
 must be present with the shape ``config.json`` implies, and every tensor in the checkpoint must be used: a mismatch is an error naming
 the tensor. bfloat16 checkpoints load through ``ml_dtypes`` (importing it teaches NumPy,
-and so ``safetensors.numpy``, the ``bfloat16`` type).
+and so ``safetensors.numpy``, the ``bfloat16`` type). AWQ and GPTQ checkpoints ship packed
+tensors in place of a layer's ``weight``; ``load_weights``' ``repack`` hook turns each set
+into one quantized matrix of that name first, and the same strict check follows
+(:mod:`refengine.quant.awq_gptq`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import numpy as np
 from safetensors import safe_open
 
 from refengine.config import read_json_object
+from refengine.quant import is_quantized
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -43,19 +47,23 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def load_weights(model_dir: str | Path, want: dict[str, tuple[int, ...]], tied_embeddings: bool,
-                 dtype=np.float32) -> dict[str, np.ndarray]:
-    """Read every tensor of the checkpoint, check it against ``want`` (name -> shape), cast to ``dtype``.
+                 dtype=np.float32, repack=None) -> dict[str, np.ndarray]:
+    """Read every tensor of the checkpoint, check it against ``want`` (name -> shape,
+    :func:`check_weights`), cast to ``dtype``.
 
-    A tied checkpoint that also ships ``lm_head.weight`` is accepted (transformers ties
-    it to the embedding; so do we, and the extra tensor is dropped), and so are the
-    ``rotary_emb.inv_freq`` buffers of older Llama checkpoints (derived, so dropped).
+    ``repack``: for a quantized checkpoint (AWQ, GPTQ), a callable ``repack(weights, source)``
+    that replaces each layer's packed tensors (``P.qweight``, ``P.qzeros``, ``P.scales``,
+    ``P.g_idx``) in the dict by one :class:`refengine.quant.QuantizedWeight` named
+    ``P.weight`` (:meth:`refengine.quant.awq_gptq.CheckpointQuantization.repack`), before
+    the strict check: a packed set that is incomplete is its error, a stray packed tensor
+    is an unused one, and the repacked matrix's shape is checked as ``P.weight``'s.
 
     Returns:
-        HF name -> array of ``dtype`` (float32 on the CPU).
+        HF name -> array of ``dtype`` (float32 on the CPU), or the repacked quantized weights.
     Raises:
         FileNotFoundError: no checkpoint files.
-        ValueError: a file is unreadable (e.g. truncated), a tensor is missing, unused,
-            or has the wrong shape; the message names it.
+        ValueError: a file is unreadable (e.g. truncated), ``repack`` fails, or
+            :func:`check_weights` fails.
     """
     model_dir = Path(model_dir)
     weights: dict[str, np.ndarray] = {}
@@ -66,6 +74,25 @@ def load_weights(model_dir: str | Path, want: dict[str, tuple[int, ...]], tied_e
                     weights[name] = f.get_tensor(name)
         except Exception as e:  # safetensors raises its own error types for corrupt files
             raise ValueError(f"cannot read {str(path)!r}: {e} (truncated or corrupt safetensors file?)") from e
+    if repack is not None:
+        repack(weights, str(model_dir))
+    check_weights(weights, want, str(model_dir), tied_embeddings)
+    return {name: w if is_quantized(w) else np.ascontiguousarray(w.astype(dtype, copy=False))
+            for name, w in weights.items()}
+
+
+def check_weights(weights: dict, want: dict[str, tuple[int, ...]], source: str, tied_embeddings: bool) -> None:
+    """Check a checkpoint's tensors (name -> array or :class:`refengine.quant.QuantizedWeight`,
+    anything with a ``shape``) against ``want`` (name -> shape), in place.
+
+    A tied checkpoint that also ships ``lm_head.weight`` is accepted (transformers ties
+    it to the embedding; so do we, and the extra tensor is dropped), and so are the
+    ``rotary_emb.inv_freq`` buffers of older Llama checkpoints (derived, so dropped).
+
+    Raises:
+        ValueError: a tensor is missing, unused, or has the wrong shape; the message names
+            it and ``source``.
+    """
     if tied_embeddings:
         weights.pop("lm_head.weight", None)
     # Older Llama checkpoints ship RoPE buffers; they are derived from config.json, so drop them.
@@ -74,11 +101,10 @@ def load_weights(model_dir: str | Path, want: dict[str, tuple[int, ...]], tied_e
         del weights[name]
     missing = [n for n in want if n not in weights]
     if missing:
-        raise ValueError(f"checkpoint in {str(model_dir)!r} is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
+        raise ValueError(f"checkpoint in {source!r} is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
     unused = [n for n in weights if n not in want]
     if unused:
-        raise ValueError(f"checkpoint in {str(model_dir)!r} has {len(unused)} unused tensor(s), e.g. {unused[:3]}")
+        raise ValueError(f"checkpoint in {source!r} has {len(unused)} unused tensor(s), e.g. {unused[:3]}")
     for name, shape in want.items():
         if tuple(weights[name].shape) != shape:
             raise ValueError(f"tensor {name!r} has shape {tuple(weights[name].shape)}, config.json implies {shape}")
-    return {name: np.ascontiguousarray(w.astype(dtype, copy=False)) for name, w in weights.items()}

@@ -48,8 +48,10 @@ def fresh_env(tmp_path_factory) -> Path:
 def test_readme_commands_in_order(fresh_env, smollm2_dir, gguf_path, tmp_path):
     env = {**os.environ, "REFENGINE_MODEL": str(smollm2_dir), "REFENGINE_CACHE_DIR": str(tmp_path / "cache")}
     commands = quick_start_commands()
-    assert [c.split()[1] for c in commands] == ["generate", "generate", "generate", "chat", "bench", "convert-gguf"]
+    assert [c.split()[1] for c in commands] == ["generate", "generate", "generate", "chat", "bench", "generate",
+                                                "eval", "convert-gguf"]
     for command in commands:
+        command = command.replace("weights/SmolLM2-135M-Instruct.Q4_1.gguf", str(gguf_path))
         argv = shlex.split(command.replace(".venv/bin/", f"{fresh_env}/bin/"))
         if argv[1] == "convert-gguf":
             argv[2:4] = [str(gguf_path), str(tmp_path / "converted")]

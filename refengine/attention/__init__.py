@@ -13,6 +13,11 @@ The contract (the "attention contract" of the design notes):
   Key position ``p`` lives in block ``block_tables[i, p // block_size]``.
 * Grouped-query attention: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
 * Softmax in float32.
+* Quantized caches (``kv_cache_dtype="int8"``): ``k_cache``/``v_cache`` hold int8 and
+  ``k_scale``/``v_scale [num_blocks, block_size, num_kv_heads]`` float32 beside them, one
+  scale per token and KV head (:func:`refengine.kv_cache.quantize_int8`); ``write_kv``
+  quantizes and ``forward`` reads ``q * scale``, prefill and decode alike. The scales are
+  keyword arguments, None for unquantized caches.
 
 Every backend implements :class:`AttentionBackend`: ``prepare`` once per step, then per
 layer ``write_kv`` and ``forward``.
@@ -118,8 +123,12 @@ class AttentionBackend(Protocol):
     def prepare(self, meta: AttentionMetadata) -> None:
         """Called once per step before the first layer (e.g. to copy ``meta`` to the device once)."""
 
-    def write_kv(self, k_cache: Any, v_cache: Any, k: Any, v: Any, meta: AttentionMetadata) -> None:
-        """Store ``k, v [T, num_kv_heads, head_dim]`` at ``meta.slot_mapping`` (in place)."""
+    def write_kv(self, k_cache: Any, v_cache: Any, k: Any, v: Any, meta: AttentionMetadata, *,
+                 k_scale: Any = None, v_scale: Any = None) -> None:
+        """Store ``k, v [T, num_kv_heads, head_dim]`` at ``meta.slot_mapping`` (in place;
+        quantized, with each row's scale into ``k_scale``/``v_scale``, for an int8 cache)."""
 
-    def forward(self, q: Any, k_cache: Any, v_cache: Any, meta: AttentionMetadata, scale: float) -> Any:
-        """Return ``[T, num_heads, head_dim]`` attention output per the contract above."""
+    def forward(self, q: Any, k_cache: Any, v_cache: Any, meta: AttentionMetadata, scale: float, *,
+                k_scale: Any = None, v_scale: Any = None) -> Any:
+        """Return ``[T, num_heads, head_dim]`` attention output per the contract above
+        (``scale``: the softmax scale; ``k_scale``/``v_scale``: an int8 cache's scales)."""

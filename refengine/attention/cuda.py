@@ -76,7 +76,8 @@ class _KernelAttention:
             self._prepared = (meta, placed)
         return self._prepared[1]
 
-    def write_kv(self, k_cache: Any, v_cache: Any, k: Any, v: Any, meta: AttentionMetadata) -> None:
+    def write_kv(self, k_cache: Any, v_cache: Any, k: Any, v: Any, meta: AttentionMetadata, *,
+                 k_scale: Any = None, v_scale: Any = None) -> None:
         """Store ``k, v [T, num_kv_heads, head_dim]`` into the caches at ``meta.slot_mapping``.
 
         Args:
@@ -87,7 +88,9 @@ class _KernelAttention:
         Raises:
             ValueError: shapes disagree or the cache is not C-contiguous.
             TypeError: dtypes differ or are not float32/float16/bfloat16.
+            NotImplementedError: ``k_scale``/``v_scale`` (a quantized cache: not in the CUDA kernels yet).
         """
+        _no_scales(k_scale, v_scale)
         _check_cache(k_cache, v_cache)
         num_tokens = k.shape[0]
         row = k_cache.shape[2:]
@@ -104,7 +107,8 @@ class _KernelAttention:
         kern.launch(plans.reshape_and_cache_launch(kern.contiguous(k), kern.contiguous(v), k_cache, v_cache,
                                                    self._device_metadata(meta).slot_mapping))
 
-    def forward(self, q: Any, k_cache: Any, v_cache: Any, meta: AttentionMetadata, scale: float) -> Any:
+    def forward(self, q: Any, k_cache: Any, v_cache: Any, meta: AttentionMetadata, scale: float, *,
+                k_scale: Any = None, v_scale: Any = None) -> Any:
         """Attention of ``q`` over the paged cache, per the contract in :mod:`refengine.attention`.
 
         A pure decode batch (``meta.max_query_len == 1``) goes to ``paged_decode`` (plus
@@ -124,7 +128,9 @@ class _KernelAttention:
             ValueError: inconsistent shapes, head_dim not in :data:`SUPPORTED_HEAD_DIMS`,
                 num_heads not a multiple of num_kv_heads, or a cache not 16-byte aligned.
             TypeError: unsupported or mismatched dtypes.
+            NotImplementedError: ``k_scale``/``v_scale`` (a quantized cache).
         """
+        _no_scales(k_scale, v_scale)
         _check_cache(k_cache, v_cache)
         if q.ndim != 3:
             raise ValueError(f"q must be [T, num_heads, head_dim], got shape {tuple(q.shape)}")
@@ -175,6 +181,12 @@ class _KernelAttention:
                 raise TypeError("prefill_kernel='mma' needs float16 or bfloat16 storage")
             return False
         return True
+
+
+def _no_scales(k_scale: Any, v_scale: Any) -> None:
+    if k_scale is not None or v_scale is not None:
+        raise NotImplementedError("the CUDA kernels read unquantized caches only (kv_cache_dtype='auto'); "
+                                  "kv_cache_dtype='int8' runs on the numpy and numba backends")
 
 
 def _check_cache(k_cache: Any, v_cache: Any) -> None:

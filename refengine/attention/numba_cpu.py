@@ -29,6 +29,14 @@ twin (:mod:`refengine.attention.numpy_ref`), written as loops over the cache lay
   several times faster than the flash kernel or the NumPy twin (``refengine bench kernels``
   times the backend against the twin).
 
+int8 caches (``kv_cache_dtype="int8"``): :func:`_write_kv_int8` quantizes each token's row
+per KV head as the twin does (:func:`refengine.kv_cache.quantize_int8`, bitwise equal);
+the prefill kernels dequantize ``q * scale`` into their float32 key/value tiles (the twin's
+values exactly), and decode multiplies each score ``q . k_int8`` by its key scale and each
+probability by its value scale (the same products up to float32 rounding). The scales are
+optional arguments: numba compiles the float32 path without them (``is None`` branches
+are pruned at compile time).
+
 Decode rows and prefill sequences of one batch go to their kernels (one parallel launch
 each per layer, plus the BLAS products of long chunks).
 
@@ -116,9 +124,40 @@ def _write_kv(k_cache, v_cache, k, v, slot_mapping):  # pragma: no cover - compi
         v_cache[block, off] = v[t]
 
 
+@njit(cache=True)
+def _write_kv_int8(k_cache, v_cache, k_scale, v_scale, k, v, slot_mapping):  # pragma: no cover - compiled
+    """:func:`_write_kv` into int8 caches: each row ``k[t, h]`` (and ``v``) is stored as
+    ``round(x / scale)`` clipped to [-127, 127] with ``scale = max|x| / 127`` in ``k_scale[block, off, h]``
+    (scale 0: zeros). No fastmath: the division and rounding match :func:`quantize_int8` bitwise."""
+    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+    num_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
+    for t in range(slot_mapping.shape[0]):
+        slot = slot_mapping[t]
+        block = slot // block_size
+        if slot < 0 or block >= num_blocks:
+            raise IndexError("slot_mapping entry outside the KV cache")
+        off = slot % block_size
+        for h in range(num_kv):
+            k_scale[block, off, h] = _quantize_row(k[t, h], k_cache[block, off, h], head_dim)
+            v_scale[block, off, h] = _quantize_row(v[t, h], v_cache[block, off, h], head_dim)
+
+
+@njit(cache=True, inline="always")
+def _quantize_row(x, out, n):  # pragma: no cover - compiled
+    """``out[:n] = clip(rint(x / scale), -127, 127)`` int8; returns ``scale = max|x| / 127`` float32."""
+    amax = np.float32(0.0)
+    for d in range(n):
+        amax = max(amax, abs(x[d]))
+    scale = amax / np.float32(127.0)
+    safe = scale if scale > 0 else np.float32(1.0)
+    for d in range(n):
+        out[d] = np.int8(min(max(np.rint(x[d] / safe), np.float32(-127.0)), np.float32(127.0)))
+    return scale
+
+
 @njit(cache=True, fastmath=_FM)
-def _decode_partition(p, q, k_cache, v_cache, block_tables, seqs, rows, part_seq, part_start, part_end,
-                      scale32, part_max, part_sum, part_acc):  # pragma: no cover - compiled
+def _decode_partition(p, q, k_cache, v_cache, k_scale, v_scale, block_tables, seqs, rows, part_seq, part_start,
+                      part_end, scale32, part_max, part_sum, part_acc):  # pragma: no cover - compiled
     """Partition ``p`` of :func:`_paged_decode`: its scores, their max and exp-sum, and the
     unnormalised output, into ``part_max[p]``, ``part_sum[p]``, ``part_acc[p]``.
 
@@ -127,6 +166,9 @@ def _decode_partition(p, q, k_cache, v_cache, block_tables, seqs, rows, part_seq
     the same rows of the sequence's next block are prefetched: blocks are scattered, so the
     hardware prefetcher cannot run ahead across them (measured faster with the hint, side by
     side, at a few and at dozens of sequences).
+
+    int8 caches (``k_scale``/``v_scale`` given): score = ``k_scale * (q . k_int8)``, and each
+    probability is multiplied by its value row's scale before ``P V``.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
@@ -153,6 +195,8 @@ def _decode_partition(p, q, k_cache, v_cache, block_tables, seqs, rows, part_seq
                     s = np.float32(0.0)
                     for d in range(dims):
                         s += qg[h, g, d] * k_cache[block, off, h, d]
+                    if k_scale is not None:
+                        s *= k_scale[block, off, h]
                     scores[h, g, j] = s
     for h in range(num_kv):
         for g in range(group):
@@ -171,6 +215,8 @@ def _decode_partition(p, q, k_cache, v_cache, block_tables, seqs, rows, part_seq
             for h in range(_U(num_kv)):
                 for g in range(_U(group)):
                     pj = scores[h, g, j]
+                    if v_scale is not None:
+                        pj *= v_scale[block, off, h]
                     for d in range(dims):
                         acc[h, g, d] += pj * v_cache[block, off, h, d]
     part_acc[p] = acc
@@ -184,12 +230,13 @@ def _prefetch_row(cache, first, length):  # pragma: no cover - compiled
 
 
 @parallel_kernel(fastmath=_FM)
-def _paged_decode(q, k_cache, v_cache, block_tables, seqs, rows, part_seq, part_start, part_end,
+def _paged_decode(q, k_cache, v_cache, k_scale, v_scale, block_tables, seqs, rows, part_seq, part_start, part_end,
                   scale, out):  # pragma: no cover - compiled
     """Decode attention for the batch sequences ``seqs`` whose query rows are ``rows``.
 
     Args:
         q: ``[T, H, D]`` float32.
+        k_scale, v_scale: ``[num_blocks, block_size, KVH]`` float32 for int8 caches, else None.
         block_tables: ``[B, max_blocks]`` int32, the batch's block tables.
         seqs, rows: ``[n]`` int32: decode sequence ``d`` is batch sequence ``seqs[d]``, its
             query is row ``rows[d]``.
@@ -202,8 +249,8 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seqs, rows, part_seq, part_
     part_max, part_sum, part_acc = _decode_scratch(num_parts, k_cache.shape[2], q.shape[1], q.shape[2])
     scale32 = np.float32(scale)
     for p in prange(num_parts):
-        _decode_partition(p, q, k_cache, v_cache, block_tables, seqs, rows, part_seq, part_start, part_end,
-                          scale32, part_max, part_sum, part_acc)
+        _decode_partition(p, q, k_cache, v_cache, k_scale, v_scale, block_tables, seqs, rows, part_seq, part_start,
+                          part_end, scale32, part_max, part_sum, part_acc)
     _merge_partitions(part_seq, rows, part_max, part_sum, part_acc, out)
 
 
@@ -246,9 +293,10 @@ def _merge_partitions(part_seq, rows, part_max, part_sum, part_acc, out):  # pra
 
 
 @njit(cache=True, fastmath=_FM)
-def _prefill_task(task, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, tile_seq, tile_q0,
-                  scale32, q_tile, k_tile, out):  # pragma: no cover - compiled
-    """Task ``task`` of :func:`_flash_prefill`: one query tile of one sequence, one KV head."""
+def _prefill_task(task, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, tile_seq,
+                  tile_q0, scale32, q_tile, k_tile, out):  # pragma: no cover - compiled
+    """Task ``task`` of :func:`_flash_prefill`: one query tile of one sequence, one KV head
+    (int8 caches: the key/value tiles hold ``q * scale``)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv
@@ -278,9 +326,16 @@ def _prefill_task(task, q, k_cache, v_cache, block_tables, seq_lens, query_start
             block = block_tables[seq, b]
             for pos in range(max(k0, b * block_size), min(k0 + n_keys, (b + 1) * block_size)):
                 krow = k_cache[block, pos - b * block_size, h]
-                vt[pos - k0] = v_cache[block, pos - b * block_size, h]
-                for d in range(head_dim):
-                    kt[d, pos - k0] = krow[d]
+                if k_scale is None:
+                    vt[pos - k0] = v_cache[block, pos - b * block_size, h]
+                    for d in range(head_dim):
+                        kt[d, pos - k0] = krow[d]
+                else:  # dequantize into the tiles
+                    vrow = v_cache[block, pos - b * block_size, h]
+                    ks, vs = k_scale[block, pos - b * block_size, h], v_scale[block, pos - b * block_size, h]
+                    for d in range(head_dim):
+                        kt[d, pos - k0] = krow[d] * ks
+                        vt[pos - k0, d] = vrow[d] * vs
         for r in range(n_rows):
             n_valid = min(n_keys, first_pos + q0 + r - k0 + 1)  # keys k0 ..= this row's position
             if n_valid <= 0:
@@ -325,12 +380,13 @@ def _prefill_task(task, q, k_cache, v_cache, block_tables, seq_lens, query_start
 
 
 @parallel_kernel(fastmath=_FM)
-def _flash_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, tile_seq, tile_q0,
-                   scale, q_tile, k_tile, out):  # pragma: no cover - compiled
+def _flash_prefill(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, tile_seq,
+                   tile_q0, scale, q_tile, k_tile, out):  # pragma: no cover - compiled
     """Causal flash attention for the query tiles listed by ``tile_seq``/``tile_q0``.
 
     Args:
         q: ``[T, H, D]`` float32.
+        k_scale, v_scale: ``[num_blocks, block_size, KVH]`` float32 for int8 caches, else None.
         query_start_loc, seq_lens, block_tables: the batch's metadata (int32).
         tile_seq, tile_q0: ``[n]`` int32: tile ``i`` is query rows ``tile_q0[i] : tile_q0[i] + q_tile``
             (clipped to the sequence) of sequence ``tile_seq[i]``, counted from its first row.
@@ -339,8 +395,8 @@ def _flash_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
     num_kv = k_cache.shape[2]
     scale32 = np.float32(scale)
     for task in prange(tile_seq.shape[0] * num_kv):
-        _prefill_task(task, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, tile_seq, tile_q0,
-                      scale32, q_tile, k_tile, out)
+        _prefill_task(task, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, tile_seq,
+                      tile_q0, scale32, q_tile, k_tile, out)
 
 
 @njit(cache=True, fastmath=_FM)
@@ -420,11 +476,12 @@ class _Plan:
 
 
 class NumbaAttention:
-    """The numba backend (``attention_backend="numba"``). float32 cache and queries.
+    """The numba backend (``attention_backend="numba"``). float32 queries; float32 caches, or
+    int8 caches with float32 ``k_scale``/``v_scale`` (``kv_cache_dtype="int8"``).
 
     Raises (from ``write_kv``/``forward``):
-        TypeError: a dtype other than float32.
-        ValueError: inconsistent metadata, or block ids outside the cache.
+        TypeError: a dtype other than these.
+        ValueError: inconsistent metadata or scale shapes, or block ids outside the cache.
     """
 
     name = "numba"
@@ -447,31 +504,51 @@ class NumbaAttention:
         return plan
 
     @staticmethod
-    def _check(k_cache: np.ndarray, v_cache: np.ndarray, *arrays: np.ndarray) -> None:
-        for a in (k_cache, v_cache, *arrays):
+    def _check(k_cache: np.ndarray, v_cache: np.ndarray, k_scale, v_scale, *arrays: np.ndarray) -> None:
+        cache_dtype = np.float32 if k_scale is None else np.int8
+        for a in (k_cache, v_cache):
+            if a.dtype != cache_dtype:
+                raise TypeError(f"the numba attention backend takes {np.dtype(cache_dtype)} caches "
+                                f"{'with' if k_scale is not None else 'without'} scales, got {a.dtype}")
+        for a in arrays:
             if a.dtype != np.float32:
                 raise TypeError(f"the numba attention backend takes float32 arrays, got {a.dtype}")
         if k_cache.shape != v_cache.shape or k_cache.ndim != 4:
             raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must be equal 4-d shapes")
+        if (k_scale is None) != (v_scale is None):
+            raise ValueError("k_scale and v_scale go together: give both or neither")
+        if k_scale is not None:
+            for a in (k_scale, v_scale):
+                if a.dtype != np.float32 or a.shape != k_cache.shape[:3]:
+                    raise ValueError(f"k_scale/v_scale must be float32 of shape {k_cache.shape[:3]}, "
+                                     f"got {a.dtype} {a.shape}")
 
     def write_kv(self, k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray,
-                 meta: AttentionMetadata) -> None:
-        """Store ``k, v [T, num_kv_heads, head_dim]`` at ``meta.slot_mapping [T]`` in place.
+                 meta: AttentionMetadata, *, k_scale: np.ndarray | None = None,
+                 v_scale: np.ndarray | None = None) -> None:
+        """Store ``k, v [T, num_kv_heads, head_dim]`` float32 at ``meta.slot_mapping [T]`` in place
+        (int8 caches: quantized, each row's scale into ``k_scale``/``v_scale``
+        ``[num_blocks, block_size, num_kv_heads]`` float32).
 
         Raises:
             IndexError: a slot outside the cache.
         """
-        self._check(k_cache, v_cache, k, v)
+        self._check(k_cache, v_cache, k_scale, v_scale, k, v)
         plan = self._plan_for(meta, k_cache.shape[1])
-        _write_kv(k_cache, v_cache, k, v, plan.slot_mapping)
+        if k_scale is None:
+            _write_kv(k_cache, v_cache, k, v, plan.slot_mapping)
+        else:
+            _write_kv_int8(k_cache, v_cache, k_scale, v_scale, k, v, plan.slot_mapping)
 
     def forward(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, meta: AttentionMetadata,
-                scale: float, out: np.ndarray | None = None) -> np.ndarray:
+                scale: float, out: np.ndarray | None = None, *, k_scale: np.ndarray | None = None,
+                v_scale: np.ndarray | None = None) -> np.ndarray:
         """Attention per the contract.
 
         Args:
             q: ``[T, num_heads, head_dim]`` float32.
-            k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32.
+            k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32, or
+                int8 with ``k_scale, v_scale [num_blocks, block_size, num_kv_heads]`` float32.
             meta: where each sequence's queries and keys live.
             scale: softmax scale, usually ``1 / sqrt(head_dim)``.
             out: optional ``[T, num_heads, head_dim]`` float32 C-contiguous array to write
@@ -479,7 +556,7 @@ class NumbaAttention:
         Returns:
             ``[T, num_heads, head_dim]`` float32 (``out`` when given).
         """
-        self._check(k_cache, v_cache, q)
+        self._check(k_cache, v_cache, k_scale, v_scale, q)
         plan = self._plan_for(meta, k_cache.shape[1])
         if plan.min_block < 0 or plan.max_block >= k_cache.shape[0]:
             raise ValueError(f"block ids {plan.min_block}..{plan.max_block} outside the cache's "
@@ -493,16 +570,18 @@ class NumbaAttention:
             raise ValueError(f"out must be a C-contiguous float32 array of shape {q.shape}")
         if plan.part_seq.shape[0]:
             decode = _paged_decode.serial if plan.decode_tokens < SERIAL_DECODE_MAX_TOKENS else _paged_decode
-            decode(q, k_cache, v_cache, plan.block_tables, plan.decode_seqs, plan.decode_rows,
+            decode(q, k_cache, v_cache, k_scale, v_scale, plan.block_tables, plan.decode_seqs, plan.decode_rows,
                    plan.part_seq, plan.part_start, plan.part_end, float(scale), out)
         if plan.tile_seq.shape[0]:
-            _flash_prefill(q, k_cache, v_cache, plan.block_tables, plan.seq_lens, plan.query_start_loc,
-                           plan.tile_seq, plan.tile_q0, float(scale), PREFILL_Q_TILE, PREFILL_K_TILE, out)
+            _flash_prefill(q, k_cache, v_cache, k_scale, v_scale, plan.block_tables, plan.seq_lens,
+                           plan.query_start_loc, plan.tile_seq, plan.tile_q0, float(scale), PREFILL_Q_TILE,
+                           PREFILL_K_TILE, out)
         for i in plan.blas_prefill:
-            self._blas_prefill(q, k_cache, v_cache, plan, i, scale, out)
+            self._blas_prefill(q, k_cache, v_cache, k_scale, v_scale, plan, i, scale, out)
         return out
 
-    def _blas_prefill(self, q, k_cache, v_cache, plan: _Plan, i: int, scale: float, out: np.ndarray) -> None:
+    def _blas_prefill(self, q, k_cache, v_cache, k_scale, v_scale, plan: _Plan, i: int, scale: float,
+                      out: np.ndarray) -> None:
         """Sequence ``i``'s chunk by BLAS tiles (module docstring): for each KV head and tile of
         query rows, ``S = Q K^T`` over the keys up to the tile's last position, the causal
         softmax in place, ``O = S V``. The score tiles live in one buffer kept between calls:
@@ -514,7 +593,7 @@ class NumbaAttention:
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv = k_cache.shape[2]
         group = num_heads // num_kv
-        k, v = gather_context(k_cache, v_cache, plan.block_tables[i], seq_len)  # [seq_len, num_kv, D]
+        k, v = gather_context(k_cache, v_cache, plan.block_tables[i], seq_len, k_scale, v_scale)  # [seq_len, num_kv, D]
         need = min(end - start, BLAS_PREFILL_Q_TILE) * group * seq_len
         if self._scores.size < need:
             self._scores = np.empty(need, dtype=np.float32)

@@ -13,6 +13,10 @@ Two paths, one contract (see :mod:`refengine.attention`):
   softmax per head. Source: Kwon et al. 2023, "Efficient Memory Management for LLM
   Serving with PagedAttention", §4.
 
+int8 caches (``kv_cache_dtype="int8"``): ``write_kv`` quantizes each token's row per KV
+head (:func:`refengine.kv_cache.quantize_int8`, LMDeploy's scheme) and both paths read
+``q * scale`` through :func:`gather_context`, so prefill and decode see the same values.
+
 Grouped-query attention is handled by viewing the query heads as
 ``[num_kv_heads, group, ...]`` so each KV head is read once for its whole group.
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from refengine.attention import AttentionMetadata
+from refengine.kv_cache import dequantize_int8, quantize_int8
 
 Q_TILE = 128
 K_TILE = 256
@@ -43,21 +48,32 @@ class NumpyAttention:
         """Nothing to do: the metadata is already host arrays."""
 
     def write_kv(self, k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray,
-                 meta: AttentionMetadata) -> None:
-        """Store ``k, v [T, num_kv_heads, head_dim]`` at ``meta.slot_mapping [T]`` in place."""
+                 meta: AttentionMetadata, *, k_scale: np.ndarray | None = None,
+                 v_scale: np.ndarray | None = None) -> None:
+        """Store ``k, v [T, num_kv_heads, head_dim]`` at ``meta.slot_mapping [T]`` in place.
+
+        With int8 caches, ``k_scale, v_scale [num_blocks, block_size, num_kv_heads]`` float32
+        receive each row's scale and the caches its int8 values (:func:`quantize_int8`).
+        """
         block_size = k_cache.shape[1]
         blocks = meta.slot_mapping // block_size
         offsets = meta.slot_mapping % block_size
+        if k_scale is not None:
+            k, ks = quantize_int8(k)
+            v, vs = quantize_int8(v)
+            k_scale[blocks, offsets] = ks
+            v_scale[blocks, offsets] = vs
         k_cache[blocks, offsets] = k
         v_cache[blocks, offsets] = v
 
     def forward(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, meta: AttentionMetadata,
-                scale: float) -> np.ndarray:
+                scale: float, *, k_scale: np.ndarray | None = None, v_scale: np.ndarray | None = None) -> np.ndarray:
         """Attention per the contract.
 
         Args:
             q: ``[T, num_heads, head_dim]`` float32.
-            k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+            k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, float32, or
+                int8 with ``k_scale, v_scale [num_blocks, block_size, num_kv_heads]`` float32.
             meta: where each sequence's queries and keys live.
             scale: softmax scale, usually ``1 / sqrt(head_dim)``.
         Returns:
@@ -69,28 +85,34 @@ class NumpyAttention:
         if decode.size:
             rows = meta.query_start_loc[decode]
             out[rows] = paged_decode(q[rows], k_cache, v_cache, meta.block_tables[decode],
-                                     meta.seq_lens[decode], scale)
+                                     meta.seq_lens[decode], scale, k_scale, v_scale)
         for i in np.flatnonzero(q_lens > 1):
             start, end = int(meta.query_start_loc[i]), int(meta.query_start_loc[i + 1])
-            k, v = gather_context(k_cache, v_cache, meta.block_tables[i], int(meta.seq_lens[i]))
+            k, v = gather_context(k_cache, v_cache, meta.block_tables[i], int(meta.seq_lens[i]), k_scale, v_scale)
             out[start:end] = flash_prefill(q[start:end], k, v, scale)
         return out
 
 
-def gather_context(k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.ndarray, seq_len: int):
+def gather_context(k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.ndarray, seq_len: int,
+                   k_scale: np.ndarray | None = None, v_scale: np.ndarray | None = None):
     """Read one sequence's keys and values through its block table.
 
     Args:
         block_table: ``[max_blocks]`` int32, ``-1`` past the sequence's last block.
         seq_len: context length in tokens.
+        k_scale, v_scale: ``[num_blocks, block_size, num_kv_heads]`` float32 for int8 caches.
     Returns:
-        ``k, v [seq_len, num_kv_heads, head_dim]`` (copies, in the cache dtype).
+        ``k, v [seq_len, num_kv_heads, head_dim]`` (copies, in the cache dtype; float32
+        ``q * scale`` for int8 caches).
     """
     block_size = k_cache.shape[1]
     num_blocks = -(-seq_len // block_size)
     blocks = block_table[:num_blocks]
     k = k_cache[blocks].reshape(num_blocks * block_size, *k_cache.shape[2:])[:seq_len]
     v = v_cache[blocks].reshape(num_blocks * block_size, *v_cache.shape[2:])[:seq_len]
+    if k_scale is not None:
+        k = dequantize_int8(k, k_scale[blocks].reshape(num_blocks * block_size, -1)[:seq_len])
+        v = dequantize_int8(v, v_scale[blocks].reshape(num_blocks * block_size, -1)[:seq_len])
     return k, v
 
 
@@ -140,7 +162,8 @@ def flash_prefill(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
 
 
 def paged_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
-                 seq_lens: np.ndarray, scale: float) -> np.ndarray:
+                 seq_lens: np.ndarray, scale: float, k_scale: np.ndarray | None = None,
+                 v_scale: np.ndarray | None = None) -> np.ndarray:
     """One query token per sequence, keys read through the block table.
 
     Args:
@@ -149,6 +172,7 @@ def paged_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_
         block_tables: ``[B, max_blocks]`` int32 (``-1`` padding).
         seq_lens: ``[B]`` int32 context lengths (including the query token).
         scale: softmax scale.
+        k_scale, v_scale: ``[num_blocks, block_size, num_kv_heads]`` float32 for int8 caches.
     Returns:
         ``[B, num_heads, head_dim]`` float32.
     """
@@ -158,7 +182,7 @@ def paged_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_
     qg = (q.astype(np.float32) * np.float32(scale)).reshape(batch, num_kv_heads, group, head_dim)
     out = np.empty((batch, num_kv_heads, group, head_dim), dtype=np.float32)
     for b in range(batch):  # one sequence at a time: its K/V stay in cache between the two products
-        k, v = gather_context(k_cache, v_cache, block_tables[b], int(seq_lens[b]))
+        k, v = gather_context(k_cache, v_cache, block_tables[b], int(seq_lens[b]), k_scale, v_scale)
         s = np.matmul(qg[b], k.astype(np.float32, copy=False).transpose(1, 2, 0))  # [kv, group, seq_len]
         s = np.exp(s - s.max(axis=-1, keepdims=True))
         s /= s.sum(axis=-1, keepdims=True)

@@ -68,12 +68,12 @@ class PartTimer:
         self._sync = None if xp.__name__ == "numpy" else xp.cuda.get_current_stream().synchronize
         self._saved: list[tuple[object, str, object]] = []
 
-    def timed(self, part: str, fn, *args):
-        """Call ``fn(*args)``, adding its wall time (after a GPU sync) to ``part``."""
+    def timed(self, part: str, fn, *args, **kwargs):
+        """Call ``fn(*args, **kwargs)``, adding its wall time (after a GPU sync) to ``part``."""
         if self._sync is not None:
             self._sync()
         t0 = time.perf_counter()
-        out = fn(*args)
+        out = fn(*args, **kwargs)
         if self._sync is not None:
             self._sync()
         self.current[part] += time.perf_counter() - t0
@@ -90,7 +90,7 @@ class PartTimer:
         attn = model.attention
         for name in ("prepare", "write_kv", "forward"):
             method = getattr(attn, name)
-            self.patch(attn, name, lambda *a, _m=method: self.timed("attention", _m, *a))
+            self.patch(attn, name, lambda *a, _m=method, **kw: self.timed("attention", _m, *a, **kw))
         return self
 
     def __exit__(self, *exc) -> None:

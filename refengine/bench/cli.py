@@ -12,6 +12,7 @@ import click
 from refengine.bench.hf_baseline import MISSING_TRANSFORMERS, transformers_available
 from refengine.bench.import_order import import_order_cmd
 from refengine.bench.kernels import kernels_cmd
+from refengine.bench.peers import peers_cmd
 from refengine.bench.options import (LenRange, build_llm_or_fail, engine_kwargs, output_path,
                                      performance_md_option)
 from refengine.bench.plot import MISSING_MATPLOTLIB, matplotlib_available
@@ -219,5 +220,5 @@ def forward_cmd(rows, context_len, decode_max_rows, repeats, json_path, performa
         limits=(report["memory_bandwidth_bytes_per_s"], report["compute_flops_per_s"]), echo=click.echo)
 
 
-for _command in (serve_bench, spec_cmd, prefix_cache_cmd, kernels_cmd, import_order_cmd):
+for _command in (serve_bench, spec_cmd, prefix_cache_cmd, kernels_cmd, import_order_cmd, peers_cmd):
     bench.add_command(_command)

@@ -54,10 +54,10 @@ def pass_cost(model, rows: int, context_len: int, decode: bool) -> tuple[float, 
     """
     cfg = model.config
     layer_bytes = sum(a.nbytes for layer in model.layers for a in vars(layer).values() if hasattr(a, "nbytes"))
-    matrix_params = sum(a.size for layer in model.layers for a in vars(layer).values()
-                        if hasattr(a, "ndim") and a.ndim == 2)
+    matrix_params = sum(int(np.prod(a.shape)) for layer in model.layers for a in vars(layer).values()
+                        if len(getattr(a, "shape", ())) == 2)  # float arrays and quantized weights alike
     head = model.lm_head
-    itemsize = model.embed.dtype.itemsize
+    itemsize = model.embed.nbytes / np.prod(model.embed.shape)  # bytes per stored weight (quantized: fractional)
     logit_rows = rows if decode else 1
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * np.dtype(model.dtype).itemsize
     q_dims = cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
@@ -68,7 +68,7 @@ def pass_cost(model, rows: int, context_len: int, decode: bool) -> tuple[float, 
         kv_tokens = rows
         attn_flops = 2 * rows * (rows + 1) * q_dims  # causal: row i reads i + 1 keys
     nbytes = layer_bytes + head.nbytes + model.norm.nbytes + rows * cfg.hidden_size * itemsize + kv_tokens * kv_per_token
-    flops = 2 * rows * matrix_params + 2 * logit_rows * head.size + attn_flops
+    flops = 2 * rows * matrix_params + 2 * logit_rows * int(np.prod(head.shape)) + attn_flops
     return float(nbytes), float(flops)
 
 

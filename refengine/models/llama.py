@@ -35,9 +35,10 @@ import numpy as np
 
 from refengine.attention import AttentionBackend, AttentionMetadata
 from refengine.config import ModelConfig
-from refengine.kv_cache import KVCache
+from refengine.kv_cache import KVCache, LayerKVCache
 from refengine.layers import RotaryEmbedding
 from refengine.ops import LayerOps
+from refengine.quant import concat_rows, is_quantized
 
 Shape = Callable[[ModelConfig], tuple[int, ...]]
 
@@ -146,27 +147,40 @@ class LlamaForCausalLM:
         self.config = cfg = config
         self.xp, self.dtype, self.attention, self.ops = xp, dtype, attention, ops
         w = weights
-        self.embed = xp.asarray(w.pop("model.embed_tokens.weight"), dtype=dtype)  # [V, H]
+        self.embed = self._device_weight(w.pop("model.embed_tokens.weight"))  # [V, H], or quantized
         self.layers = [self._load_layer(w, f"model.layers.{i}.") for i in range(cfg.num_hidden_layers)]
         self.norm = xp.asarray(w.pop("model.norm.weight"), dtype=np.float32)
-        if cfg.tie_word_embeddings:
-            self.lm_head = self.embed.T  # a view: tied weights are one array
+        if cfg.tie_word_embeddings:  # tied weights are one array: a view, or the quantized rows themselves
+            self.lm_head = self.embed if is_quantized(self.embed) else self.embed.T
         else:
-            self.lm_head = xp.asarray(ops.weight(w.pop("lm_head.weight")), dtype=dtype)
+            lm_head = w.pop("lm_head.weight")
+            self.lm_head = lm_head if is_quantized(lm_head) else xp.asarray(ops.weight(lm_head), dtype=dtype)
         if w:
             raise ValueError(f"unconsumed weights: {list(w)[:3]}")
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                     cfg.rope_scaling, xp=xp)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
 
+    def _device_weight(self, matrix):
+        """A checkpoint matrix on the device: a float array in ``dtype``, or a quantized
+        weight as it is (:mod:`refengine.quant`; the layer ops dequantize it on the fly)."""
+        return matrix if is_quantized(matrix) else self.xp.asarray(matrix, dtype=self.dtype)
+
     def _load_layer(self, w: dict, prefix: str) -> Layer:
         xp, tensors = self.xp, {}
         for name, parts in self.fused.items():  # HF stores [out, in]; the layer ops pick the layout
-            matrix = self.ops.weight(np.concatenate([w.pop(prefix + p) for p in parts], axis=0))
-            tensors[name] = xp.asarray(matrix, dtype=self.dtype)
+            matrix = concat_rows([w.pop(prefix + p) for p in parts])
+            tensors[name] = matrix if is_quantized(matrix) else xp.asarray(self.ops.weight(matrix), dtype=self.dtype)
         for name, parts in self.layer_vectors(self.config).items():
             tensors[name] = xp.asarray(np.concatenate([w.pop(prefix + p) for p in parts]), dtype=np.float32)
         return Layer(tensors)
+
+    def embed_tokens(self, input_ids):
+        """``input_ids [T]`` -> ``[T, hidden]`` float32 rows of the embedding (dequantized
+        row by row when it is stored quantized)."""
+        if is_quantized(self.embed):
+            return self.embed.select_rows(np.asarray(input_ids))
+        return self.embed[input_ids].astype(self.xp.float32)
 
     # --- forward -----------------------------------------------------------------------
     def forward(self, input_ids, positions, kv_cache: KVCache, meta: AttentionMetadata, logits_indices):
@@ -185,22 +199,23 @@ class LlamaForCausalLM:
         ops, eps = self.ops, self.config.rms_norm_eps
         positions = ops.device_positions(positions)
         self.attention.prepare(meta)
-        h = self.embed[input_ids].astype(self.xp.float32)
+        h = self.embed_tokens(input_ids)
         for li, layer in enumerate(self.layers):
-            h = self.decoder_layer(layer, h, positions, kv_cache.k[li], kv_cache.v[li], meta)
+            h = self.decoder_layer(layer, h, positions, kv_cache.layer(li), meta)
         h = ops.rms_norm(h[logits_indices], self.norm, eps)
         return ops.linear(h, self.lm_head)
 
-    def decoder_layer(self, layer: Layer, h, positions, k_cache, v_cache, meta: AttentionMetadata):
+    def decoder_layer(self, layer: Layer, h, positions, kv: LayerKVCache, meta: AttentionMetadata):
         """One ``LlamaDecoderLayer``: ``h [T, hidden]`` float32 -> ``[T, hidden]`` float32."""
         ops, cfg = self.ops, self.config
         eps = cfg.rms_norm_eps
         x = ops.rms_norm(h, layer.input_norm, eps)
         q, k, v = self.qkv_projection(layer, x)
         q, k = ops.rope(q, k, positions, self.rope)
-        self.attention.write_kv(k_cache, v_cache, k.astype(k_cache.dtype, copy=False),
-                                v.astype(k_cache.dtype, copy=False), meta)
-        o = self.attention.forward(q.astype(k_cache.dtype, copy=False), k_cache, v_cache, meta, self.scale)
+        scales = {"k_scale": kv.k_scale, "v_scale": kv.v_scale}  # None unless the cache is int8
+        self.attention.write_kv(kv.k, kv.v, k.astype(kv.dtype, copy=False), v.astype(kv.dtype, copy=False), meta,
+                                **scales)
+        o = self.attention.forward(q.astype(kv.dtype, copy=False), kv.k, kv.v, meta, self.scale, **scales)
         h = h + ops.linear(o.reshape(o.shape[0], -1), layer.o)
         x = ops.rms_norm(h, layer.post_norm, eps)
         return h + ops.linear(ops.silu_and_mul(ops.linear(x, layer.gate_up)), layer.down)

@@ -8,11 +8,14 @@ from pathlib import Path
 import numpy as np
 
 from refengine.config import ModelConfig
-from refengine.loader import load_weights
+from refengine.gguf_file import is_gguf, open_gguf
+from refengine.loader import check_weights, load_weights
 from refengine.models.llama import LlamaForCausalLM
 from refengine.models.mistral import MistralForCausalLM
 from refengine.models.qwen2 import Qwen2ForCausalLM
 from refengine.models.qwen3 import Qwen3ForCausalLM
+from refengine.quant.awq_gptq import CHECKPOINT_METHODS, checkpoint_quantization, resolve_quantization
+from refengine.quant.int8 import quantize_weights
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     cls.architecture: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
@@ -32,18 +35,33 @@ def get_model_class(architectures: list[str] | None) -> type[LlamaForCausalLM]:
     return MODEL_REGISTRY[arch]
 
 
-def load_model(model_dir: str | Path, config: ModelConfig, attention, ops, xp=np, dtype=np.float32):
+def load_model(model_dir: str | Path, config: ModelConfig, attention, ops, xp=np, dtype=np.float32,
+               dequantize_gguf: bool = False, quantization: str | None = None):
     """Build the model of ``config.architecture`` from ``model_dir``'s checkpoint.
 
     The model class says which tensors it expects; :func:`refengine.loader.load_weights`
-    checks the checkpoint against them strictly.
+    checks the checkpoint against them strictly. ``model_dir`` may also be a GGUF file
+    (:mod:`refengine.gguf_file`): its matrices stay in their stored block types unless
+    ``dequantize_gguf`` (then float32, as ``convert-gguf`` writes them).
 
     Args:
         attention: the attention backend; ops: the layer operations; xp: ``numpy`` or
-            ``cupy``; dtype: weight and KV cache dtype.
+            ``cupy``; dtype: weight and KV cache dtype; quantization: the engine option
+            (None: as the checkpoint is; ``"int8"``: every float matrix quantized at load;
+            ``"awq"``/``"gptq"``: must match ``config.json``'s ``quantization_config``),
+            :func:`refengine.quant.awq_gptq.resolve_quantization`.
     Raises:
-        FileNotFoundError, ValueError: from :func:`refengine.loader.load_weights`.
+        FileNotFoundError, ValueError: from :func:`refengine.loader.load_weights` or
+            :meth:`refengine.gguf_file.GGUFFile.weights`.
     """
     cls = MODEL_REGISTRY[config.architecture]
-    weights = load_weights(model_dir, cls.checkpoint_shapes(config), config.tie_word_embeddings)
+    method = resolve_quantization(quantization, model_dir)
+    if is_gguf(model_dir):
+        weights = open_gguf(model_dir).weights(dequantize=dequantize_gguf)
+        check_weights(weights, cls.checkpoint_shapes(config), str(model_dir), config.tie_word_embeddings)
+    else:
+        repack = checkpoint_quantization(model_dir).repack if method in CHECKPOINT_METHODS else None
+        weights = load_weights(model_dir, cls.checkpoint_shapes(config), config.tie_word_embeddings, repack=repack)
+    if method == "int8":
+        quantize_weights(weights)  # every float matrix; norms and biases stay float32
     return cls(config, weights, attention, ops, xp=xp, dtype=dtype)

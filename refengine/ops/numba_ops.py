@@ -44,6 +44,7 @@ import sys
 import numpy as np
 from numba import carray, get_num_threads, njit, prange
 
+from refengine.quant import StackedWeight, is_quantized, reference_linear
 from refengine.runtime import blas
 from refengine.runtime.numba_support import ParallelKernel, stack_f32, parallel_kernel, prefetch, register_kernels
 
@@ -378,11 +379,27 @@ class NumbaOps:
         return np.ascontiguousarray(matrix).T
 
     def linear(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        """``x [T, in] @ w [in, out]`` -> ``[T, out]`` float32 (see the class docstring)."""
+        """``x [T, in] @ w [in, out]`` -> ``[T, out]`` float32 (see the class docstring); ``w``
+        may be a :class:`refengine.quant.QuantizedWeight` (``[out, in]``), whose format's
+        compiled product (``numba_linear``) dequantizes it on the fly."""
+        if is_quantized(w):
+            return self.quantized_linear(x, w)
         rows = x.shape[0]
         if 0 < rows < self.blas_min_rows and w.dtype == np.float32 and w.T.flags.c_contiguous:
             return matmul_dot(x, w)
         return blas.matmul(x.astype(w.dtype, copy=False), w).astype(np.float32, copy=False)
+
+    def quantized_linear(self, x: np.ndarray, w) -> np.ndarray:
+        """``x [T, in]`` times a quantized ``w [out, in]`` -> ``[T, out]`` float32: the format's
+        numba kernel, else (a format without one) the NumPy twin; a :class:`StackedWeight`
+        part by part (float parts are ``[out, in]`` rows, read through their transposed view)."""
+        if isinstance(w, StackedWeight):
+            return np.concatenate([self.linear(x, p if is_quantized(p) else np.ascontiguousarray(p, dtype=np.float32).T)
+                                   for p in w.parts], axis=1)
+        kernel = getattr(w, "numba_linear", None)
+        if kernel is None:
+            return reference_linear(x, w)
+        return kernel(np.ascontiguousarray(x, dtype=np.float32))
 
     @staticmethod
     def _over_rows(kernel: ParallelKernel, rows: int, *args) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from refengine.layers import rms_norm, silu_and_mul
+from refengine.quant import is_quantized, reference_linear
 
 
 def linear_f32(x, w):
@@ -35,6 +36,8 @@ class NumpyOps:
         return blas_weight(matrix)
 
     def linear(self, x, w):
+        if is_quantized(w):  # the twin: dequantize a few thousand rows at a time, multiply in float32
+            return reference_linear(x, w)
         return linear_f32(x, w)
 
     def rms_norm(self, x, weight, eps: float):

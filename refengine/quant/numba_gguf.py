@@ -1,0 +1,1274 @@
+"""Products with GGUF block-type weights, compiled by numba: the weights decoded on the fly,
+block by block, never the whole matrix (:class:`refengine.quant.gguf_blocks.GGUFWeight`).
+
+``x [T, in] @ w.T`` for ``w [out, in]`` in one of GGUF's block types, two ways:
+
+* **Few rows (decode)**: one fused kernel per type family (:func:`_blocks32_rows` for Q8_0,
+  Q4_0, Q4_1, Q5_0, Q5_1; :func:`_k_rows` for Q4_K, Q5_K; :func:`_q6_k_rows`;
+  :func:`_half_rows` for F16 and BF16). Tasks own consecutive output rows (in parallel,
+  ``prange``); per output row the kernel walks the row's blocks, decodes each block's
+  quants into float32 vector registers and multiplies them with the activation rows, one
+  or four at a time (four share each decoded block), folding the block's scale in once per
+  block: ``d * sum(q * x)`` plus, for the types with a minimum, ``m * sum(x)`` from the
+  activations' block sums, computed once per call. At a few rows this reads each weight
+  byte once, so it runs at the speed the compressed bytes stream in, or the decoding keeps
+  up with, whichever is slower.
+* **Many rows (prefill)**, from :data:`PREFILL_MIN_ROWS` rows: each of refengine's BLAS
+  threads (:mod:`refengine.runtime.blas`) dequantizes tiles of :data:`TILE_BYTES` worth of
+  weight rows into a float32 buffer of its own and multiplies ``x @ tile.T`` with
+  single-threaded BLAS, which is compute-bound there and well ahead of any numba loop.
+
+Why explicit SIMD: numba runs LLVM's loop vectorizer but not its SLP vectorizer
+(``NUMBA_SLP_VECTORIZE`` is off by default), and LLVM fully unrolls short lane loops (the
+16 lanes of a 32-weight block) before the loop vectorizer sees them, which leaves scalar
+code (``vfmadd231ss``, ``vcvtsi2ss``: checked with ``inspect_asm``). So the kernels here
+use two small vector types of eight lanes, :data:`f32x8` and :data:`i32x8` (one AVX2
+register; LLVM's ``<8 x float>``/``<8 x i32>``), and intrinsics for their loads, integer
+decoding, conversions and fused multiply-adds. That fixes the machine code whatever LLVM's
+unrolling heuristics decide: ``vpmovzxbd`` loads of quants, ``vcvtdq2ps``, ``vfmadd231ps``
+on ``ymm`` registers, the accumulators in registers.
+
+Why one compiled function per type (``_q4_1_rows``, ``_q4_1_linear``, ``_q4_1_dequant``
+...): the family's code is written once (``_blocks32_rows(kind, ...)``, inlined) and each
+type's function passes its ``kind`` as a constant, so the other types' branches fold away.
+With ``kind`` a run-time argument, the branches inside the inlined block decoder left
+numba's reference counting of the planes (``NRT_incref``/``NRT_decref`` calls) and
+register spills in the innermost loop, several times slower.
+
+Numerics (float32): every output is computed the same way whatever the tile or the number
+of rows below :data:`PREFILL_MIN_ROWS` (a row's results are the same bits alone or in a
+batch, and on any number of threads; tested). Per 32-weight block two eight-lane partial
+products, ``pA = fma(w[16:24], x[16:24], w[0:8] * x[0:8])`` and ``pB`` likewise for weights
+8-15 and 24-31, accumulated as ``acc = fma(d, p, acc)`` block after block (Q6_K: per
+16-weight group ``acc = fma(d * sc, w * x, acc)``; F16/BF16: ``acc = fma(w, x, acc)``);
+the two accumulators added, their lanes summed in one fixed tree (:func:`f8_sum`); the
+minimum terms ``sum_b m_b * xsum_b`` (Q4_1, Q5_1, and the K-quants' ``-dmin * m``) as an
+eight-lane dot over the blocks, summed the same way, then its tail in order. The BLAS path
+is ``x @ dequantize().T`` up to float32 rounding (the dequantized tile is bitwise
+:meth:`GGUFWeight.dequantize`: the decoders use no FMA there).
+
+The f16 scales are converted by exact bit arithmetic (numba has no float16): the 15 bits
+below the sign, shifted into a float32's exponent and mantissa, are ``value * 2**-112``
+for normal and subnormal halves alike, so one multiply by ``2**112`` restores the value
+(it needs float32 subnormals, which numba does not flush); infinities and NaNs get the
+all-ones exponent instead. F16 weights use the CPU's ``vcvtph2ps`` where it has F16C
+(the same values). Both tested against NumPy for all 65536 patterns.
+
+Not done: quantizing the activations to int8 per block and multiplying in integers, as
+llama.cpp does (``vpmaddubsw``), would roughly halve the decoding work per weight at the
+cost of an activation rounding error of ~0.4% per block; the products here are float32
+with the weights exactly as stored.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+from llvmlite import ir
+from numba import get_num_threads, njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, models, register_model
+
+from refengine.runtime import blas
+from refengine.runtime.numba_support import parallel_kernel, register_kernels
+
+#: From this many activation rows the product dequantizes tiles and multiplies with BLAS
+#: (prefill); below, the fused kernels (decode). Measured on SmolLM2's shapes (576 x 576,
+#: 1536 x 576, 576 x 1536; Q4_1 and Q8_0), fused kernel against tiles + BLAS at 8 to 128
+#: rows, repeated runs on one and two threads: the fused kernel is ahead at 8 rows, the two
+#: are level around 12-16, tiles + BLAS are ahead from 24 on one thread (and by 2-3x from
+#: 64); on two threads the order at 16-32 rows changed from run to run on a busy machine.
+PREFILL_MIN_ROWS = 24
+#: The float32 bytes of a dequantized tile (its rows: this over ``in_features * 4``, a few
+#: hundred rows for SmolLM2). Of 64 KiB to 4 MiB tiles, those from 1 MiB were fastest (a
+#: small tile pays BLAS's per-call set-up, packing ``x`` each time, too often).
+TILE_BYTES = 1024 * 1024
+#: The fused 32-weight block kernels decode the f16 scales of this many weight rows at a
+#: time, in one vector loop (a row's 18 or 48 scales alone would leave a scalar tail each).
+CHUNK_ROWS = 8
+
+_U = np.uintp  # unsigned indices: no negative-index wraparound in the address arithmetic
+
+# ---------------------------------------------------------------------------------------
+# Eight-lane vectors: the types and the intrinsics on them.
+
+_F8 = ir.VectorType(ir.FloatType(), 8)
+_I8 = ir.VectorType(ir.IntType(32), 8)
+_I32 = ir.IntType(32)
+
+
+class _F32x8(types.Type):
+    def __init__(self):
+        super().__init__(name="f32x8")
+
+
+class _I32x8(types.Type):
+    def __init__(self):
+        super().__init__(name="i32x8")
+
+
+#: Eight float32 lanes (LLVM ``<8 x float>``, one AVX2 ``ymm`` register).
+f32x8 = _F32x8()
+#: Eight int32 lanes (LLVM ``<8 x i32>``).
+i32x8 = _I32x8()
+
+
+@register_model(_F32x8)
+class _F32x8Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _F8)
+
+
+@register_model(_I32x8)
+class _I32x8Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _I8)
+
+
+def _is_c_array(a, *dtypes) -> bool:
+    return isinstance(a, types.Array) and a.layout == "C" and a.dtype in dtypes
+
+
+def _vector_ptr(context, builder, arrty, arr, idxty, idx, vecty):
+    """A pointer to ``vecty`` at flat element ``idx`` of the C-contiguous array ``arr``."""
+    ary = context.make_array(arrty)(context, builder, arr)
+    i = context.cast(builder, idx, idxty, types.intp)
+    return builder.bitcast(builder.gep(ary.data, [i]), vecty.as_pointer())
+
+
+def _splat(builder, scalar, vecty):
+    """``scalar`` (already of the lane type) in every lane of ``vecty``."""
+    undef = ir.Constant(vecty, ir.Undefined)
+    one = builder.insert_element(undef, scalar, _I32(0))
+    return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, vecty.count), None))
+
+
+def _lane_constants(values):
+    return ir.Constant(_I8, [_I32(v) for v in values])
+
+
+@intrinsic
+def f8_zero(typingctx):
+    """Eight float32 zeros."""
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_F8, None)
+
+    return f32x8(), codegen
+
+
+@intrinsic
+def f8_splat(typingctx, value):
+    """``value`` (a float) in all eight lanes."""
+    if not isinstance(value, types.Float):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = context.cast(builder, args[0], sig.args[0], types.float32)
+        return _splat(builder, v, _F8)
+
+    return f32x8(value), codegen
+
+
+@intrinsic
+def f8_load(typingctx, arr, idx):
+    """Elements ``idx .. idx + 7`` (flat) of a C-contiguous float32 array. Not bounds-checked."""
+    if not (_is_c_array(arr, types.float32) and isinstance(idx, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _F8), align=4)
+
+    return f32x8(arr, idx), codegen
+
+
+@intrinsic
+def f8_store(typingctx, arr, idx, v):
+    """Write ``v`` to elements ``idx .. idx + 7`` (flat) of a C-contiguous float32 array. Not bounds-checked."""
+    if not (_is_c_array(arr, types.float32) and isinstance(idx, types.Integer) and v == f32x8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        builder.store(args[2], _vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _F8), align=4)
+        return context.get_dummy_value()
+
+    return types.void(arr, idx, v), codegen
+
+
+@intrinsic
+def f8_mul(typingctx, a, b):
+    """``a * b`` lane-wise (rounded, never fused with a later add)."""
+    if not (a == f32x8 and b == f32x8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fmul(args[0], args[1])
+
+    return f32x8(a, b), codegen
+
+
+@intrinsic
+def f8_add(typingctx, a, b):
+    """``a + b`` lane-wise."""
+    if not (a == f32x8 and b == f32x8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fadd(args[0], args[1])
+
+    return f32x8(a, b), codegen
+
+
+@intrinsic
+def f8_fma(typingctx, a, b, c):
+    """``a * b + c`` lane-wise, one rounding (``llvm.fma``: ``vfmadd`` on a CPU with FMA)."""
+    if not (a == f32x8 and b == f32x8 and c == f32x8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F8, [_F8, _F8, _F8]), "llvm.fma.v8f32")
+        return builder.call(fn, args)
+
+    return f32x8(a, b, c), codegen
+
+
+@intrinsic
+def f8_sum(typingctx, v):
+    """The eight lanes' sum in a fixed tree: ``(l, l + 4)`` pairs, then ``(l, l + 2)``, then the last two."""
+    if v != f32x8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        x = args[0]
+
+        def half(vec, lanes):
+            mask = ir.Constant(ir.VectorType(_I32, len(lanes)), [_I32(i) for i in lanes])
+            return builder.shuffle_vector(vec, vec, mask)
+
+        s4 = builder.fadd(half(x, (0, 1, 2, 3)), half(x, (4, 5, 6, 7)))
+        s2 = builder.fadd(half(s4, (0, 1)), half(s4, (2, 3)))
+        return builder.fadd(builder.extract_element(s2, _I32(0)), builder.extract_element(s2, _I32(1)))
+
+    return types.float32(v), codegen
+
+
+@intrinsic
+def i8_load_bytes(typingctx, arr, idx):
+    """Bytes ``idx .. idx + 7`` (flat) of a C-contiguous uint8 (zero-extended) or int8
+    (sign-extended) array, as eight int32. Not bounds-checked."""
+    if not (_is_c_array(arr, types.uint8, types.int8) and isinstance(idx, types.Integer)):
+        return None
+    signed = arr.dtype == types.int8
+
+    def codegen(context, builder, sig, args):
+        v8 = ir.VectorType(ir.IntType(8), 8)
+        raw = builder.load(_vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], v8), align=1)
+        return builder.sext(raw, _I8) if signed else builder.zext(raw, _I8)
+
+    return i32x8(arr, idx), codegen
+
+
+def _int_binop(op):
+    """An intrinsic ``(v: i32x8, n: integer) -> i32x8`` applying ``op`` with ``n`` in every lane."""
+    @intrinsic
+    def binop(typingctx, v, n):
+        if not (v == i32x8 and isinstance(n, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            k = context.cast(builder, args[1], sig.args[1], types.int32)
+            return getattr(builder, op)(args[0], _splat(builder, k, _I8))
+
+        return i32x8(v, n), codegen
+
+    return binop
+
+
+i8_and = _int_binop("and_")
+i8_add = _int_binop("add")
+i8_shr = _int_binop("lshr")
+i8_shl = _int_binop("shl")
+i8_and.__doc__ = "``v & n`` lane-wise."
+i8_add.__doc__ = "``v + n`` lane-wise."
+i8_shr.__doc__ = "``v >> n`` lane-wise (logical)."
+i8_shl.__doc__ = "``v << n`` lane-wise."
+
+
+@intrinsic
+def i8_or(typingctx, a, b):
+    """``a | b`` lane-wise."""
+    if not (a == i32x8 and b == i32x8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.or_(args[0], args[1])
+
+    return i32x8(a, b), codegen
+
+
+@intrinsic
+def i8_bits(typingctx, word, first):
+    """Lane ``l``: bit ``first + l`` of the 32-bit ``word`` (0 or 1)."""
+    if not (isinstance(word, types.Integer) and isinstance(first, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        w = _splat(builder, context.cast(builder, args[0], sig.args[0], types.uint32), _I8)
+        f = _splat(builder, context.cast(builder, args[1], sig.args[1], types.int32), _I8)
+        shifted = builder.lshr(w, builder.add(f, _lane_constants(range(8))))
+        return builder.and_(shifted, _splat(builder, _I32(1), _I8))
+
+    return i32x8(word, first), codegen
+
+
+@intrinsic
+def i8_to_f8(typingctx, v):
+    """int32 lanes -> float32 (exact below 2**24)."""
+    if v != i32x8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.sitofp(args[0], _F8)
+
+    return f32x8(v), codegen
+
+
+def _halves_to_f8(builder, h):
+    """Eight f16 bit patterns (zero-extended to i32 lanes) -> float32, exactly (module docstring)."""
+    const = lambda c: _splat(builder, _I32(c), _I8)  # noqa: E731
+    em = builder.shl(builder.and_(h, const(0x7FFF)), const(13))
+    finite = builder.fmul(builder.bitcast(em, _F8), _splat(builder, ir.Constant(ir.FloatType(), 2.0 ** 112), _F8))
+    special = builder.bitcast(builder.or_(em, const(0x7F800000)), _F8)  # inf, NaN: the all-ones exponent
+    value = builder.select(builder.icmp_unsigned(">=", em, const(0x7C00 << 13)), special, finite)
+    sign = builder.shl(builder.and_(h, const(0x8000)), const(16))
+    return builder.bitcast(builder.or_(builder.bitcast(value, _I8), sign), _F8)
+
+
+def _has_f16c(context) -> bool:
+    """Whether the code is compiled for a CPU with F16C (numba targets the host CPU, and its
+    cache is keyed by the CPU's features). Without it LLVM would lower a half-to-float
+    conversion to a library call that numba's JIT may not resolve, hence the bit arithmetic."""
+    return "+f16c" in str(getattr(context.codegen(), "_tm_features", "")).split(",")
+
+
+def _f16_intrinsic(use_f16c: bool):
+    """An intrinsic ``(uint16 array, flat index) -> f32x8`` converting eight f16 bit patterns,
+    by the CPU's ``vcvtph2ps`` when ``use_f16c`` and the CPU has F16C, else by bit arithmetic."""
+    @intrinsic
+    def load(typingctx, arr, idx):
+        if not (_is_c_array(arr, types.uint16) and isinstance(idx, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            v16 = ir.VectorType(ir.IntType(16), 8)
+            raw = builder.load(_vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], v16), align=2)
+            if use_f16c and _has_f16c(context):
+                return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), 8)), _F8)
+            return _halves_to_f8(builder, builder.zext(raw, _I8))
+
+        return f32x8(arr, idx), codegen
+
+    return load
+
+
+#: Elements ``idx .. idx + 7`` (flat) of a C-contiguous uint16 array of f16 bit patterns, as
+#: float32: ``vcvtph2ps`` on a CPU with F16C, else :data:`f8_load_f16_bits`; both exact.
+f8_load_f16 = _f16_intrinsic(True)
+#: :data:`f8_load_f16` by bit arithmetic only (the fallback, tested on any CPU).
+f8_load_f16_bits = _f16_intrinsic(False)
+
+
+@intrinsic
+def f8_load_bf16(typingctx, arr, idx):
+    """Elements ``idx .. idx + 7`` (flat) of a C-contiguous uint16 array of bfloat16 bit patterns, as float32."""
+    if not (_is_c_array(arr, types.uint16) and isinstance(idx, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v16 = ir.VectorType(ir.IntType(16), 8)
+        raw = builder.load(_vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], v16), align=2)
+        return builder.bitcast(builder.shl(builder.zext(raw, _I8), _splat(builder, _I32(16), _I8)), _F8)
+
+    return f32x8(arr, idx), codegen
+
+
+@intrinsic
+def _bits_as_f32(typingctx, bits):
+    """The float32 whose bit pattern is the low 32 bits of the integer ``bits``."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = args[0]
+        if v.type.width != 32:
+            v = builder.trunc(v, _I32)
+        return builder.bitcast(v, ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@njit(inline="always")
+def f16_to_f32(h):  # pragma: no cover - compiled
+    """One f16 bit pattern (an unsigned integer below 2**16) -> float32, exactly (module docstring)."""
+    u = np.uint32(h)
+    em = (u & np.uint32(0x7FFF)) << np.uint32(13)
+    v = _bits_as_f32(em) * np.float32(2.0 ** 112)
+    if em >= np.uint32(0x7C00 << 13):
+        v = _bits_as_f32(em | np.uint32(0x7F800000))
+    if u & np.uint32(0x8000):
+        v = -v
+    return v
+
+
+# ---------------------------------------------------------------------------------------
+# Shared pieces of the fused kernels.
+
+
+@njit(inline="always")
+def _f16_plane_rows(plane, j0, j1, out):  # pragma: no cover - compiled
+    """``out[(j - j0) * n + b] = f16(plane[j, b])`` for rows ``j0 <= j < j1`` of a uint16
+    plane ``[rows, n]`` (``out``: float32 ``[>= (j1 - j0) * n + 8]``): the rows' scales in one
+    vector loop (consecutive rows are contiguous), so only the last few take the scalar path."""
+    flat = plane.reshape(-1)
+    base = _U(j0) * _U(plane.shape[1])
+    count = (_U(j1) - _U(j0)) * _U(plane.shape[1])
+    n8 = count // _U(8) * _U(8)
+    for b in range(_U(0), n8, _U(8)):
+        f8_store(out, b, f8_load_f16(flat, base + b))
+    for b in range(n8, count):
+        out[b] = f16_to_f32(flat[base + b])
+
+
+@njit(inline="always")
+def _weighted_sum(a, ao, xs, xo, n):  # pragma: no cover - compiled
+    """``sum_b a[ao + b] * xs[xo + b]`` for ``b < n`` (flat arrays): eight lanes, :func:`f8_sum`,
+    then the tail in order."""
+    ao, xo = _U(ao), _U(xo)
+    n8 = _U(n) // _U(8) * _U(8)
+    acc = f8_zero()
+    for b in range(_U(0), n8, _U(8)):
+        acc = f8_fma(f8_load(a, ao + b), f8_load(xs, xo + b), acc)
+    s = f8_sum(acc)
+    for b in range(n8, _U(n)):
+        s += a[ao + b] * xs[xo + b]
+    return s
+
+
+@njit(cache=True, fastmath={"contract"})
+def _block_sums(x, xs, group):  # pragma: no cover - compiled
+    """``xs[t, g] = sum(x[t, group*g : group*(g+1)])`` for float32 ``x [T, K]`` (``group`` a multiple of 16):
+    eight lanes over the group, :func:`f8_sum`. The minimum terms' activation sums."""
+    rows, ng = xs.shape
+    k = _U(x.shape[1])
+    xf = x.reshape(-1)
+    xsf = xs.reshape(-1)
+    for t in range(_U(rows)):
+        for g in range(_U(ng)):
+            c = _U(t) * k + _U(g) * _U(group)
+            acc = f8_add(f8_load(xf, c), f8_load(xf, c + _U(8)))
+            for i in range(_U(16), _U(group), _U(16)):
+                acc = f8_add(acc, f8_add(f8_load(xf, c + i), f8_load(xf, c + i + _U(8))))
+            xsf[_U(t) * _U(ng) + g] = f8_sum(acc)
+
+
+@njit(inline="always")
+def _block_dot(w0, w1, w2, w3, x, xo, d, acc_a, acc_b):  # pragma: no cover - compiled
+    """One 32-weight block (decoded ``w0..w3``: weights 0-7, 8-15, 16-23, 24-31) times
+    ``x[xo : xo + 32]`` (flat), scaled by ``d`` and added to the two accumulators."""
+    p_a = f8_fma(w2, f8_load(x, xo + _U(16)), f8_mul(w0, f8_load(x, xo)))
+    p_b = f8_fma(w3, f8_load(x, xo + _U(24)), f8_mul(w1, f8_load(x, xo + _U(8))))
+    ds = f8_splat(d)
+    return f8_fma(ds, p_a, acc_a), f8_fma(ds, p_b, acc_b)
+
+
+# ---------------------------------------------------------------------------------------
+# Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: blocks of 32, one f16 scale (and minimum) each.
+
+#: Type codes of the 32-weight block kernels.
+Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 = 0, 1, 2, 3, 4
+
+
+@njit(inline="always")
+def _decode32(kind, qs, qh, j, b):  # pragma: no cover - compiled
+    """Block ``b`` of row ``j``: its 32 quants as float32 (``q`` for Q8_0, ``q - 8`` Q4_0,
+    ``q`` Q4_1, ``q - 16`` Q5_0, ``q`` Q5_1), as four vectors of weights 0-7, 8-15, 16-23, 24-31."""
+    if kind == Q8_0:
+        base = (_U(j) * _U(qs.shape[1] // 32) + _U(b)) * _U(32)
+        return (i8_to_f8(i8_load_bytes(qs, base)), i8_to_f8(i8_load_bytes(qs, base + _U(8))),
+                i8_to_f8(i8_load_bytes(qs, base + _U(16))), i8_to_f8(i8_load_bytes(qs, base + _U(24))))
+    base = (_U(j) * _U(qs.shape[1] // 16) + _U(b)) * _U(16)
+    lo_bytes, hi_bytes = i8_load_bytes(qs, base), i8_load_bytes(qs, base + _U(8))
+    q0, q2 = i8_and(lo_bytes, 15), i8_shr(lo_bytes, 4)  # weights 0-7 and 16-23 share bytes 0-7
+    q1, q3 = i8_and(hi_bytes, 15), i8_shr(hi_bytes, 4)
+    if kind == Q5_0 or kind == Q5_1:
+        h = qh[j, b]
+        q0 = i8_or(q0, i8_shl(i8_bits(h, 0), 4))
+        q1 = i8_or(q1, i8_shl(i8_bits(h, 8), 4))
+        q2 = i8_or(q2, i8_shl(i8_bits(h, 16), 4))
+        q3 = i8_or(q3, i8_shl(i8_bits(h, 24), 4))
+    if kind == Q4_0:
+        q0, q1, q2, q3 = i8_add(q0, -8), i8_add(q1, -8), i8_add(q2, -8), i8_add(q3, -8)
+    elif kind == Q5_0:
+        q0, q1, q2, q3 = i8_add(q0, -16), i8_add(q1, -16), i8_add(q2, -16), i8_add(q3, -16)
+    return i8_to_f8(q0), i8_to_f8(q1), i8_to_f8(q2), i8_to_f8(q3)
+
+
+@njit(inline="always")
+def _blocks32_rows(kind, x, xs, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
+    """``out[:, j] = x @ w[j]`` for ``j0 <= j < j1``: the fused kernel of the 32-weight block
+    types (the task of ``_q8_0_linear`` ... ``_q5_1_linear``; ``kind`` a constant).
+
+    ``x`` float32 ``[T, K]``; ``xs`` float32 ``[T, K/32]`` its block sums (used by the types
+    with a minimum); ``d``, ``m`` uint16 ``[N, K/32]`` (``m`` unused without a minimum);
+    ``qh`` uint32 ``[N, K/32]`` (Q5 only); ``qs`` the quants plane; ``out`` float32
+    ``[T, N]``; ``scratch`` float32 ``[>= 2 * (CHUNK_ROWS * K/32 + 8)]``: the scales (and
+    minimums) of :data:`CHUNK_ROWS` rows at a time. Activation rows four at a time (a last
+    group of two or three repeats its last row), a last single row on its own.
+    """
+    rows, k = x.shape
+    nb = _U(d.shape[1])
+    kk = _U(k)
+    xf, xsf = x.reshape(-1), xs.reshape(-1)
+    half = _U(CHUNK_ROWS) * nb + _U(8)
+    sd, sm = scratch[:half], scratch[half:]
+    with_min = kind == Q4_1 or kind == Q5_1
+    fours = _U(rows) // _U(4) * _U(4)
+    if _U(rows) - fours >= _U(2):
+        fours = _U(rows)  # a last group of 2-3 rows runs as four (repeating its last row)
+    last = _U(rows - 1)
+    for j in range(_U(j0), _U(j1)):
+        jc = (j - _U(j0)) % _U(CHUNK_ROWS)
+        if jc == _U(0):
+            je = min(j + _U(CHUNK_ROWS), _U(j1))
+            _f16_plane_rows(d, j, je, sd)
+            if with_min:
+                _f16_plane_rows(m, j, je, sm)
+        so = jc * nb  # this row's scales in sd, sm
+        for t0 in range(_U(0), fours, _U(4)):
+            t1, t2, t3 = min(t0 + _U(1), last), min(t0 + _U(2), last), min(t0 + _U(3), last)
+            a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = f8_zero()
+            for b in range(nb):
+                w0, w1, w2, w3 = _decode32(kind, qs, qh, j, b)
+                c, db = b * _U(32), sd[so + b]
+                a0, b0 = _block_dot(w0, w1, w2, w3, xf, t0 * kk + c, db, a0, b0)
+                a1, b1 = _block_dot(w0, w1, w2, w3, xf, t1 * kk + c, db, a1, b1)
+                a2, b2 = _block_dot(w0, w1, w2, w3, xf, t2 * kk + c, db, a2, b2)
+                a3, b3 = _block_dot(w0, w1, w2, w3, xf, t3 * kk + c, db, a3, b3)
+            s0, s1 = f8_sum(f8_add(a0, b0)), f8_sum(f8_add(a1, b1))
+            s2, s3 = f8_sum(f8_add(a2, b2)), f8_sum(f8_add(a3, b3))
+            if with_min:
+                s0 += _weighted_sum(sm, so, xsf, t0 * nb, nb)
+                s1 += _weighted_sum(sm, so, xsf, t1 * nb, nb)
+                s2 += _weighted_sum(sm, so, xsf, t2 * nb, nb)
+                s3 += _weighted_sum(sm, so, xsf, t3 * nb, nb)
+            out[t3, j] = s3
+            out[t2, j] = s2
+            out[t1, j] = s1
+            out[t0, j] = s0
+        for t in range(fours, _U(rows)):
+            a0 = b0 = f8_zero()
+            for b in range(nb):
+                w0, w1, w2, w3 = _decode32(kind, qs, qh, j, b)
+                a0, b0 = _block_dot(w0, w1, w2, w3, xf, t * kk + b * _U(32), sd[so + b], a0, b0)
+            s0 = f8_sum(f8_add(a0, b0))
+            if with_min:
+                s0 += _weighted_sum(sm, so, xsf, t * nb, nb)
+            out[t, j] = s0
+
+
+@njit(inline="always")
+def _blocks32_dequant(kind, d, m, qh, qs, j0, j1, buf):  # pragma: no cover - compiled
+    """Rows ``j0 .. j1 - 1`` dequantized into ``buf[:j1 - j0]`` (float32 ``[>= j1 - j0, K]``):
+    ``q * d`` (Q8_0, Q4_0, Q5_0 with their offsets) or ``q * d + m`` (Q4_1, Q5_1), rounded
+    as :meth:`GGUFWeight.dequantize` (no FMA). Releases the GIL (runs on BLAS threads)."""
+    nb = _U(d.shape[1])
+    bf = buf.reshape(-1)
+    k = _U(buf.shape[1])
+    with_min = kind == Q4_1 or kind == Q5_1
+    for j in range(_U(j0), _U(j1)):
+        o = (j - _U(j0)) * k
+        for b in range(nb):
+            w0, w1, w2, w3 = _decode32(kind, qs, qh, j, b)
+            ds = f8_splat(f16_to_f32(d[j, b]))
+            w0, w1, w2, w3 = f8_mul(w0, ds), f8_mul(w1, ds), f8_mul(w2, ds), f8_mul(w3, ds)
+            if with_min:
+                ms = f8_splat(f16_to_f32(m[j, b]))
+                w0, w1, w2, w3 = f8_add(w0, ms), f8_add(w1, ms), f8_add(w2, ms), f8_add(w3, ms)
+            c = o + b * _U(32)
+            f8_store(bf, c, w0)
+            f8_store(bf, c + _U(8), w1)
+            f8_store(bf, c + _U(16), w2)
+            f8_store(bf, c + _U(24), w3)
+
+
+# One compiled version per type (the type a constant, so its branches fold away): task,
+# parallel loop, dequantizer.
+
+
+@njit(cache=True)
+def _q8_0_rows(x, xs, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
+    """:func:`_blocks32_rows` for Q8_0."""
+    _blocks32_rows(Q8_0, x, xs, d, m, qh, qs, out, j0, j1, scratch)
+
+
+@parallel_kernel()
+def _q8_0_linear(x, xs, d, m, qh, qs, out, block, scratch):  # pragma: no cover - compiled
+    """Q8_0: ``out [T, N] = x @ w.T`` in tasks of ``block`` output rows (task ``i`` uses ``scratch[i]``)."""
+    n = out.shape[1]
+    for blk in prange((n + block - 1) // block):
+        _q8_0_rows(x, xs, d, m, qh, qs, out, blk * block, min(blk * block + block, n), scratch[blk])
+
+
+@njit(cache=True, nogil=True)
+def _q8_0_dequant(d, m, qh, qs, j0, j1, buf):  # pragma: no cover - compiled
+    """:func:`_blocks32_dequant` for Q8_0 (releases the GIL: runs on BLAS threads)."""
+    _blocks32_dequant(Q8_0, d, m, qh, qs, j0, j1, buf)
+
+
+@njit(cache=True)
+def _q4_0_rows(x, xs, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
+    """:func:`_blocks32_rows` for Q4_0."""
+    _blocks32_rows(Q4_0, x, xs, d, m, qh, qs, out, j0, j1, scratch)
+
+
+@parallel_kernel()
+def _q4_0_linear(x, xs, d, m, qh, qs, out, block, scratch):  # pragma: no cover - compiled
+    """Q4_0: ``out [T, N] = x @ w.T`` in tasks of ``block`` output rows (task ``i`` uses ``scratch[i]``)."""
+    n = out.shape[1]
+    for blk in prange((n + block - 1) // block):
+        _q4_0_rows(x, xs, d, m, qh, qs, out, blk * block, min(blk * block + block, n), scratch[blk])
+
+
+@njit(cache=True, nogil=True)
+def _q4_0_dequant(d, m, qh, qs, j0, j1, buf):  # pragma: no cover - compiled
+    """:func:`_blocks32_dequant` for Q4_0 (releases the GIL: runs on BLAS threads)."""
+    _blocks32_dequant(Q4_0, d, m, qh, qs, j0, j1, buf)
+
+
+@njit(cache=True)
+def _q4_1_rows(x, xs, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
+    """:func:`_blocks32_rows` for Q4_1."""
+    _blocks32_rows(Q4_1, x, xs, d, m, qh, qs, out, j0, j1, scratch)
+
+
+@parallel_kernel()
+def _q4_1_linear(x, xs, d, m, qh, qs, out, block, scratch):  # pragma: no cover - compiled
+    """Q4_1: ``out [T, N] = x @ w.T`` in tasks of ``block`` output rows (task ``i`` uses ``scratch[i]``)."""
+    n = out.shape[1]
+    for blk in prange((n + block - 1) // block):
+        _q4_1_rows(x, xs, d, m, qh, qs, out, blk * block, min(blk * block + block, n), scratch[blk])
+
+
+@njit(cache=True, nogil=True)
+def _q4_1_dequant(d, m, qh, qs, j0, j1, buf):  # pragma: no cover - compiled
+    """:func:`_blocks32_dequant` for Q4_1 (releases the GIL: runs on BLAS threads)."""
+    _blocks32_dequant(Q4_1, d, m, qh, qs, j0, j1, buf)
+
+
+@njit(cache=True)
+def _q5_0_rows(x, xs, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
+    """:func:`_blocks32_rows` for Q5_0."""
+    _blocks32_rows(Q5_0, x, xs, d, m, qh, qs, out, j0, j1, scratch)
+
+
+@parallel_kernel()
+def _q5_0_linear(x, xs, d, m, qh, qs, out, block, scratch):  # pragma: no cover - compiled
+    """Q5_0: ``out [T, N] = x @ w.T`` in tasks of ``block`` output rows (task ``i`` uses ``scratch[i]``)."""
+    n = out.shape[1]
+    for blk in prange((n + block - 1) // block):
+        _q5_0_rows(x, xs, d, m, qh, qs, out, blk * block, min(blk * block + block, n), scratch[blk])
+
+
+@njit(cache=True, nogil=True)
+def _q5_0_dequant(d, m, qh, qs, j0, j1, buf):  # pragma: no cover - compiled
+    """:func:`_blocks32_dequant` for Q5_0 (releases the GIL: runs on BLAS threads)."""
+    _blocks32_dequant(Q5_0, d, m, qh, qs, j0, j1, buf)
+
+
+@njit(cache=True)
+def _q5_1_rows(x, xs, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
+    """:func:`_blocks32_rows` for Q5_1."""
+    _blocks32_rows(Q5_1, x, xs, d, m, qh, qs, out, j0, j1, scratch)
+
+
+@parallel_kernel()
+def _q5_1_linear(x, xs, d, m, qh, qs, out, block, scratch):  # pragma: no cover - compiled
+    """Q5_1: ``out [T, N] = x @ w.T`` in tasks of ``block`` output rows (task ``i`` uses ``scratch[i]``)."""
+    n = out.shape[1]
+    for blk in prange((n + block - 1) // block):
+        _q5_1_rows(x, xs, d, m, qh, qs, out, blk * block, min(blk * block + block, n), scratch[blk])
+
+
+@njit(cache=True, nogil=True)
+def _q5_1_dequant(d, m, qh, qs, j0, j1, buf):  # pragma: no cover - compiled
+    """:func:`_blocks32_dequant` for Q5_1 (releases the GIL: runs on BLAS threads)."""
+    _blocks32_dequant(Q5_1, d, m, qh, qs, j0, j1, buf)
+
+
+# ---------------------------------------------------------------------------------------
+# Q4_K, Q5_K: superblocks of 256 in eight sub-blocks of 32, a 6-bit scale and minimum each.
+
+Q4_K, Q5_K = 0, 1
+
+
+@njit(inline="always")
+def _k_sub_scales(d, dmin, scales, j, sd, sm):  # pragma: no cover - compiled
+    """Row ``j``'s sub-block scales ``sd[8i + s] = d * sc`` and negated minimums
+    ``sm[8i + s] = -(dmin * m)`` (ggml's ``get_scale_min_k4``; the products rounded as in
+    ``dequantize_row_q4_K``)."""
+    nb = _U(d.shape[1])
+    for i in range(nb):
+        dd, dm = f16_to_f32(d[j, i]), f16_to_f32(dmin[j, i])
+        o = i * _U(12)
+        for s in range(_U(4)):
+            sd[i * _U(8) + s] = dd * np.float32(np.int32(scales[j, o + s] & np.uint8(63)))
+            sm[i * _U(8) + s] = -(dm * np.float32(np.int32(scales[j, o + s + _U(4)] & np.uint8(63))))
+        for s in range(_U(4), _U(8)):
+            packed = scales[j, o + s + _U(4)]  # low four bits of scale (low nibble) and min (high nibble)
+            sc = (packed & np.uint8(0x0F)) | ((scales[j, o + s - _U(4)] >> np.uint8(6)) << np.uint8(4))
+            mn = (packed >> np.uint8(4)) | ((scales[j, o + s] >> np.uint8(6)) << np.uint8(4))
+            sd[i * _U(8) + s] = dd * np.float32(np.int32(sc))
+            sm[i * _U(8) + s] = -(dm * np.float32(np.int32(mn)))
+
+
+@njit(inline="always")
+def _decode_k64(kind, qs, qh, j, i, c):  # pragma: no cover - compiled
+    """Chunk ``c`` (weights ``64c .. 64c + 63``) of superblock ``i`` of row ``j``: two
+    sub-blocks of 32 quants ``0..15`` (Q4_K) or ``0..31`` (Q5_K), as float32 vectors
+    ``(e0, e1, e2, e3)`` (sub-block ``2c``) and ``(o0, o1, o2, o3)`` (``2c + 1``)."""
+    base = (_U(j) * _U(qs.shape[1] // 128) + _U(i)) * _U(128) + _U(c) * _U(32)
+    v0, v1 = i8_load_bytes(qs, base), i8_load_bytes(qs, base + _U(8))
+    v2, v3 = i8_load_bytes(qs, base + _U(16)), i8_load_bytes(qs, base + _U(24))
+    e0, e1, e2, e3 = i8_and(v0, 15), i8_and(v1, 15), i8_and(v2, 15), i8_and(v3, 15)
+    o0, o1, o2, o3 = i8_shr(v0, 4), i8_shr(v1, 4), i8_shr(v2, 4), i8_shr(v3, 4)
+    if kind == Q5_K:
+        hb = (_U(j) * _U(qh.shape[1] // 32) + _U(i)) * _U(32)
+        h0, h1 = i8_load_bytes(qh, hb), i8_load_bytes(qh, hb + _U(8))
+        h2, h3 = i8_load_bytes(qh, hb + _U(16)), i8_load_bytes(qh, hb + _U(24))
+        se, so = _U(2) * _U(c), _U(2) * _U(c) + _U(1)  # sub-block s takes bit s of qh[l]
+        e0 = i8_or(e0, i8_shl(i8_and(i8_shr(h0, se), 1), 4))
+        e1 = i8_or(e1, i8_shl(i8_and(i8_shr(h1, se), 1), 4))
+        e2 = i8_or(e2, i8_shl(i8_and(i8_shr(h2, se), 1), 4))
+        e3 = i8_or(e3, i8_shl(i8_and(i8_shr(h3, se), 1), 4))
+        o0 = i8_or(o0, i8_shl(i8_and(i8_shr(h0, so), 1), 4))
+        o1 = i8_or(o1, i8_shl(i8_and(i8_shr(h1, so), 1), 4))
+        o2 = i8_or(o2, i8_shl(i8_and(i8_shr(h2, so), 1), 4))
+        o3 = i8_or(o3, i8_shl(i8_and(i8_shr(h3, so), 1), 4))
+    return ((i8_to_f8(e0), i8_to_f8(e1), i8_to_f8(e2), i8_to_f8(e3)),
+            (i8_to_f8(o0), i8_to_f8(o1), i8_to_f8(o2), i8_to_f8(o3)))
+
+
+@njit(inline="always")
+def _k_rows(kind, x, xs, d, dmin, scales, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
+    """``out[:, j] = x @ w[j]`` for ``j0 <= j < j1``, Q4_K or Q5_K (the task of
+    ``_q4_k_linear``/``_q5_k_linear``; ``kind`` a constant): as :func:`_blocks32_rows` over
+    the sub-blocks of 32, their scales ``d * sc`` and minimums ``-dmin * m`` decoded per row
+    into ``scratch`` (float32 ``[>= 2 * (K/32 + 8)]``); ``xs`` the activations' 32-weight sums."""
+    rows, k = x.shape
+    nsub = _U(d.shape[1]) * _U(8)
+    kk = _U(k)
+    xf, xsf = x.reshape(-1), xs.reshape(-1)
+    sd, sm = scratch[:nsub + _U(8)], scratch[nsub + _U(8):]
+    fours = _U(rows) // _U(4) * _U(4)
+    if _U(rows) - fours >= _U(2):
+        fours = _U(rows)
+    last = _U(rows - 1)
+    for j in range(_U(j0), _U(j1)):
+        _k_sub_scales(d, dmin, scales, j, sd, sm)
+        for t0 in range(_U(0), fours, _U(4)):
+            t1, t2, t3 = min(t0 + _U(1), last), min(t0 + _U(2), last), min(t0 + _U(3), last)
+            a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = f8_zero()
+            for s2 in range(_U(0), nsub, _U(2)):
+                ev, od = _decode_k64(kind, qs, qh, j, s2 // _U(8), (s2 % _U(8)) // _U(2))
+                for h in range(_U(2)):
+                    w0, w1, w2, w3 = ev if h == 0 else od
+                    s = s2 + _U(h)
+                    c = s * _U(32)
+                    a0, b0 = _block_dot(w0, w1, w2, w3, xf, t0 * kk + c, sd[s], a0, b0)
+                    a1, b1 = _block_dot(w0, w1, w2, w3, xf, t1 * kk + c, sd[s], a1, b1)
+                    a2, b2 = _block_dot(w0, w1, w2, w3, xf, t2 * kk + c, sd[s], a2, b2)
+                    a3, b3 = _block_dot(w0, w1, w2, w3, xf, t3 * kk + c, sd[s], a3, b3)
+            out[t3, j] = f8_sum(f8_add(a3, b3)) + _weighted_sum(sm, 0, xsf, t3 * nsub, nsub)
+            out[t2, j] = f8_sum(f8_add(a2, b2)) + _weighted_sum(sm, 0, xsf, t2 * nsub, nsub)
+            out[t1, j] = f8_sum(f8_add(a1, b1)) + _weighted_sum(sm, 0, xsf, t1 * nsub, nsub)
+            out[t0, j] = f8_sum(f8_add(a0, b0)) + _weighted_sum(sm, 0, xsf, t0 * nsub, nsub)
+        for t in range(fours, _U(rows)):
+            a0 = b0 = f8_zero()
+            for s2 in range(_U(0), nsub, _U(2)):
+                ev, od = _decode_k64(kind, qs, qh, j, s2 // _U(8), (s2 % _U(8)) // _U(2))
+                for h in range(_U(2)):
+                    w0, w1, w2, w3 = ev if h == 0 else od
+                    s = s2 + _U(h)
+                    a0, b0 = _block_dot(w0, w1, w2, w3, xf, t * kk + s * _U(32), sd[s], a0, b0)
+            out[t, j] = f8_sum(f8_add(a0, b0)) + _weighted_sum(sm, 0, xsf, t * nsub, nsub)
+
+
+@njit(inline="always")
+def _k_dequant(kind, d, dmin, scales, qh, qs, j0, j1, buf, scratch):  # pragma: no cover - compiled
+    """Rows ``j0 .. j1 - 1`` of a Q4_K/Q5_K weight dequantized into ``buf[:j1 - j0]``:
+    ``(d * sc) * q - dmin * m`` rounded as :meth:`GGUFWeight.dequantize` (no FMA)."""
+    nsub = _U(d.shape[1]) * _U(8)
+    bf = buf.reshape(-1)
+    k = _U(buf.shape[1])
+    sd, sm = scratch[:nsub + _U(8)], scratch[nsub + _U(8):]
+    for j in range(_U(j0), _U(j1)):
+        _k_sub_scales(d, dmin, scales, j, sd, sm)
+        o = (j - _U(j0)) * k
+        for s2 in range(_U(0), nsub, _U(2)):
+            ev, od = _decode_k64(kind, qs, qh, j, s2 // _U(8), (s2 % _U(8)) // _U(2))
+            for h in range(_U(2)):
+                w0, w1, w2, w3 = ev if h == 0 else od
+                s = s2 + _U(h)
+                ds, ms = f8_splat(sd[s]), f8_splat(sm[s])  # sm holds -(dmin * m): adding it subtracts
+                c = o + s * _U(32)
+                f8_store(bf, c, f8_add(f8_mul(ds, w0), ms))
+                f8_store(bf, c + _U(8), f8_add(f8_mul(ds, w1), ms))
+                f8_store(bf, c + _U(16), f8_add(f8_mul(ds, w2), ms))
+                f8_store(bf, c + _U(24), f8_add(f8_mul(ds, w3), ms))
+
+
+# One compiled version per type (the type a constant, so its branches fold away): task,
+# parallel loop, dequantizer.
+
+
+@njit(cache=True)
+def _q4_k_rows(x, xs, d, dmin, scales, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
+    """:func:`_k_rows` for Q4_K."""
+    _k_rows(Q4_K, x, xs, d, dmin, scales, qh, qs, out, j0, j1, scratch)
+
+
+@parallel_kernel()
+def _q4_k_linear(x, xs, d, dmin, scales, qh, qs, out, block, scratch):  # pragma: no cover - compiled
+    """Q4_K: ``out [T, N] = x @ w.T`` in tasks of ``block`` output rows (task ``i`` uses ``scratch[i]``)."""
+    n = out.shape[1]
+    for blk in prange((n + block - 1) // block):
+        _q4_k_rows(x, xs, d, dmin, scales, qh, qs, out, blk * block, min(blk * block + block, n), scratch[blk])
+
+
+@njit(cache=True, nogil=True)
+def _q4_k_dequant(d, dmin, scales, qh, qs, j0, j1, buf, scratch):  # pragma: no cover - compiled
+    """:func:`_k_dequant` for Q4_K (releases the GIL: runs on BLAS threads)."""
+    _k_dequant(Q4_K, d, dmin, scales, qh, qs, j0, j1, buf, scratch)
+
+
+@njit(cache=True)
+def _q5_k_rows(x, xs, d, dmin, scales, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
+    """:func:`_k_rows` for Q5_K."""
+    _k_rows(Q5_K, x, xs, d, dmin, scales, qh, qs, out, j0, j1, scratch)
+
+
+@parallel_kernel()
+def _q5_k_linear(x, xs, d, dmin, scales, qh, qs, out, block, scratch):  # pragma: no cover - compiled
+    """Q5_K: ``out [T, N] = x @ w.T`` in tasks of ``block`` output rows (task ``i`` uses ``scratch[i]``)."""
+    n = out.shape[1]
+    for blk in prange((n + block - 1) // block):
+        _q5_k_rows(x, xs, d, dmin, scales, qh, qs, out, blk * block, min(blk * block + block, n), scratch[blk])
+
+
+@njit(cache=True, nogil=True)
+def _q5_k_dequant(d, dmin, scales, qh, qs, j0, j1, buf, scratch):  # pragma: no cover - compiled
+    """:func:`_k_dequant` for Q5_K (releases the GIL: runs on BLAS threads)."""
+    _k_dequant(Q5_K, d, dmin, scales, qh, qs, j0, j1, buf, scratch)
+
+
+# ---------------------------------------------------------------------------------------
+# Q6_K: superblocks of 256, sixteen groups of 16 with an int8 scale each, one f16 d.
+
+
+@njit(inline="always")
+def _q6_scales(d, scales, j, sd):  # pragma: no cover - compiled
+    """Row ``j``'s group scales ``sd[16i + g] = d * scales[g]`` (rounded as ``dequantize_row_q6_K``)."""
+    nb = _U(d.shape[1])
+    for i in range(nb):
+        dd = f16_to_f32(d[j, i])
+        for g in range(_U(16)):
+            sd[i * _U(16) + g] = dd * np.float32(np.int32(scales[j, i * _U(16) + g]))
+
+
+@njit(inline="always")
+def _q6_lanes(ql, lo, qh, ho, shift, hs):  # pragma: no cover - compiled
+    """Eight Q6_K quants ``0..63``: nibble ``(ql[lo + l] >> shift) & 15`` | ``((qh[ho + l] >> hs) & 3) << 4``."""
+    low = i8_and(i8_shr(i8_load_bytes(ql, lo), shift), 15)
+    return i8_or(low, i8_shl(i8_and(i8_shr(i8_load_bytes(qh, ho), hs), 3), 4))
+
+
+@njit(inline="always")
+def _decode_q6_32(ql, qh, j, i, half, k):  # pragma: no cover - compiled
+    """Quarter ``k`` of half ``half`` of superblock ``i`` of row ``j`` (weights
+    ``128 half + 32k .. + 31``): its quants ``q - 32`` as four float32 vectors (ggml's
+    ``dequantize_row_q6_K``: low four bits from ``ql[64 half + 32 (k % 2) + l]``, low nibble
+    for ``k < 2``; top two bits ``2k, 2k + 1`` of ``qh[32 half + l]``)."""
+    lb = (_U(j) * _U(ql.shape[1] // 128) + _U(i)) * _U(128) + _U(half) * _U(64) + (_U(k) % _U(2)) * _U(32)
+    hb = (_U(j) * _U(qh.shape[1] // 64) + _U(i)) * _U(64) + _U(half) * _U(32)
+    shift = _U(4) * (_U(k) // _U(2))
+    hs = _U(2) * _U(k)
+    q0 = _q6_lanes(ql, lb, qh, hb, shift, hs)
+    q1 = _q6_lanes(ql, lb + _U(8), qh, hb + _U(8), shift, hs)
+    q2 = _q6_lanes(ql, lb + _U(16), qh, hb + _U(16), shift, hs)
+    q3 = _q6_lanes(ql, lb + _U(24), qh, hb + _U(24), shift, hs)
+    return (i8_to_f8(i8_add(q0, -32)), i8_to_f8(i8_add(q1, -32)),
+            i8_to_f8(i8_add(q2, -32)), i8_to_f8(i8_add(q3, -32)))
+
+
+@njit(inline="always")
+def _group_dot(w0, w1, x, xo, d, acc_a, acc_b):  # pragma: no cover - compiled
+    """One 16-weight group (``w0``: weights 0-7, ``w1``: 8-15) times ``x[xo : xo + 16]``, scaled by ``d``."""
+    ds = f8_splat(d)
+    acc_a = f8_fma(ds, f8_mul(w0, f8_load(x, xo)), acc_a)
+    return acc_a, f8_fma(ds, f8_mul(w1, f8_load(x, xo + _U(8))), acc_b)
+
+
+@njit(cache=True)
+def _q6_k_rows(x, d, ql, qh, scales, out, j0, j1, scratch):  # pragma: no cover - compiled
+    """``out[:, j] = x @ w[j]`` for ``j0 <= j < j1``, Q6_K (one task of :func:`_q6_k_linear`):
+    per 16-weight group ``acc = fma(d * sc, q * x, acc)`` on two eight-lane accumulators;
+    activation rows four at a time as :func:`_blocks32_rows`. ``scratch``: float32 ``[>= K/16]``."""
+    rows, k = x.shape
+    nb = _U(d.shape[1])
+    kk = _U(k)
+    xf = x.reshape(-1)
+    fours = _U(rows) // _U(4) * _U(4)
+    if _U(rows) - fours >= _U(2):
+        fours = _U(rows)
+    last = _U(rows - 1)
+    for j in range(_U(j0), _U(j1)):
+        _q6_scales(d, scales, j, scratch)
+        for t0 in range(_U(0), fours, _U(4)):
+            t1, t2, t3 = min(t0 + _U(1), last), min(t0 + _U(2), last), min(t0 + _U(3), last)
+            a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = f8_zero()
+            for q in range(nb * _U(8)):  # quarters of 32 weights: superblock i, half, k
+                i, half, kq = q // _U(8), (q // _U(4)) % _U(2), q % _U(4)
+                w0, w1, w2, w3 = _decode_q6_32(ql, qh, j, i, half, kq)
+                c, g = q * _U(32), q * _U(2)
+                a0, b0 = _group_dot(w0, w1, xf, t0 * kk + c, scratch[g], a0, b0)
+                a0, b0 = _group_dot(w2, w3, xf, t0 * kk + c + _U(16), scratch[g + _U(1)], a0, b0)
+                a1, b1 = _group_dot(w0, w1, xf, t1 * kk + c, scratch[g], a1, b1)
+                a1, b1 = _group_dot(w2, w3, xf, t1 * kk + c + _U(16), scratch[g + _U(1)], a1, b1)
+                a2, b2 = _group_dot(w0, w1, xf, t2 * kk + c, scratch[g], a2, b2)
+                a2, b2 = _group_dot(w2, w3, xf, t2 * kk + c + _U(16), scratch[g + _U(1)], a2, b2)
+                a3, b3 = _group_dot(w0, w1, xf, t3 * kk + c, scratch[g], a3, b3)
+                a3, b3 = _group_dot(w2, w3, xf, t3 * kk + c + _U(16), scratch[g + _U(1)], a3, b3)
+            out[t3, j] = f8_sum(f8_add(a3, b3))
+            out[t2, j] = f8_sum(f8_add(a2, b2))
+            out[t1, j] = f8_sum(f8_add(a1, b1))
+            out[t0, j] = f8_sum(f8_add(a0, b0))
+        for t in range(fours, _U(rows)):
+            a0 = b0 = f8_zero()
+            for q in range(nb * _U(8)):
+                i, half, kq = q // _U(8), (q // _U(4)) % _U(2), q % _U(4)
+                w0, w1, w2, w3 = _decode_q6_32(ql, qh, j, i, half, kq)
+                c, g = q * _U(32), q * _U(2)
+                a0, b0 = _group_dot(w0, w1, xf, t * kk + c, scratch[g], a0, b0)
+                a0, b0 = _group_dot(w2, w3, xf, t * kk + c + _U(16), scratch[g + _U(1)], a0, b0)
+            out[t, j] = f8_sum(f8_add(a0, b0))
+
+
+@parallel_kernel()
+def _q6_k_linear(x, d, ql, qh, scales, out, block, scratch):  # pragma: no cover - compiled
+    """``out [T, N] = x @ w.T`` for Q6_K: tasks of ``block`` output rows (:func:`_q6_k_rows`)."""
+    n = d.shape[0]
+    for blk in prange((n + block - 1) // block):
+        _q6_k_rows(x, d, ql, qh, scales, out, blk * block, min(blk * block + block, n), scratch[blk])
+
+
+@njit(cache=True, nogil=True)
+def _q6_k_dequant(d, ql, qh, scales, j0, j1, buf, scratch):  # pragma: no cover - compiled
+    """Rows ``j0 .. j1 - 1`` of a Q6_K weight dequantized into ``buf[:j1 - j0]``:
+    ``(d * sc) * (q - 32)`` rounded as :meth:`GGUFWeight.dequantize`."""
+    nb = _U(d.shape[1])
+    bf = buf.reshape(-1)
+    k = _U(buf.shape[1])
+    for j in range(_U(j0), _U(j1)):
+        _q6_scales(d, scales, j, scratch)
+        o = (j - _U(j0)) * k
+        for q in range(nb * _U(8)):
+            i, half, kq = q // _U(8), (q // _U(4)) % _U(2), q % _U(4)
+            w0, w1, w2, w3 = _decode_q6_32(ql, qh, j, i, half, kq)
+            c, g = o + q * _U(32), q * _U(2)
+            s0, s1 = f8_splat(scratch[g]), f8_splat(scratch[g + _U(1)])
+            f8_store(bf, c, f8_mul(s0, w0))
+            f8_store(bf, c + _U(8), f8_mul(s0, w1))
+            f8_store(bf, c + _U(16), f8_mul(s1, w2))
+            f8_store(bf, c + _U(24), f8_mul(s1, w3))
+
+
+# ---------------------------------------------------------------------------------------
+# F16, BF16: one 16-bit float per weight.
+
+F16, BF16 = 0, 1
+
+
+@njit(inline="always")
+def _load_half(kind, bits, i):  # pragma: no cover - compiled
+    return f8_load_f16(bits, i) if kind == F16 else f8_load_bf16(bits, i)
+
+
+@njit(inline="always")
+def _half_scalar(kind, h):  # pragma: no cover - compiled
+    if kind == F16:
+        return f16_to_f32(h)
+    return _bits_as_f32(np.uint32(h) << np.uint32(16))
+
+
+@njit(inline="always")
+def _half_rows(kind, x, bits, out, j0, j1):  # pragma: no cover - compiled
+    """``out[:, j] = x @ w[j]`` for ``j0 <= j < j1``, F16 or BF16 ``bits`` uint16 ``[N, K]``
+    (the task of ``_f16_linear``/``_bf16_linear``; ``kind`` a constant): sixteen weights at
+    a time into two eight-lane FMA accumulators, :func:`f8_sum`, then the last ``K % 16``
+    products in order. Activation rows four at a time as :func:`_blocks32_rows`."""
+    rows, k = x.shape
+    kk = _U(k)
+    k16 = kk // _U(16) * _U(16)
+    xf, bf = x.reshape(-1), bits.reshape(-1)
+    fours = _U(rows) // _U(4) * _U(4)
+    if _U(rows) - fours >= _U(2):
+        fours = _U(rows)
+    last = _U(rows - 1)
+    for j in range(_U(j0), _U(j1)):
+        wo = _U(j) * kk
+        for t0 in range(_U(0), fours, _U(4)):
+            t1, t2, t3 = min(t0 + _U(1), last), min(t0 + _U(2), last), min(t0 + _U(3), last)
+            a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = f8_zero()
+            for i in range(_U(0), k16, _U(16)):
+                w0, w1 = _load_half(kind, bits, wo + i), _load_half(kind, bits, wo + i + _U(8))
+                a0 = f8_fma(w0, f8_load(xf, t0 * kk + i), a0)
+                b0 = f8_fma(w1, f8_load(xf, t0 * kk + i + _U(8)), b0)
+                a1 = f8_fma(w0, f8_load(xf, t1 * kk + i), a1)
+                b1 = f8_fma(w1, f8_load(xf, t1 * kk + i + _U(8)), b1)
+                a2 = f8_fma(w0, f8_load(xf, t2 * kk + i), a2)
+                b2 = f8_fma(w1, f8_load(xf, t2 * kk + i + _U(8)), b2)
+                a3 = f8_fma(w0, f8_load(xf, t3 * kk + i), a3)
+                b3 = f8_fma(w1, f8_load(xf, t3 * kk + i + _U(8)), b3)
+            s0, s1 = f8_sum(f8_add(a0, b0)), f8_sum(f8_add(a1, b1))
+            s2, s3 = f8_sum(f8_add(a2, b2)), f8_sum(f8_add(a3, b3))
+            for i in range(k16, kk):
+                w = _half_scalar(kind, bf[wo + i])
+                s0 += w * xf[t0 * kk + i]
+                s1 += w * xf[t1 * kk + i]
+                s2 += w * xf[t2 * kk + i]
+                s3 += w * xf[t3 * kk + i]
+            out[t3, j] = s3
+            out[t2, j] = s2
+            out[t1, j] = s1
+            out[t0, j] = s0
+        for t in range(fours, _U(rows)):
+            a0 = b0 = f8_zero()
+            for i in range(_U(0), k16, _U(16)):
+                a0 = f8_fma(_load_half(kind, bits, wo + i), f8_load(xf, t * kk + i), a0)
+                b0 = f8_fma(_load_half(kind, bits, wo + i + _U(8)), f8_load(xf, t * kk + i + _U(8)), b0)
+            s0 = f8_sum(f8_add(a0, b0))
+            for i in range(k16, kk):
+                s0 += _half_scalar(kind, bf[wo + i]) * xf[t * kk + i]
+            out[t, j] = s0
+
+
+@njit(inline="always")
+def _half_dequant(kind, bits, j0, j1, buf):  # pragma: no cover - compiled
+    """Rows ``j0 .. j1 - 1`` of F16/BF16 ``bits`` as float32 into ``buf[:j1 - j0]`` (exact)."""
+    k = _U(bits.shape[1])
+    k8 = k // _U(8) * _U(8)
+    bf, wf = buf.reshape(-1), bits.reshape(-1)
+    for j in range(_U(j0), _U(j1)):
+        o, wo = (j - _U(j0)) * k, _U(j) * k
+        for i in range(_U(0), k8, _U(8)):
+            f8_store(bf, o + i, _load_half(kind, bits, wo + i))
+        for i in range(k8, k):
+            bf[o + i] = _half_scalar(kind, wf[wo + i])
+
+# One compiled version per type (the type a constant, so its branches fold away): task,
+# parallel loop, dequantizer.
+
+
+@njit(cache=True)
+def _f16_rows(x, bits, out, j0, j1):  # pragma: no cover - compiled
+    """:func:`_half_rows` for F16."""
+    _half_rows(F16, x, bits, out, j0, j1)
+
+
+@parallel_kernel()
+def _f16_linear(x, bits, out, block):  # pragma: no cover - compiled
+    """F16: ``out [T, N] = x @ w.T`` in tasks of ``block`` output rows (task ``i`` uses ``scratch[i]``)."""
+    n = out.shape[1]
+    for blk in prange((n + block - 1) // block):
+        _f16_rows(x, bits, out, blk * block, min(blk * block + block, n))
+
+
+@njit(cache=True, nogil=True)
+def _f16_dequant(bits, j0, j1, buf):  # pragma: no cover - compiled
+    """:func:`_half_dequant` for F16 (releases the GIL: runs on BLAS threads)."""
+    _half_dequant(F16, bits, j0, j1, buf)
+
+
+@njit(cache=True)
+def _bf16_rows(x, bits, out, j0, j1):  # pragma: no cover - compiled
+    """:func:`_half_rows` for BF16."""
+    _half_rows(BF16, x, bits, out, j0, j1)
+
+
+@parallel_kernel()
+def _bf16_linear(x, bits, out, block):  # pragma: no cover - compiled
+    """BF16: ``out [T, N] = x @ w.T`` in tasks of ``block`` output rows (task ``i`` uses ``scratch[i]``)."""
+    n = out.shape[1]
+    for blk in prange((n + block - 1) // block):
+        _bf16_rows(x, bits, out, blk * block, min(blk * block + block, n))
+
+
+@njit(cache=True, nogil=True)
+def _bf16_dequant(bits, j0, j1, buf):  # pragma: no cover - compiled
+    """:func:`_half_dequant` for BF16 (releases the GIL: runs on BLAS threads)."""
+    _half_dequant(BF16, bits, j0, j1, buf)
+
+
+# ---------------------------------------------------------------------------------------
+# Dispatch.
+
+_NO_QH = np.zeros((1, 1), dtype=np.uint32)  # stands in for the Q5 high bits of the other types
+_NO_QH8 = np.zeros((1, 1), dtype=np.uint8)
+_BLOCKS32 = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+_K = ("Q4_K", "Q5_K")
+#: Per type: its parallel product and its dequantizer.
+_KERNELS = {
+    "Q8_0": (_q8_0_linear, _q8_0_dequant), "Q4_0": (_q4_0_linear, _q4_0_dequant),
+    "Q4_1": (_q4_1_linear, _q4_1_dequant), "Q5_0": (_q5_0_linear, _q5_0_dequant),
+    "Q5_1": (_q5_1_linear, _q5_1_dequant), "Q4_K": (_q4_k_linear, _q4_k_dequant),
+    "Q5_K": (_q5_k_linear, _q5_k_dequant), "Q6_K": (_q6_k_linear, _q6_k_dequant),
+    "F16": (_f16_linear, _f16_dequant), "BF16": (_bf16_linear, _bf16_dequant),
+}
+
+
+def _planes(w) -> tuple:
+    """The kernels' plane arguments for ``w`` (placeholders for the planes a type lacks)."""
+    p = w.planes
+    if w.format in _BLOCKS32:
+        return p["d"], p.get("m", p["d"]), p.get("qh", _NO_QH), p["qs"]
+    if w.format in _K:
+        return p["d"], p["dmin"], p["scales"], p.get("qh", _NO_QH8), p["qs"]
+    if w.format == "Q6_K":
+        return p["d"], p["ql"], p["qh"], p["scales"]
+    if w.format in ("F16", "BF16"):
+        return (p["bits"],)
+    raise ValueError(f"no numba kernel for GGUF type {w.format!r}")  # pragma: no cover - GGUFWeight admits no other
+
+
+def _scale_scratch(w, *lead) -> np.ndarray:
+    """float32 ``[*lead, n]``: room for the decoded scales (and minimums) of
+    :data:`CHUNK_ROWS` rows (the 32-weight block types) or one row (the K-quants)."""
+    if w.format == "Q6_K":
+        n = w.shape[1] // 16
+    elif w.format in _K:
+        n = 2 * (w.shape[1] // 32 + 8)
+    else:
+        n = 2 * (CHUNK_ROWS * (w.shape[1] // 32) + 8)
+    return np.empty((*lead, n), dtype=np.float32)
+
+
+def _task_rows(n: int) -> int:
+    """Output rows per task: a multiple of four, about sixteen tasks per thread (a core slowed
+    by another process does not hold the others up for long)."""
+    return max(4, -(-n // (16 * get_num_threads())) * 4)
+
+
+def fused_linear(x: np.ndarray, w) -> np.ndarray:
+    """``x [T, in] @ w.T`` -> float32 ``[T, out]`` by the fused decode kernels, any ``T``
+    (:func:`linear` picks them below :data:`PREFILL_MIN_ROWS` rows; F32 weights go to
+    :func:`refengine.ops.numba_ops.matmul_dot`). ``x``: C-contiguous float32 (not checked here)."""
+    rows, n = x.shape[0], w.shape[0]
+    if w.format == "F32" and rows and n:
+        from refengine.ops.numba_ops import matmul_dot
+
+        return matmul_dot(x, w.planes["w"].T)
+    out = np.empty((rows, n), dtype=np.float32)
+    if rows == 0 or n == 0:
+        return out
+    block = _task_rows(n)
+    kernel = _KERNELS[w.format][0]
+    if w.format in ("F16", "BF16"):
+        kernel(x, *_planes(w), out, block)
+        return out
+    scratch = _scale_scratch(w, -(-n // block))
+    if w.format == "Q6_K":
+        kernel(x, *_planes(w), out, block, scratch)
+        return out
+    xs = np.empty((rows, w.shape[1] // 32), dtype=np.float32)
+    _block_sums(x, xs, 32)
+    kernel(x, xs, *_planes(w), out, block, scratch)
+    return out
+
+
+def dequantize_rows(w, j0: int, j1: int, buf: np.ndarray) -> np.ndarray:
+    """Rows ``j0 .. j1 - 1`` of ``w`` dequantized into ``buf[:j1 - j0]`` (float32
+    C-contiguous ``[>= j1 - j0, in]``) by the compiled decoders: bitwise
+    :meth:`GGUFWeight.dequantize`. Returns ``buf[:j1 - j0]``. Releases the GIL.
+
+    Raises:
+        ValueError: ``0 <= j0 <= j1 <= out_features`` does not hold, or ``buf`` is too small
+            or not C-contiguous float32 with ``in_features`` columns.
+    """
+    n, k = w.shape
+    if not 0 <= j0 <= j1 <= n:
+        raise ValueError(f"rows {j0}:{j1} outside [0, {n}]")
+    ok = buf.dtype == np.float32 and buf.flags.c_contiguous and buf.ndim == 2
+    if not ok or buf.shape[1] != k or buf.shape[0] < j1 - j0:
+        raise ValueError(f"buf must be C-contiguous float32 [>= {j1 - j0}, {k}], got {buf.dtype} {buf.shape}")
+    if w.format == "F32":
+        buf[:j1 - j0] = w.planes["w"][j0:j1]
+        return buf[:j1 - j0]
+    dequant = _KERNELS[w.format][1]
+    if w.format in _K or w.format == "Q6_K":
+        dequant(*_planes(w), j0, j1, buf, _scale_scratch(w))
+    else:
+        dequant(*_planes(w), j0, j1, buf)
+    return buf[:j1 - j0]
+
+
+def tiled_blas_linear(x: np.ndarray, w) -> np.ndarray:
+    """``x [T, in] @ w.T`` -> float32 ``[T, out]``: tiles of :data:`TILE_BYTES` of dequantized
+    weight rows (:func:`dequantize_rows`), each multiplied by single-threaded BLAS
+    (``np.matmul`` into its columns of the output), the tiles dealt round-robin to
+    refengine's BLAS threads (:func:`refengine.runtime.blas.get_threads`; the calling thread
+    is one of them, each has its own buffer). F32 weights: :func:`refengine.runtime.blas.matmul`.
+    ``x``: C-contiguous float32 (not checked here)."""
+    rows = x.shape[0]
+    n, k = w.shape
+    if w.format == "F32":
+        return blas.matmul(x, w.planes["w"].T)
+    out = np.empty((rows, n), dtype=np.float32)
+    if rows == 0 or n == 0:
+        return out
+    tile = max(8, min(n, TILE_BYTES // (4 * k)))
+    starts = list(range(0, n, tile))
+    threads = max(1, min(blas.get_threads(), len(starts)))
+
+    def work(part: int) -> None:
+        buf = np.empty((tile, k), dtype=np.float32)
+        for j0 in starts[part::threads]:
+            j1 = min(j0 + tile, n)
+            np.matmul(x, dequantize_rows(w, j0, j1, buf).T, out=out[:, j0:j1])
+
+    if threads == 1:
+        work(0)
+        return out
+    pool = blas._workers(threads - 1)
+    futures = [pool.submit(work, part) for part in range(1, threads)]
+    work(0)
+    for f in futures:
+        f.result()
+    return out
+
+
+def linear(x: np.ndarray, w) -> np.ndarray:
+    """``x [T, in] @ w.T`` -> float32 ``[T, out]`` for a :class:`GGUFWeight` ``w``: the fused
+    kernels below :data:`PREFILL_MIN_ROWS` rows, tiles and BLAS from there.
+
+    Raises:
+        ValueError: ``x`` not 2-D with ``in_features`` columns.
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"x must be [T, {w.shape[1]}] for a {w.format} weight {w.shape}, got {x.shape}")
+    if x.shape[0] >= PREFILL_MIN_ROWS:
+        return tiled_blas_linear(x, w)
+    return fused_linear(x, w)
+
+
+register_kernels(sys.modules[__name__])
