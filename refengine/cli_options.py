@@ -178,12 +178,19 @@ SAMPLING_KEYS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "m
 def build_engine(kw: dict):
     """The engine of a command's engine flags (taken out of ``kw``). A bad value ends the
     command with its message and exit status 2; a missing device or library with 1."""
-    from refengine.engine import LLMEngine
-
     try:
         args = EngineArgs.from_cli(kw)
     except ValueError as e:
         fail(str(e))
+    return engine_from_args(args)
+
+
+def engine_from_args(args: EngineArgs):
+    """The engine of ``args`` (:meth:`LLMEngine.from_engine_args` with the CPU runtime set
+    up). A bad setting ends the command with its message and exit status 2; a missing
+    device or library with 1."""
+    from refengine.engine import LLMEngine
+
     try:  # on the CPU with the process-wide settings of refengine.runtime.setup_cpu_runtime
         return LLMEngine.from_engine_args(args, setup_runtime=True)
     except (ValueError, FileNotFoundError) as e:

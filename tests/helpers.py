@@ -5,7 +5,9 @@ pytest puts ``tests/`` on ``sys.path``, as it is not a package).
 * :func:`dense_reference`, :func:`numpy_twin`, :func:`run_and_check`: the references an
   attention backend's output is compared with, at :data:`TOLERANCE`;
 * :func:`fake_cupy`: a stand-in CuPy whose ``RawModule`` runs the CPU emulator;
-* :func:`load_gpu_check`: ``benchmarks/gpu_check.py`` as a module.
+* :func:`load_gpu_check`: ``benchmarks/gpu_check.py`` as a module;
+* :func:`assert_logits_match`, :func:`hf_greedy`: a model's logits and greedy tokens
+  against a transformers model (float32, eager) on the same ids.
 
 Tolerances: float32 storage differs from the float64 reference only by float32
 accumulation and exp rounding over at most a few hundred keys: rtol=atol=2e-5 is
@@ -243,3 +245,24 @@ def stub_step(sched):
 def plan(out) -> list[tuple[str, int]]:
     """``(request_id, num_new_tokens)`` of a ``SchedulerOutput``, for readable asserts."""
     return [(s.request_id, n) for s, n in out.scheduled]
+
+
+def assert_logits_match(ours: np.ndarray, ref, ids: list[int]) -> None:
+    """Our prompt logits against transformers' (float32, eager) for the same ids."""
+    import torch
+
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    np.testing.assert_array_equal(ours.argmax(-1), want.argmax(-1))
+
+
+def hf_greedy(model, ids, n):
+    """``n`` greedy tokens of a transformers model after ``ids``, one full forward each."""
+    import torch
+
+    out = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
+    return out[len(ids):]

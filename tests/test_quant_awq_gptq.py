@@ -19,6 +19,8 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
+from helpers import assert_logits_match, hf_greedy
+
 from refengine import LLM, SamplingParams
 from refengine.quant import StackedWeight, concat_rows, reference_linear
 from refengine.quant.int4 import Int4Weight
@@ -155,21 +157,6 @@ def build_quantized(path, method, group_size, act_order, fmt, tied, seed=0, g_id
     config["quantization_config"] = qc
     (path / "config.json").write_text(json.dumps(config))
     return model
-
-
-def assert_logits_match(ours, ref, ids):
-    with torch.no_grad():
-        want = ref(torch.tensor([ids])).logits[0].numpy()
-    np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-    np.testing.assert_array_equal(ours.argmax(-1), want.argmax(-1))
-
-
-def hf_greedy(model, ids, n):
-    out = list(ids)
-    with torch.no_grad():
-        for _ in range(n):
-            out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
-    return out[len(ids):]
 
 
 @pytest.mark.parametrize("backend", ["numpy", "numba"])

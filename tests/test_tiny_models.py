@@ -14,6 +14,8 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
+from helpers import assert_logits_match, hf_greedy
+
 from refengine import LLM, SamplingParams
 
 CASES = {
@@ -57,22 +59,6 @@ def build(kind, heads, kv_heads, tied, rope_scaling, dtype, path, seed=0, max_sh
     model.save_pretrained(path, safe_serialization=True, **kwargs)
     model = model.float()  # reference in float32 from the same (rounded) weights
     return model
-
-
-def assert_logits_match(ours: np.ndarray, ref, ids: list[int]) -> None:
-    """Our prompt logits against transformers' (float32, eager) for the same ids."""
-    with torch.no_grad():
-        want = ref(torch.tensor([ids])).logits[0].numpy()
-    np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-    np.testing.assert_array_equal(ours.argmax(-1), want.argmax(-1))
-
-
-def hf_greedy(model, ids, n):
-    out = list(ids)
-    with torch.no_grad():
-        for _ in range(n):
-            out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
-    return out[len(ids):]
 
 
 @pytest.mark.parametrize("backend", ["numpy", "numba"])

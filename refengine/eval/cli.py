@@ -14,7 +14,7 @@ import time
 
 import click
 
-from refengine.cli_options import engine_options, fail
+from refengine.cli_options import engine_from_args, engine_options, fail
 from refengine.engine_args import EngineArgs
 from refengine.eval.perplexity import compare, load_text, perplexity, tokenize
 from refengine.kv_cache import cdiv
@@ -81,18 +81,6 @@ def _value(fld, text: str):
     return text
 
 
-def _build(args: EngineArgs):
-    """The engine of ``args``; bad settings end the command (as ``generate``)."""
-    from refengine.engine import LLMEngine
-
-    try:  # on the CPU with the process-wide settings of refengine.runtime.setup_cpu_runtime
-        return LLMEngine.from_engine_args(args, setup_runtime=True)
-    except (ValueError, FileNotFoundError) as e:
-        fail(str(e))
-    except (RuntimeError, ImportError) as e:
-        fail(str(e), exit_code=1)
-
-
 @click.group("eval")
 def eval_group():
     """Measure the model's predictions through the engine (perplexity, KL divergence to a baseline)."""
@@ -133,8 +121,8 @@ def perplexity_cmd(ctx, path, baseline_spec, max_windows, as_json, disable_tqdm,
         text = load_text(path)
     except (ValueError, FileNotFoundError) as e:
         fail(str(e))
-    engine = _build(args)
-    baseline = _build(base_args) if base_args is not None else None
+    engine = engine_from_args(args)
+    baseline = engine_from_args(base_args) if base_args is not None else None
     try:
         ids = tokenize(engine, text)
         start = time.perf_counter()
