@@ -324,6 +324,7 @@ class GGUFFile:
 
     @property
     def generation_config(self) -> dict:
+        """The ``generation_config.json`` fields (special token ids) of :attr:`config`."""
         return generation_config(self.config)
 
     def tokenizer(self):
