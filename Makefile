@@ -24,6 +24,7 @@ install: $(VENV)/.installed
 
 weights: $(VENV)/.installed
 	$(BIN)/python weights/fetch_smollm2.py
+	$(BIN)/python weights/fetch_gemma3.py
 
 run: weights
 	$(BIN)/refengine generate --chat "$(PROMPT)" --max-tokens 64

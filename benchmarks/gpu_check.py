@@ -6,8 +6,10 @@ in a few minutes:
 
   (a) correctness: the CUDA kernels (``CudaAttention``) against the NumPy twin on random
       paged batches (decode, chunked prefill, mixed; GQA; head_dim 64/128; float16,
-      bfloat16, float32 storage), ``reshape_and_cache`` bit for bit, the layer kernels,
-      and the tensor-core layouts on the hardware (one MMA; one ``ldmatrix`` /
+      bfloat16, float32 storage), then the per-layer options (sliding window, logit soft
+      cap) at head_dim 64/96/128/256, ``reshape_and_cache`` bit for bit, the layer kernels
+      (rotary embedding at head_dim 64/96/256), and the tensor-core layouts on the hardware
+      (one MMA; one ``ldmatrix`` /
       ``ldmatrix.trans`` with ``cp.async`` zero fill, bit for bit against the PTX figures
       as ``ldmatrix_expected`` writes them out; the CPU emulator is tested against the same);
   (b) speed:
@@ -49,6 +51,15 @@ CORRECTNESS_BATCHES = {
     "decode": [(1, 1), (15, 1), (16, 1), (17, 1), (700, 1), (2000, 1)],
     "prefill": [(300, 300), (64, 64), (33, 33)],
     "mixed": [(1, 1), (300, 40), (17, 17), (1000, 1), (48, 16)],
+}
+# The per-layer options, (sliding_window, logits_soft_cap), at these head dims (96: Phi-3;
+# 256: Gemma 2/3), 8 query heads over 2 KV heads, on these batches: windows shorter than a
+# partition and several; chunks starting past the window; a prompt spanning several tiles.
+OPTION_CASES = ((None, None), (64, None), (200, 1.0), (None, 2.0))
+OPTION_HEAD_DIMS = (64, 96, 128, 256)
+OPTION_BATCHES = {
+    "decode": [(1, 1), (17, 1), (700, 1), (2000, 1)],
+    "mixed": [(300, 40), (1000, 1), (48, 16), (130, 130)],
 }
 
 
@@ -119,19 +130,19 @@ def check_correctness(cp, quick: bool) -> list[tuple[str, bool, str]]:
                             continue
                         name = (f"{kind:7s} {tag:4s} hd{head_dim} h{num_heads}/kv{num_kv_heads} "
                                 f"part{partition} {prefill_kernel}")
-                        q, kc, vc, meta = random_paged_batch(rng, seqs, num_heads, num_kv_heads, head_dim, 16, dtype)
-                        try:
-                            dq, dk, dv = cp.asarray(q), cp.asarray(kc), cp.asarray(vc)
-                        except Exception as exc:  # e.g. a CuPy without bfloat16 support
-                            results.append((name, True, f"skipped: {type(exc).__name__}: {exc}"))
-                            continue
-                        scale = 1.0 / math.sqrt(head_dim)
-                        out = cp.asnumpy(backend.forward(dq, dk, dv, meta, scale)).astype(np.float32)
-                        expected = ref.forward(q.astype(np.float32), kc.astype(np.float32),
-                                               vc.astype(np.float32), meta, scale)
-                        err = float(np.abs(out - expected).max())
-                        ok = bool(np.isfinite(out).all()) and np.allclose(out, expected, rtol=tol, atol=tol)
-                        results.append((name, ok, f"max |err| {err:.2e} (tol {tol:.0e})"))
+                        batch = random_paged_batch(rng, seqs, num_heads, num_kv_heads, head_dim, 16, dtype)
+                        results.append(compare_with_twin(cp, backend, ref, name, batch, tol))
+                for head_dim in OPTION_HEAD_DIMS:
+                    for window, cap in OPTION_CASES:
+                        for kind, seqs in OPTION_BATCHES.items():
+                            if (partition == 64 and kind != "decode") or (
+                                    prefill_kernel == "simt" and (kind == "decode" or tag == "f32")):
+                                continue
+                            name = (f"{kind:7s} {tag:4s} hd{head_dim} h8/kv2 window {window} cap {cap} "
+                                    f"part{partition} {prefill_kernel}")
+                            batch = random_paged_batch(rng, seqs, 8, 2, head_dim, 16, dtype)
+                            results.append(compare_with_twin(cp, backend, ref, name, batch, tol,
+                                                             sliding_window=window, logits_soft_cap=cap))
     results += check_mma_layout(cp, rng)
     results += check_layers(cp, rng)
     # reshape_and_cache: a copy, so bit-exact.
@@ -150,6 +161,24 @@ def check_correctness(cp, quick: bool) -> list[tuple[str, bool, str]]:
         ok = cp.asnumpy(dkc).tobytes() == kc.tobytes() and cp.asnumpy(dvc).tobytes() == vc.tobytes()
         results.append((f"reshape_and_cache {tag}", ok, "bit-exact" if ok else "MISMATCH"))
     return results
+
+
+def compare_with_twin(cp, backend, ref, name: str, batch: tuple, tol: float, **options) -> tuple[str, bool, str]:
+    """One ``CudaAttention.forward`` on the device against the NumPy twin (float32 on the
+    same values); ``batch`` from :func:`random_paged_batch`, ``options`` the per-layer
+    keywords. Returns ``(name, passed, detail)``; a dtype CuPy cannot hold is a skip."""
+    q, kc, vc, meta = batch
+    try:
+        dq, dk, dv = cp.asarray(q), cp.asarray(kc), cp.asarray(vc)
+    except Exception as exc:  # e.g. a CuPy without bfloat16 support
+        return name, True, f"skipped: {type(exc).__name__}: {exc}"
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out = cp.asnumpy(backend.forward(dq, dk, dv, meta, scale, **options)).astype(np.float32)
+    expected = ref.forward(q.astype(np.float32), kc.astype(np.float32), vc.astype(np.float32), meta, scale,
+                           **options)
+    err = float(np.abs(out - expected).max())
+    ok = bool(np.isfinite(out).all()) and np.allclose(out, expected, rtol=tol, atol=tol)
+    return name, ok, f"max |err| {err:.2e} (tol {tol:.0e})"
 
 
 def ldmatrix_expected(m: np.ndarray) -> np.ndarray:
@@ -209,7 +238,8 @@ def check_mma_layout(cp, rng) -> list[tuple[str, bool, str]]:
 
 
 def check_layers(cp, rng) -> list[tuple[str, bool, str]]:
-    """rms_norm, silu_and_mul, rotary_embedding on the GPU against float64 NumPy."""
+    """rms_norm, silu_and_mul, gelu_tanh_and_mul, rotary_embedding (head_dim 64, 96, 256) on
+    the GPU against float64 NumPy."""
     from refengine.ops.cuda import CudaLayerOps
 
     ops = CudaLayerOps()
@@ -228,21 +258,28 @@ def check_layers(cp, rng) -> list[tuple[str, bool, str]]:
         got = cp.asnumpy(ops.silu_and_mul(cp.asarray(g))).astype(np.float64)
         results.append((f"silu_and_mul {tag}", bool(np.allclose(got, expected, rtol=tol, atol=tol)),
                         f"max |err| {np.abs(got - expected).max():.2e}"))
-        head_dim, positions = 64, rng.integers(0, 8192, 33).astype(np.int32)
-        inv_freq = 1.0 / (10000.0 ** (np.arange(0, head_dim, 2) / head_dim))
-        angles = np.arange(8192)[:, None] * inv_freq[None]
-        cos_sin = np.concatenate([np.cos(angles), np.sin(angles)], 1).astype(np.float32)
-        q = rng.standard_normal((33, 9, head_dim), dtype=np.float32).astype(dtype)
-        k = rng.standard_normal((33, 3, head_dim), dtype=np.float32).astype(dtype)
-        dq, dk = cp.asarray(q), cp.asarray(k)
-        ops.rotary_embedding(positions, dq, dk, cp.asarray(cos_sin))
-        c = cos_sin[positions, :32][:, None].astype(np.float64)
-        s = cos_sin[positions, 32:][:, None].astype(np.float64)
-        qd = q.astype(np.float64)
-        expected = np.concatenate([qd[..., :32] * c - qd[..., 32:] * s, qd[..., 32:] * c + qd[..., :32] * s], -1)
-        got = cp.asnumpy(dq).astype(np.float64)
-        results.append((f"rotary_embedding {tag}", bool(np.allclose(got, expected, rtol=tol, atol=tol)),
+        gate, up = gd[:, :1536], gd[:, 1536:]
+        expected = 0.5 * gate * (1 + np.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate ** 3))) * up
+        got = cp.asnumpy(ops.gelu_tanh_and_mul(cp.asarray(g))).astype(np.float64)
+        results.append((f"gelu_tanh_and_mul {tag}", bool(np.allclose(got, expected, rtol=tol, atol=tol)),
                         f"max |err| {np.abs(got - expected).max():.2e}"))
+        for head_dim in (64, 96, 256):
+            half, positions = head_dim // 2, rng.integers(0, 8192, 33).astype(np.int32)
+            inv_freq = 1.0 / (10000.0 ** (np.arange(0, head_dim, 2) / head_dim))
+            angles = np.arange(8192)[:, None] * inv_freq[None]
+            cos_sin = np.concatenate([np.cos(angles), np.sin(angles)], 1).astype(np.float32)
+            q = rng.standard_normal((33, 9, head_dim), dtype=np.float32).astype(dtype)
+            k = rng.standard_normal((33, 3, head_dim), dtype=np.float32).astype(dtype)
+            dq, dk = cp.asarray(q), cp.asarray(k)
+            ops.rotary_embedding(positions, dq, dk, cp.asarray(cos_sin))
+            c = cos_sin[positions, :half][:, None].astype(np.float64)
+            s = cos_sin[positions, half:][:, None].astype(np.float64)
+            qd = q.astype(np.float64)
+            expected = np.concatenate([qd[..., :half] * c - qd[..., half:] * s,
+                                       qd[..., half:] * c + qd[..., :half] * s], -1)
+            got = cp.asnumpy(dq).astype(np.float64)
+            ok = bool(np.allclose(got, expected, rtol=tol, atol=tol))
+            results.append((f"rotary_embedding {tag} hd{head_dim}", ok, f"max |err| {np.abs(got - expected).max():.2e}"))
     return results
 
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # check_nvcc.sh — compile every CUDA kernel for the H100/H200 (sm_90) with nvcc and
 # report what ptxas says about each kernel: registers, static shared memory, stack and
-# spills. Fails (exit 1) on a compile error or on any register spill.
+# spills. Fails (exit 1) on a compile error, on any register spill, or when an attention
+# kernel is missing at one of the head dims of SUPPORTED_HEAD_DIMS in
+# refengine/kernels/plans.py (32, 64, 96, 128, 256).
 #
 # Usage: bash cuda/check_nvcc.sh [ARCH]      (ARCH defaults to sm_90)
 # Outputs: cuda/build/<kernel file>.cubin and cuda/build/<kernel file>.ptxas.log, plus
@@ -55,6 +57,27 @@ for i in "${!sources[@]}"; do
     fi
 done
 [ "$status" -eq 0 ] || exit "$status"
+
+# Every attention kernel at every supported head dim must be among the compiled entries.
+head_dims="$(sed -n 's/^SUPPORTED_HEAD_DIMS = (\(.*\))$/\1/p' "$here/../refengine/kernels/plans.py" | tr -d ' ' | tr ',' ' ')"
+if [ -z "$head_dims" ]; then
+    echo "check_nvcc.sh: cannot read SUPPORTED_HEAD_DIMS from refengine/kernels/plans.py" >&2
+    exit 1
+fi
+entries="$(for src in "${sources[@]}"; do cat "$build/$(basename "$src" .cu).ptxas.log"; done |
+    sed -n "s/.*Compiling entry function '\([^']*\)'.*/\1/p")"
+missing=""
+for d in $head_dims; do
+    for kernel in flash_prefill_{f32,f16,bf16} flash_prefill_mma_{f16,bf16} paged_decode_{f32,f16,bf16} \
+                  paged_decode_reduce_{f32,f16,bf16}; do
+        grep -qx "${kernel}_hd$d" <<<"$entries" || missing="$missing ${kernel}_hd$d"
+    done
+done
+if [ -n "$missing" ]; then
+    echo "MISSING KERNELS:$missing" >&2
+    exit 1
+fi
+echo "check_nvcc.sh: every attention kernel present at head dims $head_dims"
 
 # ptxas -v prints, per entry function:
 #   ptxas info    : Compiling entry function 'NAME' for 'sm_90'

@@ -17,7 +17,17 @@
 // A decode row (q_len == 1) is simply a chunk of one row, so mixed batches just work.
 // Grouped-query attention: query head h reads KV head h / (num_heads / num_kv_heads).
 //
-// Thread layout (128 threads = 4 warps, BLOCK_M = 32 rows, BLOCK_N = 32 keys):
+// Per-layer options (0 = off), as in refengine/attention/numpy_ref.py:
+// * window W > 0 (sliding window, transformers' rule): a row at position p sees keys
+//   max(0, p - W + 1) ..= p. Key tiles wholly before the window of the block's *first* row
+//   are never loaded (later rows' windows start later still); within the loaded tiles each
+//   row masks its own keys. A later row may then meet a tile with none of its keys: its m
+//   stays -inf, and the update subtracts 0 instead of m so p and alpha are 0, not NaN.
+// * soft_cap c > 0 (Gemma 2's attention-logit soft-capping): s = c * tanh(s / c) before
+//   the mask and the softmax.
+//
+// Thread layout (128 threads = 4 warps, BLOCK_M = 32 rows, BLOCK_N = 32 keys, 16 at
+// head_dim 256, see prefill::block_n):
 //   grid  = (ceil(max_query_len / BLOCK_M), num_heads, num_seqs)
 //   thread t serves query row t / 4 ("row") and head dimensions d = part + 4*i
 //   (part = t % 4, i < HEAD_DIM / 4). The 4 threads of a row are adjacent lanes of one
@@ -26,7 +36,7 @@
 //   Interleaved dimensions make the 4 threads read 4 consecutive elements of a K/V row
 //   while the 8 rows of the warp read the same ones (a broadcast): no bank conflicts.
 //
-// Shared memory (dynamic, 2 * BLOCK_N * HEAD_DIM * sizeof(T) bytes):
+// Shared memory (dynamic, 2 * BLOCK_N * HEAD_DIM * sizeof(T) bytes, at most 32 KiB):
 //   k_tile [BLOCK_N][HEAD_DIM], v_tile [BLOCK_N][HEAD_DIM] in the storage type T.
 //
 // Precision: T is float, __half or __nv_bfloat16 storage; q·k, softmax and p·v in float32.
@@ -39,16 +49,23 @@
 namespace prefill {
 constexpr int kNumThreads = 128;
 constexpr int kBlockM = 32;  // query rows per block
-constexpr int kBlockN = 32;  // keys per shared-memory tile
 constexpr int kThreadsPerRow = kNumThreads / kBlockM;
+// Keys per shared-memory tile: 32, or 16 at head_dim 256, where 32 would need ~254 registers
+// (q and acc slices of 64 floats each plus 32 scores) and 64 KiB of float32 tiles.
+template <int HEAD_DIM>
+__host__ __device__ constexpr int block_n() {
+    return HEAD_DIM > 128 ? 16 : 32;
+}
 }  // namespace prefill
 
 template <typename T, int HEAD_DIM>
 __device__ void flash_prefill(const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
                               T* __restrict__ out, const int* __restrict__ query_start_loc,
                               const int* __restrict__ seq_lens, const int* __restrict__ block_tables,
-                              int max_blocks_per_seq, int num_heads, int num_kv_heads, int block_size, float scale) {
+                              int max_blocks_per_seq, int num_heads, int num_kv_heads, int block_size, float scale,
+                              int window, float soft_cap) {
     using namespace prefill;
+    constexpr int kBlockN = block_n<HEAD_DIM>();
     constexpr int kDimsPerThread = HEAD_DIM / kThreadsPerRow;
     static_assert(HEAD_DIM % kThreadsPerRow == 0, "head_dim must be a multiple of 4");
 
@@ -72,6 +89,8 @@ __device__ void flash_prefill(const T* __restrict__ q, const T* __restrict__ k_c
     // nothing; they still take part in every shuffle and barrier.
     const int q_row_clamped = row_valid ? q_row : q_len - 1;
     const int q_pos = ctx_len + q_row_clamped;  // sees keys 0 ..= q_pos
+    const int q_first_key = window > 0 ? q_pos - window + 1 : 0;  // ... from here on (may be < 0)
+    const float inv_cap = soft_cap > 0.0f ? 1.0f / soft_cap : 0.0f;
 
     // This thread's slice of the query row, pre-multiplied by the softmax scale.
     float q_reg[kDimsPerThread];
@@ -90,11 +109,13 @@ __device__ void flash_prefill(const T* __restrict__ q, const T* __restrict__ k_c
     T* v_tile = k_tile + kBlockN * HEAD_DIM;
     REFENGINE_CHECK_SHARED_BYTES(2 * kBlockN * HEAD_DIM * sizeof(T));
 
-    // Keys any row of this tile may see: 0 .. position of its last real row (causal).
+    // Keys any row of this tile may see: up to the position of its last real row (causal),
+    // and from the key tile holding the first row's first key (window; 0 without one).
     const int last_row = min(q_tile * kBlockM + kBlockM, q_len) - 1;
     const int kv_end = ctx_len + last_row + 1;
+    const int kv_begin = window > 0 ? max(0, ctx_len + q_tile * kBlockM - window + 1) / kBlockN * kBlockN : 0;
 
-    for (int kv_start = 0; kv_start < kv_end; kv_start += kBlockN) {
+    for (int kv_start = kv_begin; kv_start < kv_end; kv_start += kBlockN) {
         // 1. Stage the K and V tile through the block table (coalesced along head_dim).
         //    Keys past kv_end are zero, never garbage: p = 0 times a NaN would be NaN.
         for (int idx = threadIdx.x; idx < kBlockN * HEAD_DIM; idx += kNumThreads) {
@@ -114,7 +135,7 @@ __device__ void flash_prefill(const T* __restrict__ q, const T* __restrict__ k_c
         }
         __syncthreads();  // the tile is complete before anyone reads it
 
-        // 2. Scores s[j] = q · k_j for this row; causal mask by position.
+        // 2. Scores s[j] = q · k_j for this row (soft-capped); causal and window mask by position.
         float s[kBlockN];
 #pragma unroll
         for (int j = 0; j < kBlockN; ++j) {
@@ -125,16 +146,20 @@ __device__ void flash_prefill(const T* __restrict__ q, const T* __restrict__ k_c
             // Sum the 4 partial dot products of this row (lanes 4r .. 4r+3).
             partial += __shfl_xor_sync(REFENGINE_FULL_MASK, partial, 1);
             partial += __shfl_xor_sync(REFENGINE_FULL_MASK, partial, 2);
-            s[j] = (kv_start + j <= q_pos) ? partial : REFENGINE_NEG_INF;
+            if (soft_cap > 0.0f) partial = soft_cap * tanhf(partial * inv_cap);
+            const int key = kv_start + j;
+            s[j] = (key <= q_pos && key >= q_first_key) ? partial : REFENGINE_NEG_INF;
         }
 
-        // 3. Online softmax update. The first tile always holds key 0, which every row
-        //    sees, so m_new is finite from then on and exp(-inf - m_new) = 0 is safe.
+        // 3. Online softmax update. m_new is -inf only while this row has met none of its
+        //    keys (a window that starts in a later tile): subtract 0 then, so that
+        //    exp(-inf - 0) = 0 instead of exp(-inf + inf) = NaN.
         float tile_max = REFENGINE_NEG_INF;
 #pragma unroll
         for (int j = 0; j < kBlockN; ++j) tile_max = fmaxf(tile_max, s[j]);
         const float m_new = fmaxf(m, tile_max);
-        const float alpha = __expf(m - m_new);  // rescales what was accumulated so far
+        const float m_sub = m_new == REFENGINE_NEG_INF ? 0.0f : m_new;
+        const float alpha = __expf(m - m_sub);  // rescales what was accumulated so far
         l *= alpha;
 #pragma unroll
         for (int i = 0; i < kDimsPerThread; ++i) acc[i] *= alpha;
@@ -142,7 +167,7 @@ __device__ void flash_prefill(const T* __restrict__ q, const T* __restrict__ k_c
         // 4. acc += p · V_tile.
 #pragma unroll
         for (int j = 0; j < kBlockN; ++j) {
-            const float p = __expf(s[j] - m_new);
+            const float p = __expf(s[j] - m_sub);
             l += p;
 #pragma unroll
             for (int i = 0; i < kDimsPerThread; ++i)
@@ -160,26 +185,35 @@ __device__ void flash_prefill(const T* __restrict__ q, const T* __restrict__ k_c
 }
 
 // Exported kernels: flash_prefill_<dtype>_hd<head_dim>. Launch with 128 threads,
-// grid (ceil(max_query_len / 32), num_heads, num_seqs) and 2 * 32 * head_dim * sizeof(T)
-// bytes of dynamic shared memory. Arguments: q [T, num_heads, head_dim];
+// grid (ceil(max_query_len / 32), num_heads, num_seqs) and
+// 2 * prefill::block_n<head_dim>() * head_dim * sizeof(T) bytes of dynamic shared memory.
+// Arguments: q [T, num_heads, head_dim];
 // k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]; out like q;
-// query_start_loc int32 [B+1]; seq_lens int32 [B]; block_tables int32 [B, max_blocks_per_seq].
+// query_start_loc int32 [B+1]; seq_lens int32 [B]; block_tables int32 [B, max_blocks_per_seq];
+// window (keys per query, 0 = no sliding window); soft_cap (0 = none).
 #define DEFINE_FLASH_PREFILL(NAME, T, HEAD_DIM)                                                                 \
     extern "C" __global__ void __launch_bounds__(prefill::kNumThreads)                                          \
         NAME(const T* q, const T* k_cache, const T* v_cache, T* out, const int* query_start_loc,                \
              const int* seq_lens, const int* block_tables, int max_blocks_per_seq, int num_heads,               \
-             int num_kv_heads, int block_size, float scale) {                                                   \
+             int num_kv_heads, int block_size, float scale, int window, float soft_cap) {                       \
         flash_prefill<T, HEAD_DIM>(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,           \
-                                   max_blocks_per_seq, num_heads, num_kv_heads, block_size, scale);             \
+                                   max_blocks_per_seq, num_heads, num_kv_heads, block_size, scale, window,      \
+                                   soft_cap);                                                                   \
     }                                                                                                           \
     REFENGINE_EXPORT_KERNEL(NAME)
 
 DEFINE_FLASH_PREFILL(flash_prefill_f32_hd32, float, 32)
 DEFINE_FLASH_PREFILL(flash_prefill_f32_hd64, float, 64)
+DEFINE_FLASH_PREFILL(flash_prefill_f32_hd96, float, 96)
 DEFINE_FLASH_PREFILL(flash_prefill_f32_hd128, float, 128)
+DEFINE_FLASH_PREFILL(flash_prefill_f32_hd256, float, 256)
 DEFINE_FLASH_PREFILL(flash_prefill_f16_hd32, __half, 32)
 DEFINE_FLASH_PREFILL(flash_prefill_f16_hd64, __half, 64)
+DEFINE_FLASH_PREFILL(flash_prefill_f16_hd96, __half, 96)
 DEFINE_FLASH_PREFILL(flash_prefill_f16_hd128, __half, 128)
+DEFINE_FLASH_PREFILL(flash_prefill_f16_hd256, __half, 256)
 DEFINE_FLASH_PREFILL(flash_prefill_bf16_hd32, __nv_bfloat16, 32)
 DEFINE_FLASH_PREFILL(flash_prefill_bf16_hd64, __nv_bfloat16, 64)
+DEFINE_FLASH_PREFILL(flash_prefill_bf16_hd96, __nv_bfloat16, 96)
 DEFINE_FLASH_PREFILL(flash_prefill_bf16_hd128, __nv_bfloat16, 128)
+DEFINE_FLASH_PREFILL(flash_prefill_bf16_hd256, __nv_bfloat16, 256)

@@ -4,11 +4,16 @@
 //                      HF LlamaRMSNorm: statistics in float32)
 // * silu_and_mul:      out = silu(x[:, :I]) * x[:, I:]                 (SwiGLU, Shazeer 2020;
 //                      the gate and up projections fused as one [T, 2I] matmul output)
+// * gelu_tanh_and_mul: out = gelu_tanh(x[:, :I]) * x[:, I:]            (GeGLU, Shazeer 2020, eq. 5;
+//                      gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))),
+//                      Hendrycks & Gimpel 2016: Gemma's "gelu_pytorch_tanh")
 // * rotary_embedding:  rotate q and k in place by their position       (RoFormer, Su et al.
 //                      2021; the "rotate_half" / GPT-NeoX pairing of HF Llama: dimension
 //                      i pairs with i + rotary_dim / 2)
 //
-// All arithmetic is float32; T is the storage type (float, __half, __nv_bfloat16).
+// All arithmetic is float32; T is the storage type (float, __half, __nv_bfloat16). Nothing
+// here depends on head_dim: rotary_embedding takes it (any even size, 96 and 256 included)
+// as an argument, and rms_norm normalises rows of any length.
 //
 // Thread layouts: one block per token (grid.x = T), blockDim.x threads striding over the
 // token's elements. rms_norm reduces the sum of squares with warp_sum, then across the
@@ -61,6 +66,22 @@ __device__ void silu_and_mul(T* __restrict__ out, const T* __restrict__ x, int i
     }
 }
 
+// x: [T, 2 * inter] (gate then up); out: [T, inter]. The same float32 operation order as
+// refengine.layers.gelu_tanh_and_mul.
+template <typename T>
+__device__ void gelu_tanh_and_mul(T* __restrict__ out, const T* __restrict__ x, int inter) {
+    constexpr float kSqrt2OverPi = 0.7978845608028654f;
+    const T* gate = x + (long long)blockIdx.x * 2 * inter;
+    const T* up = gate + inter;
+    T* out_row = out + (long long)blockIdx.x * inter;
+    for (int i = threadIdx.x; i < inter; i += blockDim.x) {
+        const float g = load_float(gate[i]);
+        const float inner = kSqrt2OverPi * (g + 0.044715f * g * g * g);
+        const float gelu = 0.5f * g * (1.0f + tanhf(inner));
+        store_float(&out_row[i], gelu * load_float(up[i]));
+    }
+}
+
 // q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim], both rotated in place;
 // positions: int32 [T]; cos_sin: float32 [max_position, rotary_dim] holding
 // cos(pos * inv_freq[i]) in columns i < rotary_dim / 2 and the sines after them.
@@ -99,6 +120,10 @@ __device__ void rotary_embedding(T* __restrict__ q, T* __restrict__ k, const int
         silu_and_mul<T>(out, x, inter);                                                                        \
     }                                                                                                          \
     REFENGINE_EXPORT_KERNEL(silu_and_mul_##TAG)                                                                \
+    extern "C" __global__ void gelu_tanh_and_mul_##TAG(T* out, const T* x, int inter) {                        \
+        gelu_tanh_and_mul<T>(out, x, inter);                                                                   \
+    }                                                                                                          \
+    REFENGINE_EXPORT_KERNEL(gelu_tanh_and_mul_##TAG)                                                           \
     extern "C" __global__ void rotary_embedding_##TAG(T* q, T* k, const int* positions, const float* cos_sin,  \
                                                       int num_heads, int num_kv_heads, int head_dim,           \
                                                       int rotary_dim) {                                        \

@@ -10,6 +10,13 @@
 // group = num_heads / num_kv_heads query heads. So one block serves *all* the query heads
 // of a KV head (up to kGroupTile of them) and reads each K/V tile once for all of them.
 //
+// Per-layer options (0 = off), as in refengine/attention/numpy_ref.py: a sliding window W
+// makes the query (at position seq_len - 1) see only keys [max(0, seq_len - W), seq_len):
+// the partitions tile that range and nothing before it is read, so the grid needs only
+// ceil(min(max_seq_len, W) / partition_size) partitions. A soft cap c turns every score s
+// into c * tanh(s / c) (Gemma 2). Every partition holds at least one key, so the running
+// max is finite after its first tile.
+//
 // Kernel 1, paged_decode_<dtype>_hd<D>:
 //   grid  = (num_kv_heads * ceil(group / kGroupTile), num_seqs, num_partitions)
 //   block = 128 threads (4 warps); one partition of `partition_size` context tokens.
@@ -17,7 +24,9 @@
 //     scores:  thread t computes (head g, key k) pairs t, t+128, ...: k = pair % 32, g = pair / 32
 //     softmax: warp w owns heads w, w+4; lane = key; warp_max / warp_sum give the tile
 //              statistics; the running max m, sum l and rescale factor live in shared memory
-//     p · v:   thread t owns output dimension d = t % D of heads t / D + (128 / D) * i
+//     p · v:   thread t owns the outputs o = t + 128 * i of the kGroupTile x D (head,
+//              dimension) pairs: head o / D, dimension o % D (for D dividing 128, dimension
+//              t % D of heads t / D + (128 / D) * i; at D = 96 the dimension varies with i)
 //   With one partition the block writes the normalised output directly; otherwise it
 //   writes acc / l plus (m, l) per (sequence, head, partition) for kernel 2.
 //
@@ -50,20 +59,21 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k_ca
                              float* __restrict__ partial_sum, const int* __restrict__ query_start_loc,
                              const int* __restrict__ seq_lens, const int* __restrict__ block_tables,
                              int max_blocks_per_seq, int num_heads, int num_kv_heads, int block_size, float scale,
-                             int partition_size) {
+                             int partition_size, int window, float soft_cap) {
     using namespace decode;
-    static_assert(kNumThreads % HEAD_DIM == 0 && HEAD_DIM >= 32, "head_dim must divide 128");
-    constexpr int kHeadsPerPass = kNumThreads / HEAD_DIM;         // heads covered by one row of threads
-    constexpr int kAccPerThread = kGroupTile / kHeadsPerPass;     // outputs each thread accumulates
-    constexpr int kVec = 16 / sizeof(T);                          // elements per 16-byte load
+    static_assert((kGroupTile * HEAD_DIM) % kNumThreads == 0, "kGroupTile * head_dim must be a multiple of 128");
+    static_assert(HEAD_DIM % 8 == 0, "head_dim must be a multiple of 8 (16-byte loads)");
+    constexpr int kAccPerThread = kGroupTile * HEAD_DIM / kNumThreads;  // outputs each thread accumulates
+    constexpr int kVec = 16 / sizeof(T);                                // elements per 16-byte load
     constexpr int kChunksPerRow = HEAD_DIM / kVec;
 
     const int seq = blockIdx.y;
     const int partition = blockIdx.z;
     if (query_start_loc[seq + 1] == query_start_loc[seq]) return;  // no query row this step
     const int seq_len = seq_lens[seq];
-    const int part_start = partition * partition_size;
-    if (part_start >= seq_len) return;  // a shorter sequence than the longest: nothing here
+    const int key_begin = window > 0 ? max(0, seq_len - window) : 0;  // first key the query sees
+    const int part_start = key_begin + partition * partition_size;
+    if (part_start >= seq_len) return;  // a shorter sequence (or window) than the longest: nothing here
     const int part_end = min(seq_len, part_start + partition_size);
 
     const int group = num_heads / num_kv_heads;
@@ -102,8 +112,7 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k_ca
     float acc[kAccPerThread];
 #pragma unroll
     for (int i = 0; i < kAccPerThread; ++i) acc[i] = 0.0f;
-    const int d_own = tid % HEAD_DIM;  // the output dimension this thread accumulates
-    const int g_own = tid / HEAD_DIM;  // its first head; then + kHeadsPerPass * i
+    const float inv_cap = soft_cap > 0.0f ? 1.0f / soft_cap : 0.0f;
 
     for (int tile_start = part_start; tile_start < part_end; tile_start += kKeyTile) {
         // 1. Stage K and V (converted to float32) through the block table, 16 bytes per
@@ -141,6 +150,7 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k_ca
 #pragma unroll 8
                 for (int d = 0; d < HEAD_DIM; ++d) dot += q_s[g * HEAD_DIM + d] * k_s[key * (HEAD_DIM + 1) + d];
             }
+            if (soft_cap > 0.0f) dot = soft_cap * tanhf(dot * inv_cap);
             p_s[pair] = (tile_start + key < part_end) ? dot : REFENGINE_NEG_INF;
         }
         __syncthreads();  // all scores written
@@ -166,11 +176,12 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k_ca
         // 4. acc = alpha * acc + p · V for the outputs this thread owns.
 #pragma unroll
         for (int i = 0; i < kAccPerThread; ++i) {
-            const int g = g_own + kHeadsPerPass * i;
+            const int g = (tid + kNumThreads * i) / HEAD_DIM;
+            const int d = (tid + kNumThreads * i) % HEAD_DIM;
             if (g >= num_g) continue;  // an unused head slot
             float sum = 0.0f;
 #pragma unroll 8
-            for (int key = 0; key < kKeyTile; ++key) sum += p_s[g * kKeyTile + key] * v_s[key * HEAD_DIM + d_own];
+            for (int key = 0; key < kKeyTile; ++key) sum += p_s[g * kKeyTile + key] * v_s[key * HEAD_DIM + d];
             acc[i] = acc[i] * alpha_s[g] + sum;
         }
         __syncthreads();  // done with this tile before the next one overwrites it
@@ -178,16 +189,17 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k_ca
 
 #pragma unroll
     for (int i = 0; i < kAccPerThread; ++i) {
-        const int g = g_own + kHeadsPerPass * i;
+        const int g = (tid + kNumThreads * i) / HEAD_DIM;
+        const int d = (tid + kNumThreads * i) % HEAD_DIM;
         if (g >= num_g) continue;
         const int head = head0 + g;
         const float o = acc[i] / l_s[g];
-        if (gridDim.z == 1) {  // the whole context in one partition: final answer
-            store_float(&out[((long long)token * num_heads + head) * HEAD_DIM + d_own], o);
+        if (gridDim.z == 1) {  // the whole context (or window) in one partition: final answer
+            store_float(&out[((long long)token * num_heads + head) * HEAD_DIM + d], o);
         } else {
             const long long idx = ((long long)seq * num_heads + head) * gridDim.z + partition;
-            partial_out[idx * HEAD_DIM + d_own] = o;
-            if (d_own == 0) {
+            partial_out[idx * HEAD_DIM + d] = o;
+            if (d == 0) {
                 partial_max[idx] = m_s[g];
                 partial_sum[idx] = l_s[g];
             }
@@ -199,12 +211,14 @@ template <typename T, int HEAD_DIM>
 __device__ void paged_decode_reduce(T* __restrict__ out, const float* __restrict__ partial_out,
                                     const float* __restrict__ partial_max, const float* __restrict__ partial_sum,
                                     const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
-                                    int num_heads, int num_partitions, int partition_size) {
+                                    int num_heads, int num_partitions, int partition_size, int window) {
     const int head = blockIdx.x;
     const int seq = blockIdx.y;
     const int d = threadIdx.x;
     if (query_start_loc[seq + 1] == query_start_loc[seq]) return;  // no query row this step
-    const int used = (seq_lens[seq] + partition_size - 1) / partition_size;  // partitions this sequence filled
+    const int seq_len = seq_lens[seq];
+    const int keys = window > 0 ? min(seq_len, window) : seq_len;  // what kernel 1 read
+    const int used = (keys + partition_size - 1) / partition_size;  // partitions this sequence filled
     const long long base = ((long long)seq * num_heads + head) * num_partitions;
 
     float global_max = REFENGINE_NEG_INF;
@@ -222,36 +236,45 @@ __device__ void paged_decode_reduce(T* __restrict__ out, const float* __restrict
 // Exported kernels. paged_decode_<dtype>_hd<D>: 128 threads, grid as above,
 // decode::shared_floats<D>() * 4 bytes of dynamic shared memory. partial_* are float32
 // scratch of [num_seqs, num_heads, num_partitions] (x D for partial_out); unused (may be
-// any pointer) when num_partitions == 1. partition_size must be a multiple of 32.
+// any pointer) when num_partitions == 1. partition_size must be a multiple of 32. window:
+// keys per query (0 = all), the same for both kernels; soft_cap: 0 = none. At head_dim 256
+// kernel 1 needs 73.2 KiB of shared memory, over the 48 KiB default (the launcher opts in).
 // k_cache and v_cache must be 16-byte aligned (any CuPy allocation is).
 // (No __launch_bounds__(128) on the main kernel: with it ptxas aims at full occupancy,
-// 32 registers, and spills for head_dim 32; left alone it takes ~40 and spills nothing.)
+// 32 registers, and spills for head_dim 32; left alone it takes 32-126 by head dim and
+// spills nothing: cuda/check_nvcc.sh prints the counts.)
 #define DEFINE_PAGED_DECODE(NAME, REDUCE_NAME, T, HEAD_DIM)                                                   \
     extern "C" __global__ void NAME(                                                                          \
         const T* q, const T* k_cache, const T* v_cache, T* out, float* partial_out, float* partial_max,  \
              float* partial_sum, const int* query_start_loc, const int* seq_lens, const int* block_tables,    \
              int max_blocks_per_seq, int num_heads, int num_kv_heads, int block_size, float scale,            \
-             int partition_size) {                                                                            \
+             int partition_size, int window, float soft_cap) {                                                \
         paged_decode<T, HEAD_DIM>(q, k_cache, v_cache, out, partial_out, partial_max, partial_sum,            \
                                   query_start_loc, seq_lens, block_tables, max_blocks_per_seq, num_heads,     \
-                                  num_kv_heads, block_size, scale, partition_size);                           \
+                                  num_kv_heads, block_size, scale, partition_size, window, soft_cap);         \
     }                                                                                                         \
     REFENGINE_EXPORT_KERNEL(NAME)                                                                             \
     extern "C" __global__ void __launch_bounds__(HEAD_DIM)                                                    \
         REDUCE_NAME(T* out, const float* partial_out, const float* partial_max, const float* partial_sum,     \
                     const int* query_start_loc, const int* seq_lens, int num_heads, int num_partitions,       \
-                    int partition_size) {                                                                     \
+                    int partition_size, int window) {                                                         \
         paged_decode_reduce<T, HEAD_DIM>(out, partial_out, partial_max, partial_sum, query_start_loc,         \
-                                         seq_lens, num_heads, num_partitions, partition_size);                \
+                                         seq_lens, num_heads, num_partitions, partition_size, window);        \
     }                                                                                                         \
     REFENGINE_EXPORT_KERNEL(REDUCE_NAME)
 
 DEFINE_PAGED_DECODE(paged_decode_f32_hd32, paged_decode_reduce_f32_hd32, float, 32)
 DEFINE_PAGED_DECODE(paged_decode_f32_hd64, paged_decode_reduce_f32_hd64, float, 64)
+DEFINE_PAGED_DECODE(paged_decode_f32_hd96, paged_decode_reduce_f32_hd96, float, 96)
 DEFINE_PAGED_DECODE(paged_decode_f32_hd128, paged_decode_reduce_f32_hd128, float, 128)
+DEFINE_PAGED_DECODE(paged_decode_f32_hd256, paged_decode_reduce_f32_hd256, float, 256)
 DEFINE_PAGED_DECODE(paged_decode_f16_hd32, paged_decode_reduce_f16_hd32, __half, 32)
 DEFINE_PAGED_DECODE(paged_decode_f16_hd64, paged_decode_reduce_f16_hd64, __half, 64)
+DEFINE_PAGED_DECODE(paged_decode_f16_hd96, paged_decode_reduce_f16_hd96, __half, 96)
 DEFINE_PAGED_DECODE(paged_decode_f16_hd128, paged_decode_reduce_f16_hd128, __half, 128)
+DEFINE_PAGED_DECODE(paged_decode_f16_hd256, paged_decode_reduce_f16_hd256, __half, 256)
 DEFINE_PAGED_DECODE(paged_decode_bf16_hd32, paged_decode_reduce_bf16_hd32, __nv_bfloat16, 32)
 DEFINE_PAGED_DECODE(paged_decode_bf16_hd64, paged_decode_reduce_bf16_hd64, __nv_bfloat16, 64)
+DEFINE_PAGED_DECODE(paged_decode_bf16_hd96, paged_decode_reduce_bf16_hd96, __nv_bfloat16, 96)
 DEFINE_PAGED_DECODE(paged_decode_bf16_hd128, paged_decode_reduce_bf16_hd128, __nv_bfloat16, 128)
+DEFINE_PAGED_DECODE(paged_decode_bf16_hd256, paged_decode_reduce_bf16_hd256, __nv_bfloat16, 256)

@@ -21,9 +21,19 @@ class ModelConfig:
 
     Attributes mirror ``config.json``; ``head_dim`` defaults to ``hidden_size // num_attention_heads``.
     The model class of ``architecture`` (:mod:`refengine.models`) reads the family-specific
-    fields: ``attention_bias`` (q/k/v biases; Qwen2's default) and ``sliding_window`` (the
-    attention window when the model uses one; not implemented: the engine caps
-    ``max_model_len`` at it).
+    fields (defaults: a plain Llama layer):
+
+    * ``attention_bias``: q/k/v biases (Qwen2's default).
+    * ``sliding_window``: keys per query (itself included) on the layers whose
+      ``layer_types`` entry is ``"sliding_attention"``; ``layer_types`` None means every
+      layer is ``"full_attention"``.
+    * ``rope_local_base_freq``, ``rope_local_scaling``: the RoPE base and scaling of the
+      sliding layers where they differ from the global ones (Gemma 3), else None.
+    * ``query_pre_attn_scalar``: softmax scale ``query_pre_attn_scalar ** -0.5`` instead of
+      ``head_dim ** -0.5`` (Gemma 2/3).
+    * ``attn_logit_softcapping``, ``final_logit_softcapping``: ``c * tanh(x / c)`` on the
+      attention scores and the final logits (Gemma 2), None for none.
+    * ``hidden_activation``: the MLP gate's activation, ``"silu"`` or ``"gelu_pytorch_tanh"``.
     """
 
     architecture: str
@@ -42,6 +52,21 @@ class ModelConfig:
     attention_bias: bool = False
     sliding_window: int | None = None
     eos_token_id: int | list[int] | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope_local_base_freq: float | None = None
+    rope_local_scaling: dict | None = None
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    hidden_activation: str = "silu"
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (0-based), None where it attends to every key."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
 
 _ALLOWED = {"count": "an integer >= 1", "positive": "a finite number > 0", "bool": "true or false",

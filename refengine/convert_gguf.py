@@ -1,17 +1,18 @@
-"""Turn a llama-architecture GGUF file into a Hugging Face style model directory.
+"""Turn a GGUF file (``llama`` or ``gemma3`` architecture) into a Hugging Face style model directory.
 
 refengine runs a GGUF file directly, its tensors as stored (``--model x.gguf``,
 :mod:`refengine.gguf_file`). This module writes what ``transformers`` (and
 :mod:`refengine.loader`) expect instead, for golden checks against HF and for reading:
 
 - ``model.safetensors``: every weight dequantized to float32 (the ``gguf`` package's
-  ``dequantize``, bit-exact with ggml), under HF Llama names
-  (``model.layers.N.self_attn.q_proj.weight`` ...), each of the numpy/PyTorch shape
-  ``[out_features, in_features]``, q/k rows back in HF's rotary order;
+  ``dequantize``, bit-exact with ggml), under HF names (``LlamaForCausalLM``'s or
+  ``Gemma3ForCausalLM``'s: ``model.layers.N.self_attn.q_proj.weight`` ...), each of the
+  numpy/PyTorch shape ``[out_features, in_features]``; llama q/k rows back in HF's rotary
+  order, Gemma norms back to HF's zero-centred ``w`` (the file stores ``1 + w``);
 - ``config.json`` and ``generation_config.json`` from the GGUF metadata;
-- ``tokenizer.json`` (a byte-level BPE built with the ``tokenizers`` library from the
-  GGUF vocabulary and merges) and ``tokenizer_config.json`` (special tokens and the chat
-  template).
+- ``tokenizer.json`` (built with the ``tokenizers`` library from the GGUF vocabulary:
+  a byte-level BPE from its merges, or Gemma's SentencePiece BPE with merges rebuilt from
+  the vocabulary) and ``tokenizer_config.json`` (special tokens and the chat template).
 
 How the names, shapes and the q/k permutation map: :mod:`refengine.gguf_file`.
 """
@@ -29,7 +30,7 @@ __all__ = ["convert_gguf", "build_tokenizer", "unpermute_rotary"]
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
-    """Write a HF style model directory for a llama-architecture GGUF file.
+    """Write a HF style model directory for a ``llama`` or ``gemma3`` GGUF file.
 
     Args:
         gguf_path: the ``.gguf`` file (any tensor type ``gguf.quants`` can dequantize:
@@ -44,9 +45,9 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
 
     Raises:
         FileNotFoundError: ``gguf_path`` does not exist.
-        ValueError: the file is not a GGUF, its architecture is not ``llama``, a tensor is
-            unknown or has an unexpected shape, or its tokenizer is not a byte-level BPE
-            with a known pre-tokenizer.
+        ValueError: the file is not a GGUF, its architecture is not ``llama`` or
+            ``gemma3``, a tensor is unknown or has an unexpected shape, or its tokenizer is
+            neither a byte-level BPE with a known pre-tokenizer nor Gemma's SentencePiece.
     """
     from safetensors.numpy import save_file
 

@@ -198,13 +198,13 @@ class LLMEngine:
             configure_threads(config.num_threads, library_blas=not getattr(ops, "spreads_blas", False))
         self.model = load_model(model_dir, model_config, attention, ops, xp=xp, dtype=config.dtype,
                                 dequantize_gguf=args.dtype != "auto" or config.device != "cpu",
-                                quantization=config.quantization)
+                                quantization=config.quantization, max_model_len=config.max_model_len)
         close_gguf_files()  # the blocks are copied out: the file's memory map is no longer needed
         spec_cfg = config.speculative_config
         draft_model = None
         if spec_cfg is not None and spec_cfg.method == "draft_model":  # loaded before a GPU pool is measured
             draft_model = load_model(Path(spec_cfg.model), config.draft_model_config, attention, ops, xp=xp,
-                                     dtype=config.dtype)
+                                     dtype=config.dtype, max_model_len=config.max_model_len)
         if config.num_kv_blocks is None:  # on a GPU the pool is what the weights and activations leave
             num_blocks = self._gpu_kv_blocks(config)
             config = args.create_engine_config(model_dir, model_config, num_gpu_blocks=num_blocks)

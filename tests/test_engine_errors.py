@@ -183,7 +183,8 @@ def test_rope_buffers_of_older_checkpoints_are_ignored(tiny_llama_dir, tmp_path)
     np.testing.assert_array_equal(LLM(tmp_path, log_stats=False).prompt_logits(ids), want)
 
 
-def test_sliding_window_caps_max_model_len(tiny_llama_dir, tmp_path):
+def test_sliding_window_no_longer_caps_max_model_len(tiny_llama_dir, tmp_path):
+    """Sliding-window attention exists: a Mistral window of 64 leaves the context at the model's own."""
     import json
     import shutil
 
@@ -192,6 +193,6 @@ def test_sliding_window_caps_max_model_len(tiny_llama_dir, tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=64)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    assert LLMEngine(tmp_path, log_stats=False).config.max_model_len == 64
-    with pytest.raises(ValueError, match=r"max_model_len=128 exceeds the model's sliding window \(64\)"):
-        LLMEngine(tmp_path, max_model_len=128, log_stats=False)
+    engine = LLMEngine(tmp_path, max_model_len=128, log_stats=False)
+    assert engine.config.max_model_len == 128
+    assert engine.config.model_config.layer_window(0) == 64

@@ -17,6 +17,7 @@ Every test is deterministic (fixed seeds).
 from __future__ import annotations
 
 import ctypes
+import re
 
 import ml_dtypes
 import numpy as np
@@ -28,7 +29,8 @@ from refengine.attention import AttentionMetadata, paged_metadata
 from refengine.attention.cuda import CudaAttention, EmulatedCudaAttention
 from refengine.kernels.build import (SELF_TEST_SOURCES, EmulatedKernels, build_emulation_library, cuda_source_dir,
                                      emulated_launch)
-from refengine.kernels.plans import Launch
+from refengine.kernels import plans
+from refengine.kernels.plans import DeviceMetadata, Launch
 from refengine.layers import RotaryEmbedding
 from refengine.ops import get_layer_ops
 from refengine.ops.cuda import CudaLayerOps
@@ -155,6 +157,227 @@ def test_paged_decode_group_larger_than_one_block():
 
 
 # --------------------------------------------------------------------------------------
+# Per-layer options: sliding window and attention-logit soft cap
+# --------------------------------------------------------------------------------------
+#
+# Besides matching both references, these tests write NaN into the cache slots of keys a
+# kernel must never load: for prefill, keys before the 64-aligned start of the window of a
+# chunk's first row (64 is a multiple of every key tile, so those lie in tiles that are to be
+# skipped, not just masked: a masked key's V still meets p = 0, and 0 * NaN = NaN); for
+# decode, every key before the window. The dense reference reads the logical K/V and the
+# NumPy twin maps NaN to a large finite value, so only a kernel that reads them fails.
+
+PREFILL_KERNELS_AND_DTYPES = pytest.mark.parametrize(
+    "kernel,dtype", [("simt", np.float32), ("simt", np.float16), ("simt", BF16), ("mma", np.float16), ("mma", BF16)],
+    ids=["simt-f32", "simt-f16", "simt-bf16", "mma-f16", "mma-bf16"])
+
+
+def window_prefill_batch(window: int):
+    """Prompts shorter than, equal to and longer than the window; chunks starting inside it
+    and past it (several key tiles past); decode rows at and past its edge; a 130-token
+    prompt, whose second query tile (of 32 or 64 rows) starts at key tile 0 while its later
+    rows' windows (for W <= 64) lie wholly in later key tiles (running max -inf at first)."""
+    W = window
+    return [(max(1, W - 1), max(1, W - 1)), (W, W), (W + 1, W + 1), (3 * W, 3 * W), (3 * W, W // 2 + 1),
+            (2 * W + 5, 7), (W, 1), (3 * W + 2, 1), (1, 1), (140 + 3 * W, W + 3), (130, 130)]
+
+
+def poison_unreachable(case, window: int, decode: bool) -> int:
+    """NaN into the cache slots of keys no kernel may read with this window (see above);
+    returns how many positions were poisoned."""
+    block_size = case.k_cache.shape[1]
+    poisoned = 0
+    for i, q_len in enumerate(case.q_lens):
+        seq_len = int(case.meta.seq_lens[i])
+        first_key = max(0, seq_len - int(q_len) - window + 1)  # of the chunk's first row
+        end = max(0, seq_len - window) if decode else first_key // 64 * 64
+        for pos in range(end):
+            block, offset = case.meta.block_tables[i, pos // block_size], pos % block_size
+            case.k_cache[block, offset] = np.nan
+            case.v_cache[block, offset] = np.nan
+        poisoned += end
+    return poisoned
+
+
+def sharpen(case, factor: float = 4.0):
+    """Scale q (by a power of two: exact in every storage type) so that scores reach the
+    range where a soft cap bends them."""
+    case.q = (case.q.astype(np.float32) * np.float32(factor)).astype(case.q.dtype)
+
+
+@PREFILL_KERNELS_AND_DTYPES
+@pytest.mark.parametrize("options", [
+    {"sliding_window": 1},
+    {"sliding_window": 5, "logits_soft_cap": 0.5},  # later rows of a query tile meet wholly masked key tiles
+    {"sliding_window": 64},  # one tensor-core key tile, two SIMT ones
+    {"sliding_window": 37, "logits_soft_cap": 20.0},
+    {"logits_soft_cap": 0.5},
+], ids=["w1", "w5-cap0.5", "w64", "w37-cap20", "cap0.5"])
+def test_flash_prefill_window_and_soft_cap(kernel, dtype, options):
+    window = options.get("sliding_window")
+    rng = np.random.default_rng(window or 0)
+    case = make_case(rng, window_prefill_batch(window or 40), 4, 2, 64, BLOCK_SIZE, dtype)
+    if "logits_soft_cap" in options:
+        sharpen(case)
+    if window is not None:
+        assert poison_unreachable(case, window, decode=False) > 0
+    run_and_check(EmulatedCudaAttention(prefill_kernel=kernel), case, **options)
+
+
+@pytest.mark.parametrize("kernel,dtype", [("simt", np.float32), ("mma", np.float16)], ids=["simt-f32", "mma-f16"])
+@pytest.mark.parametrize("window", [3, 33, 64, 65])
+def test_chunked_prefill_starting_past_the_window(kernel, dtype, window):
+    """Chunks whose first row's window starts several key tiles into the context, next to
+    decode rows and a whole prompt (a mixed batch); keys before it are never read."""
+    rng = np.random.default_rng(window)
+    seqs = [(200, 40), (260, 70), (131, 2), (150, 1), (20, 20)]
+    case = make_case(rng, seqs, 6, 2, 64, BLOCK_SIZE, dtype)
+    assert poison_unreachable(case, window, decode=False) > 0
+    run_and_check(EmulatedCudaAttention(prefill_kernel=kernel), case, sliding_window=window)
+
+
+def test_mixed_batch_window_and_soft_cap(backend):
+    """The prefill kernel's mixed batch (decode rows included) with both options at once."""
+    rng = np.random.default_rng(8)
+    case = make_case(rng, mixed_batch(), 8, 2, 64, BLOCK_SIZE, np.float32)
+    sharpen(case)
+    run_and_check(backend, case, sliding_window=12, logits_soft_cap=1.5)
+
+
+def window_decode_batch(window: int):
+    """Contexts shorter than, equal to and just past the window, three windows long, and at
+    block edges."""
+    W = window
+    return [(1, 1), (max(1, W - 1), 1), (W, 1), (W + 1, 1), (3 * W, 1), (3 * W + 7, 1), (BLOCK_SIZE + 1, 1)]
+
+
+@pytest.mark.parametrize("partition_size", [32, 64])
+@pytest.mark.parametrize("window", [1, 20, 32, 64, 100])  # below, at and above each partition size
+def test_paged_decode_window(partition_size, window):
+    rng = np.random.default_rng(window * 7 + partition_size)
+    case = make_case(rng, window_decode_batch(window), 6, 2, 64, BLOCK_SIZE, np.float32)
+    options = {"sliding_window": window}
+    if window % 2 == 0:
+        sharpen(case)
+        options["logits_soft_cap"] = 2.0
+    assert poison_unreachable(case, window, decode=True) > 0
+    run_and_check(EmulatedCudaAttention(decode_partition_size=partition_size), case, **options)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BF16], ids=["f16", "bf16"])
+def test_paged_decode_window_half_storage(dtype):
+    rng = np.random.default_rng(5)
+    case = make_case(rng, window_decode_batch(40) + [(500, 1)], 16, 2, 128, BLOCK_SIZE, dtype)
+    sharpen(case)
+    assert poison_unreachable(case, 40, decode=True) > 0
+    run_and_check(EmulatedCudaAttention(decode_partition_size=32), case, sliding_window=40, logits_soft_cap=3.0)
+
+
+def test_paged_decode_soft_cap_alone():
+    rng = np.random.default_rng(6)
+    case = make_case(rng, decode_batch(), 6, 2, 64, BLOCK_SIZE, np.float32)
+    sharpen(case)
+    run_and_check(EmulatedCudaAttention(decode_partition_size=64), case, logits_soft_cap=1.0)
+
+
+def test_decode_grid_is_sized_by_the_window():
+    """The plan launches ceil(min(max_seq_len, W) / partition_size) partitions, and the
+    merge kernel gets the same window."""
+    q = np.zeros((2, 4, 64), np.float32)
+    cache = np.zeros((80, 16, 2, 64), np.float32)
+    meta = DeviceMetadata(np.array([0, 1, 2], np.int32), np.array([1000, 30], np.int32),
+                          np.zeros((2, 63), np.int32), np.zeros(2, np.int32), 63, 1, 1000)
+    assert plans.decode_partitions(1000, 64) == 16
+    assert plans.decode_partitions(1000, 64, 100) == 2
+    assert plans.decode_partitions(1000, 64, 64) == 1
+    assert plans.decode_partitions(50, 64, 100) == 1
+    decode, merge = plans.paged_decode_launches(q, cache, cache, q, (q,) * 3, meta, 0.125, 64, sliding_window=100,
+                                                logits_soft_cap=30.0)
+    assert decode.grid == (2, 2, 2)
+    assert decode.args[-2:] == (np.int32(100), np.float32(30.0))
+    assert merge.args[-3:] == (np.int32(2), np.int32(64), np.int32(100))  # partitions, partition size, window
+    (only,) = plans.paged_decode_launches(q, cache, cache, q, (q,) * 3, meta, 0.125, 64, sliding_window=64)
+    assert only.grid[2] == 1
+    assert plans.paged_decode_launches(q, cache, cache, q, (q,) * 3, meta, 0.125, 64)[0].grid[2] == 16
+    assert plans.window_arg(None) == 0 and plans.window_arg(2**40) == 2**31 - 1
+
+
+@pytest.mark.parametrize("options,bad", [
+    ({"sliding_window": 0}, "0"), ({"sliding_window": -3}, "-3"), ({"sliding_window": 2.5}, "2.5"),
+    ({"sliding_window": True}, "True"), ({"sliding_window": "8"}, "'8'"),
+    ({"logits_soft_cap": 0.0}, "0.0"), ({"logits_soft_cap": -1.0}, "-1.0"), ({"logits_soft_cap": float("nan")}, "nan"),
+    ({"logits_soft_cap": float("inf")}, "inf"), ({"logits_soft_cap": "50"}, "'50'"),
+    ({"logits_soft_cap": 1e39}, "1e+39"), ({"logits_soft_cap": 1e-40}, "1e-40"),  # subnormal in float32
+])
+def test_bad_options_raise(backend, options, bad):
+    rng = np.random.default_rng(0)
+    case = make_case(rng, [(20, 20)], 2, 1, 64, BLOCK_SIZE, np.float32)
+    name = next(iter(options))
+    with pytest.raises(ValueError, match=f"{name}.*{re.escape(bad)}"):
+        backend.forward(case.q, case.k_cache, case.v_cache, case.meta, case.scale, **options)
+
+
+def test_integral_options_of_other_types(backend):
+    """A NumPy integer window and an integer cap are accepted (and mean the same)."""
+    rng = np.random.default_rng(2)
+    case = make_case(rng, [(40, 40), (30, 1)], 4, 2, 32, BLOCK_SIZE, np.float32)
+    out = run_and_check(backend, case, sliding_window=np.int64(9), logits_soft_cap=3)
+    again = backend.forward(case.q, case.k_cache, case.v_cache, case.meta, case.scale, sliding_window=9,
+                            logits_soft_cap=3.0)
+    assert out.tobytes() == again.tobytes()
+
+
+# --------------------------------------------------------------------------------------
+# Head dims 96 (Phi-3) and 256 (Gemma 2/3)
+# --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("head_dim", [96, 256])
+@pytest.mark.parametrize("kernel,dtype", [("simt", np.float32), ("simt", BF16), ("mma", np.float16), ("mma", BF16)],
+                         ids=["simt-f32", "simt-bf16", "mma-f16", "mma-bf16"])
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 21, "logits_soft_cap": 2.0}], ids=["plain", "w21-cap2"])
+def test_flash_prefill_new_head_dims(head_dim, kernel, dtype, options):
+    """At 256 the key tiles are smaller (16 SIMT, 32 tensor-core): a window of 21 starts
+    inside a tile, and the chunk of 40 rows past it skips several."""
+    rng = np.random.default_rng(head_dim)
+    case = make_case(rng, [(70, 70), (33, 33), (150, 40), (17, 5), (90, 1)], 4, 2, head_dim, BLOCK_SIZE, dtype)
+    if options:
+        sharpen(case, 2.0)
+        poison_unreachable(case, options["sliding_window"], decode=False)
+    run_and_check(EmulatedCudaAttention(prefill_kernel=kernel), case, **options)
+
+
+@pytest.mark.parametrize("head_dim", [96, 256])
+@pytest.mark.parametrize("dtype,group,partition_size", [(np.float32, 3, 32), (np.float32, 8, 512), (BF16, 8, 64),
+                                                        (np.float16, 1, 32)], ids=["f32-g3-p32", "f32-g8-p512",
+                                                                                   "bf16-g8-p64", "f16-g1-p32"])
+def test_paged_decode_new_head_dims(head_dim, dtype, group, partition_size):
+    """At 96 a thread's output dimension changes from one accumulator to the next; at 256 the
+    kernel carves 73 KiB of shared memory. Unused head slots (group < 8) stay unwritten."""
+    rng = np.random.default_rng(head_dim + group)
+    num_heads, num_kv_heads = heads_for(group)
+    backend = EmulatedCudaAttention(decode_partition_size=partition_size)
+    case = make_case(rng, [(1, 1), (16, 1), (17, 1), (100, 1)], num_heads, num_kv_heads, head_dim, BLOCK_SIZE, dtype)
+    run_and_check(backend, case)
+    case = make_case(rng, [(1, 1), (40, 1), (100, 1)], num_heads, num_kv_heads, head_dim, BLOCK_SIZE, dtype)
+    sharpen(case, 2.0)
+    poison_unreachable(case, 33, decode=True)
+    run_and_check(backend, case, sliding_window=33, logits_soft_cap=4.0)
+
+
+def test_head_dims_have_every_kernel():
+    """Each supported head dim has every attention kernel in the emulated module (which
+    tests/test_nvrtc.py ties to the GPU module)."""
+    production = set(build_emulation_library().refengine_emu_list_kernels().decode().split())
+    for head_dim in plans.SUPPORTED_HEAD_DIMS:
+        for tag in ("f32", "f16", "bf16"):
+            for family in ("flash_prefill", "paged_decode", "paged_decode_reduce"):
+                assert f"{family}_{tag}_hd{head_dim}" in production
+        for tag in ("f16", "bf16"):
+            assert f"flash_prefill_mma_{tag}_hd{head_dim}" in production
+    assert (96 in plans.SUPPORTED_HEAD_DIMS) and (256 in plans.SUPPORTED_HEAD_DIMS)
+
+
+# --------------------------------------------------------------------------------------
 # Emulator schedules and the emulator itself
 # --------------------------------------------------------------------------------------
 
@@ -227,7 +450,7 @@ LAYER_DTYPES = pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16], 
 
 
 @LAYER_DTYPES
-@pytest.mark.parametrize("hidden", [64, 576, 1000])
+@pytest.mark.parametrize("hidden", [64, 96, 256, 576, 1000])  # 96, 256: per-head q/k norms at those head dims
 def test_rms_norm(layer_ops, dtype, hidden):
     rng = np.random.default_rng(hidden)
     x = (rng.standard_normal((5, hidden)) * 3).astype(np.float32).astype(dtype)
@@ -252,7 +475,22 @@ def test_silu_and_mul(layer_ops, dtype):
 
 
 @LAYER_DTYPES
-@pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (128, 128), (64, 32)])
+def test_gelu_tanh_and_mul(layer_ops, dtype):
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((7, 2 * 300)) * 4).astype(np.float32).astype(dtype)
+    xd = x.astype(np.float64)
+    gate, up = xd[:, :300], xd[:, 300:]
+    expected = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate ** 3))) * up
+    got = layer_ops.gelu_tanh_and_mul(x)
+    assert got.dtype == x.dtype and got.shape == (7, 300)
+    tol = TOLERANCE[np.dtype(dtype)]
+    np.testing.assert_allclose(got.astype(np.float64), expected, rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="gelu_tanh_and_mul"):
+        layer_ops.gelu_tanh_and_mul(x[:, :5])
+
+
+@LAYER_DTYPES
+@pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (128, 128), (64, 32), (96, 96), (256, 256), (256, 128)])
 def test_rotary_embedding(layer_ops, dtype, head_dim, rotary_dim):
     rng = np.random.default_rng(head_dim + rotary_dim)
     num_tokens, num_heads, num_kv_heads, max_pos = 9, 6, 2, 4096
@@ -313,6 +551,38 @@ def test_cuda_backend_code_path(monkeypatch):
         backend.write_kv(k_cache, v_cache, cp.asarray(decode.k_new), cp.asarray(decode.v_new), decode.meta)
         out = cp.asnumpy(backend.forward(cp.asarray(decode.q), k_cache, v_cache, decode.meta, decode.scale))
         np.testing.assert_allclose(out.astype(np.float64), dense_reference(decode), rtol=tol, atol=tol)
+        # the per-layer options travel to the kernels on this path too
+        out = cp.asnumpy(backend.forward(cp.asarray(decode.q), k_cache, v_cache, decode.meta, decode.scale,
+                                         sliding_window=20, logits_soft_cap=1.0))
+        np.testing.assert_allclose(out.astype(np.float64), dense_reference(decode, 20, 1.0), rtol=tol, atol=tol)
+
+
+def test_cuda_backend_opts_in_to_large_shared_memory(monkeypatch):
+    """paged_decode at head_dim 256 carves 73 KiB of shared memory: the CuPy launcher raises
+    the kernel's limit (max_dynamic_shared_size_bytes) before launching it, once; kernels
+    within the 48 KiB default are left alone."""
+    import sys
+
+    cp = fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    rng = np.random.default_rng(12)
+    backend = CudaAttention(decode_partition_size=32)
+    for _ in range(2):
+        case = make_case(rng, [(40, 1), (3, 1)], 4, 2, 256, BLOCK_SIZE, np.float32)
+        k_cache, v_cache = cp.asarray(case.k_cache), cp.asarray(case.v_cache)
+        backend.write_kv(k_cache, v_cache, cp.asarray(case.k_new), cp.asarray(case.v_new), case.meta)
+        out = cp.asnumpy(backend.forward(cp.asarray(case.q), k_cache, v_cache, case.meta, case.scale))
+        np.testing.assert_allclose(out.astype(np.float64), dense_reference(case), rtol=2e-5, atol=2e-5)
+    kernels = backend.kernels._kernels
+    assert plans.decode_shared_bytes(256) > 48 * 1024
+    assert kernels["paged_decode_f32_hd256"].max_dynamic_shared_size_bytes == plans.decode_shared_bytes(256)
+    assert not hasattr(kernels["paged_decode_reduce_f32_hd256"], "max_dynamic_shared_size_bytes")
+    assert not hasattr(kernels["reshape_and_cache_f32"], "max_dynamic_shared_size_bytes")
+    for head_dim in plans.SUPPORTED_HEAD_DIMS:  # what else could need it: only decode at 256
+        for itemsize in (2, 4):
+            assert plans.prefill_shared_bytes(head_dim, itemsize) <= 48 * 1024
+        assert plans.prefill_mma_shared_bytes(head_dim) <= 48 * 1024
+        assert (plans.decode_shared_bytes(head_dim) > 48 * 1024) == (head_dim == 256)
 
 
 def test_gpu_check_script_runs(monkeypatch, capsys):
@@ -329,8 +599,12 @@ def test_gpu_check_script_runs(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
     monkeypatch.setattr(gpu_check, "CORRECTNESS_BATCHES",
                         {"decode": [(1, 1), (100, 1)], "prefill": [(40, 40)], "mixed": [(70, 9), (17, 17)]})
+    monkeypatch.setattr(gpu_check, "OPTION_BATCHES", {"decode": [(1, 1), (100, 1)], "mixed": [(90, 9), (70, 70)]})
+    monkeypatch.setattr(gpu_check, "OPTION_HEAD_DIMS", (96, 256))
     assert gpu_check.main(["--quick", "--skip-bench"]) == 0
-    assert "FAIL" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "FAIL" not in out
+    assert "hd256 h8/kv2 window 64 cap None part64 auto" in out and "hd96 h8/kv2 window 200 cap 1.0" in out
 
 
 @pytest.mark.parametrize("dtype", [np.float16, BF16], ids=["f16", "bf16"])
@@ -453,12 +727,28 @@ def test_rope_positions_are_placed_once_per_step():
         ops.rotary_embedding(positions - 60, q.copy(), k.copy(), cos_sin)
 
 
+def test_rope_tables_are_kept_per_rope_object(layer_ops):
+    """Layers may carry different RoPE tables (Gemma 3: local and global bases): each rope
+    object's own table is used, at head_dim 256 too."""
+    rng = np.random.default_rng(1)
+    positions = rng.integers(0, 128, 6)
+    q = rng.standard_normal((6, 2, 256)).astype(np.float32)
+    k = rng.standard_normal((6, 1, 256)).astype(np.float32)
+    placed = layer_ops.device_positions(positions)
+    tol = TOLERANCE[np.dtype(np.float32)]
+    for theta in (10000.0, 1000000.0, 10000.0):
+        rope = RotaryEmbedding(256, 128, theta, None, xp=np)
+        got_q, got_k = layer_ops.rope(q.copy(), k.copy(), placed, rope)
+        np.testing.assert_allclose(got_q, rope(q, positions), rtol=tol, atol=tol)
+        np.testing.assert_allclose(got_k, rope(k, positions), rtol=tol, atol=tol)
+
+
 def test_self_tests_are_not_in_the_production_module():
     production = set(build_emulation_library().refengine_emu_list_kernels().decode().split())
     self_test = set(self_test_library().refengine_emu_list_kernels().decode().split())
     assert self_test == {"mma_check_f16", "mma_check_bf16", "ldmatrix_check_f16"}
     assert not production & self_test
-    assert len(production) == 45
+    assert len(production) == 70  # 3 + 12 layer kernels + 55 attention kernels (5 head dims)
 
 
 def test_attention_and_layer_ops_share_one_module(monkeypatch):

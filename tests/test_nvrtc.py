@@ -26,6 +26,7 @@ import pytest
 
 from refengine.kernels.build import (KERNEL_SOURCES, SELF_TEST_SOURCES, build_emulation_library, cuda_source_dir,
                                      nvrtc_program)
+from refengine.kernels.plans import SUPPORTED_HEAD_DIMS
 
 ARCH = "sm_90"
 CUPY_OPTIONS = (f"-arch={ARCH}", "--device-as-default-execution-space", "-ftz=true")
@@ -118,8 +119,27 @@ def test_nvrtc_compiles_every_kernel_for_sm90(compiled):
     assert "warning" not in log.lower(), log
     lib = build_emulation_library([cuda_source_dir() / name for name in sources])
     emulated = lib.refengine_emu_list_kernels().decode().split()
-    assert len(emulated) == {KERNEL_SOURCES: 45, SELF_TEST_SOURCES: 3}[sources]
+    # production: reshape_and_cache (3) + layers (4 x 3 dtypes) + per head dim 3 SIMT prefill,
+    # 2 tensor-core prefill, 3 decode and 3 merge kernels
+    expected = {KERNEL_SOURCES: 15 + 11 * len(SUPPORTED_HEAD_DIMS), SELF_TEST_SOURCES: 3}[sources]
+    assert len(emulated) == expected
     assert sorted(_entries(log)) == sorted(emulated)
+
+
+def test_nvrtc_builds_every_attention_kernel_at_every_head_dim(compiled):
+    """Every attention kernel at every head dim of :data:`SUPPORTED_HEAD_DIMS` (96 and 256
+    included) is in the GPU module, so the spill check below covers each of them."""
+    sources, _, ok, log, _ = compiled
+    assert ok, log
+    if sources != KERNEL_SOURCES:
+        pytest.skip("the self-test module has no attention kernels")
+    entries = _entries(log)
+    missing = [f"{family}_{tag}_hd{d}" for d in SUPPORTED_HEAD_DIMS
+               for family, tags in (("flash_prefill", ("f32", "f16", "bf16")), ("flash_prefill_mma", ("f16", "bf16")),
+                                    ("paged_decode", ("f32", "f16", "bf16")),
+                                    ("paged_decode_reduce", ("f32", "f16", "bf16")))
+               for tag in tags if f"{family}_{tag}_hd{d}" not in entries]
+    assert not missing, missing
 
 
 def test_nvrtc_build_spills_no_registers(compiled):

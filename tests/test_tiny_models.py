@@ -112,9 +112,9 @@ def test_unsupported_rope_type(tmp_path):
     build("llama", 4, 2, True, None, torch.float32, tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg.pop("rope_parameters", None)
-    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    cfg["rope_scaling"] = {"rope_type": "xpos", "factor": 4.0}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="unsupported rope scaling type 'yarn'"):
+    with pytest.raises(ValueError, match="unsupported rope scaling type 'xpos'"):
         LLM(model=tmp_path, log_stats=False)
 
 

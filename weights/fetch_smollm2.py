@@ -38,17 +38,22 @@ OUTPUTS = (
 )
 
 
-def link_gguf() -> None:
-    """``weights/SmolLM2-135M-Instruct.Q4_1.gguf``: a hard link to the cached file (a copy
-    where links are not possible), what ``refengine --model`` reads as stored."""
-    if GGUF_LINK.is_file() or not GGUF.is_file():
+def link_file(cached: Path, link: Path) -> None:
+    """``link``: a hard link to ``cached`` (a copy where links are not possible); nothing
+    when it exists already or ``cached`` does not. Shared with ``fetch_gemma3.py``."""
+    if link.is_file() or not cached.is_file():
         return
     try:
-        GGUF_LINK.hardlink_to(GGUF)
+        link.hardlink_to(cached)
     except OSError:
         import shutil
 
-        shutil.copyfile(GGUF, GGUF_LINK)
+        shutil.copyfile(cached, link)
+
+
+def link_gguf() -> None:
+    """``weights/SmolLM2-135M-Instruct.Q4_1.gguf``, what ``refengine --model`` reads as stored."""
+    link_file(GGUF, GGUF_LINK)
 
 
 def main() -> int:

@@ -13,6 +13,9 @@ The contract (the "attention contract" of the design notes):
   Key position ``p`` lives in block ``block_tables[i, p // block_size]``.
 * Grouped-query attention: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
 * Softmax in float32.
+* Per-layer keywords of ``forward``: ``sliding_window`` W (query position ``p`` sees keys
+  ``max(0, p - W + 1) ..= p``: W keys including itself, transformers' rule) and
+  ``logits_soft_cap`` c (scores ``c * tanh(s / c)`` before the softmax); None for neither.
 * Quantized caches (``kv_cache_dtype="int8"``): ``k_cache``/``v_cache`` hold int8 and
   ``k_scale``/``v_scale [num_blocks, block_size, num_kv_heads]`` float32 beside them, one
   scale per token and KV head (:func:`refengine.kv_cache.quantize_int8`); ``write_kv``
@@ -129,6 +132,8 @@ class AttentionBackend(Protocol):
         quantized, with each row's scale into ``k_scale``/``v_scale``, for an int8 cache)."""
 
     def forward(self, q: Any, k_cache: Any, v_cache: Any, meta: AttentionMetadata, scale: float, *,
+                sliding_window: int | None = None, logits_soft_cap: float | None = None,
                 k_scale: Any = None, v_scale: Any = None) -> Any:
         """Return ``[T, num_heads, head_dim]`` attention output per the contract above
-        (``scale``: the softmax scale; ``k_scale``/``v_scale``: an int8 cache's scales)."""
+        (``scale``: the softmax scale; ``sliding_window``, ``logits_soft_cap``: the layer's
+        options; ``k_scale``/``v_scale``: an int8 cache's scales)."""

@@ -17,13 +17,20 @@ Kernels (see each file's header comment for thread layout and sources, and cuda/
   lengths (decode rows included), SIMT float32 FMAs;
 * ``flash_prefill_mma_<dt>_hd<D>``: the same on tensor cores (``mma.sync`` m16n8k16,
   ``ldmatrix`` fragments, ``cp.async`` K/V tiles), float16/bfloat16 only; the default for
-  those dtypes;
+  those dtypes at every head_dim (at 256 with 32-key tiles instead of 64, and Q's fragments
+  loaded per k-step rather than held for the whole kernel, to stay within 255 registers);
 * ``paged_decode_<dt>_hd<D>``: one query per sequence, all heads of a KV group per block,
   context split into partitions (Flash-Decoding), and ``paged_decode_reduce_<dt>_hd<D>``
   to merge the partitions by their softmax statistics.
 
 ``<dt>`` is ``f32``, ``f16`` or ``bf16`` (storage type; arithmetic is float32) and ``D``
-(head_dim) is one of :data:`refengine.kernels.plans.SUPPORTED_HEAD_DIMS`.
+(head_dim) is one of :data:`refengine.kernels.plans.SUPPORTED_HEAD_DIMS` (32, 64, 96, 128, 256).
+
+Per-layer options of ``forward``, as in :mod:`refengine.attention.numpy_ref`: ``sliding_window``
+W (a query at ``p`` sees keys ``max(0, p - W + 1) ..= p``; the prefill kernels skip key tiles
+wholly before the window of a query tile's first row, decode reads and partitions only the
+last W keys) and ``logits_soft_cap`` c (scores ``c * tanh(s / c)``, Gemma 2). The kernels take
+them as ``int window`` and ``float soft_cap``, 0 meaning off.
 
 Not done yet: a deeper (multi-stage, TMA) pipeline and Hopper ``wgmma`` in the prefill
 kernel, a tensor-core decode for large groups, FP8 KV cache.
@@ -31,6 +38,8 @@ kernel, a tensor-core decode for large groups, FP8 KV cache.
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 from typing import Any, Sequence
 
@@ -108,6 +117,7 @@ class _KernelAttention:
                                                    self._device_metadata(meta).slot_mapping))
 
     def forward(self, q: Any, k_cache: Any, v_cache: Any, meta: AttentionMetadata, scale: float, *,
+                sliding_window: int | None = None, logits_soft_cap: float | None = None,
                 k_scale: Any = None, v_scale: Any = None) -> Any:
         """Attention of ``q`` over the paged cache, per the contract in :mod:`refengine.attention`.
 
@@ -122,14 +132,18 @@ class _KernelAttention:
                 (int32 host arrays, copied to the device once per metadata object, see
                 :meth:`prepare`), max_query_len, max_seq_len.
             scale: softmax scale, usually ``1 / sqrt(head_dim)``.
+            sliding_window: keys per query, itself included (an int >= 1), or None for all.
+            logits_soft_cap: ``c`` of ``c * tanh(scale * q.k / c)`` (a finite float > 0), or None.
         Returns:
             ``[T, num_heads, head_dim]`` in q's dtype.
         Raises:
             ValueError: inconsistent shapes, head_dim not in :data:`SUPPORTED_HEAD_DIMS`,
-                num_heads not a multiple of num_kv_heads, or a cache not 16-byte aligned.
+                num_heads not a multiple of num_kv_heads, a cache not 16-byte aligned, or a bad
+                ``sliding_window`` / ``logits_soft_cap``.
             TypeError: unsupported or mismatched dtypes.
             NotImplementedError: ``k_scale``/``v_scale`` (a quantized cache).
         """
+        _check_options(sliding_window, logits_soft_cap)
         _no_scales(k_scale, v_scale)
         _check_cache(k_cache, v_cache)
         if q.ndim != 3:
@@ -156,8 +170,9 @@ class _KernelAttention:
         q = kern.contiguous(q)
         placed = self._device_metadata(meta)
 
+        options = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
         if meta.max_query_len == 1:
-            partitions = plans.decode_partitions(meta.max_seq_len, self.decode_partition_size)
+            partitions = plans.decode_partitions(meta.max_seq_len, self.decode_partition_size, sliding_window)
             if partitions > 1:
                 partials = (kern.empty((num_seqs, num_heads, partitions, head_dim), np.float32),
                             kern.empty((num_seqs, num_heads, partitions), np.float32),
@@ -165,11 +180,12 @@ class _KernelAttention:
             else:  # not read: the kernel writes `out` directly
                 partials = (kern.empty((1,), np.float32),) * 3
             for launch in plans.paged_decode_launches(q, k_cache, v_cache, out, partials, placed, scale,
-                                                      self.decode_partition_size):
+                                                      self.decode_partition_size, **options):
                 kern.launch(launch)
             return out
 
-        kern.launch(plans.flash_prefill_launch(q, k_cache, v_cache, out, placed, scale, self._use_mma(tag)))
+        kern.launch(plans.flash_prefill_launch(q, k_cache, v_cache, out, placed, scale, self._use_mma(tag),
+                                               **options))
         return out
 
     def _use_mma(self, tag: str) -> bool:
@@ -181,6 +197,28 @@ class _KernelAttention:
                 raise TypeError("prefill_kernel='mma' needs float16 or bfloat16 storage")
             return False
         return True
+
+
+def _check_options(sliding_window: Any, logits_soft_cap: Any) -> None:
+    """The per-layer options: ``sliding_window`` an int >= 1 or None, ``logits_soft_cap`` a
+    finite real > 0 (and a normal float32, as the kernels get it) or None.
+
+    Raises:
+        ValueError: either is anything else (the message names the value).
+    """
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, numbers.Integral) or sliding_window < 1:
+            raise ValueError(f"sliding_window must be an int >= 1 or None, got {sliding_window!r}")
+    if logits_soft_cap is not None:
+        ok = isinstance(logits_soft_cap, numbers.Real) and not isinstance(logits_soft_cap, bool)
+        if not ok or not math.isfinite(float(logits_soft_cap)) or not float(logits_soft_cap) > 0:
+            raise ValueError(f"logits_soft_cap must be a finite float > 0 or None, got {logits_soft_cap!r}")
+        with np.errstate(over="ignore"):
+            cap32 = float(np.float32(logits_soft_cap))
+        # 1e39 overflows float32; below its smallest normal, -ftz=true (CuPy's NVRTC flag) would
+        # flush the kernels' cap to 0, i.e. off
+        if not (math.isfinite(cap32) and cap32 >= float(np.finfo(np.float32).tiny)):
+            raise ValueError(f"logits_soft_cap {logits_soft_cap!r} is not a finite normal positive float32")
 
 
 def _no_scales(k_scale: Any, v_scale: Any) -> None:

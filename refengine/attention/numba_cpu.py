@@ -37,6 +37,17 @@ probability by its value scale (the same products up to float32 rounding). The s
 optional arguments: numba compiles the float32 path without them (``is None`` branches
 are pruned at compile time).
 
+Per-layer options (keywords of ``forward``, as in the twin): ``sliding_window`` W (the query at
+position ``p`` sees keys ``max(0, p - W + 1) ..= p``, transformers' rule) and ``logits_soft_cap``
+c (scores ``c * tanh(s / c)`` before the softmax, Gemma 2). With a window the work is
+proportional to it, not to the context: decode partitions cover only the last W positions
+(built per window by :class:`_Plan`, shared by the layers of a step), flash prefill starts at
+the key tile of its first row's window and each row reads only its own window, and the BLAS
+path scores only keys from its tile's first window start. The cap is applied to the scaled
+scores before the max and ``exp`` by :func:`_soft_cap` (vectorised ``tanh``); numba compiles
+the uncapped path without it (``cap=None``, pruned at compile time). The window is always an
+int to the kernels (:data:`_NO_WINDOW` for none): one compiled version serves every window.
+
 Decode rows and prefill sequences of one batch go to their kernels (one parallel launch
 each per layer, plus the BLAS products of long chunks).
 
@@ -56,7 +67,7 @@ from numba import njit, prange
 
 from refengine.attention import AttentionMetadata
 from refengine.attention.numpy_ref import gather_context
-from refengine.ops.numba_ops import exp_affine
+from refengine.ops.numba_ops import _LN2_HI, _LN2_LO, _LOG2E, exp_affine
 from refengine.runtime import blas
 from refengine.runtime.numba_support import parallel_kernel, prefetch, register_kernels
 
@@ -79,6 +90,9 @@ BLAS_PREFILL_Q_TILE = 128
 #: Score rows per task of :func:`_causal_softmax`.
 SOFTMAX_ROWS_PER_TASK = 32
 
+#: The kernels' window when there is none: larger than any context (``p - W + 1`` stays far from overflow in int64).
+_NO_WINDOW = 1 << 40
+
 _FM = {"contract", "reassoc"}
 _U = np.uintp  # unsigned indices: no negative-index wraparound in the inner loops
 
@@ -93,6 +107,48 @@ def _exp_and_sum(s, n, m, scratch):  # pragma: no cover - compiled
     for j in range(n):
         total += head[j]
     return total
+
+
+#: ``tanh`` argument (doubled) from which float32 ``tanh`` is 1: ``2 * 20``, clamped so ``2**k`` stays finite.
+_TANH_2X_MAX = np.float32(40.0)
+
+
+@njit(cache=True, fastmath={"contract"})
+def _soft_cap(s, n, a, cap, scratch):  # pragma: no cover - compiled
+    """In place ``s[j] = cap * tanh(a * s[j] / cap)`` for ``j < n`` (float32 ``s``; ``a, cap > 0``;
+    ``scratch`` int32 ``[>= 2n]``): Gemma 2's attention-logit soft-cap.
+
+    Vectorised (the C library's ``tanhf`` is a scalar call per score): with ``x = |a s / cap|``,
+    ``tanh(x) = E / (E + 2)`` for ``E = expm1(2x)``, which has no cancellation near 0 (unlike
+    ``1 - 2 / (exp(2x) + 1)``); ``expm1(y) = 2**k expm1(r) + (2**k - 1)`` with ``k = round(y / ln 2)``,
+    ``|r| <= ln 2 / 2`` and ``expm1(r)`` by its degree-7 Taylor polynomial (remainder below
+    2e-8 relative), ``2**k`` built as float32 bits as in :func:`exp_affine`. Within a few ulp
+    of ``np.tanh`` (tested); NaN stays NaN.
+    """
+    c = np.float32(cap)
+    two_x = np.float32(2.0 * a / cap)
+    bits = scratch[:n]
+    em1 = scratch[n:2 * n].view(np.float32)
+    for j in range(n):  # writes only scratch, so LLVM vectorises it (see exp_affine)
+        y = abs(s[j]) * two_x
+        if y > _TANH_2X_MAX:
+            y = _TANH_2X_MAX
+        k = np.floor(y * _LOG2E + np.float32(0.5))
+        r = y - k * _LN2_HI - k * _LN2_LO
+        p = np.float32(1.0 / 5040.0)
+        p = p * r + np.float32(1.0 / 720.0)
+        p = p * r + np.float32(1.0 / 120.0)
+        p = p * r + np.float32(1.0 / 24.0)
+        p = p * r + np.float32(1.0 / 6.0)
+        p = p * r + np.float32(0.5)
+        p = p * r + np.float32(1.0)
+        bits[j] = (np.int32(k) + np.int32(127)) << 23
+        em1[j] = p * r
+    two_k = bits.view(np.float32)
+    for j in range(n):
+        e = two_k[j] * em1[j] + (two_k[j] - np.float32(1.0))
+        t = c * (e / (e + np.float32(2.0)))
+        s[j] = t if s[j] >= 0 else -t
 
 
 @njit(cache=True)
@@ -157,7 +213,7 @@ def _quantize_row(x, out, n):  # pragma: no cover - compiled
 
 @njit(cache=True, fastmath=_FM)
 def _decode_partition(p, q, k_cache, v_cache, k_scale, v_scale, block_tables, seqs, rows, part_seq, part_start,
-                      part_end, scale32, part_max, part_sum, part_acc):  # pragma: no cover - compiled
+                      part_end, scale32, cap, part_max, part_sum, part_acc):  # pragma: no cover - compiled
     """Partition ``p`` of :func:`_paged_decode`: its scores, their max and exp-sum, and the
     unnormalised output, into ``part_max[p]``, ``part_sum[p]``, ``part_acc[p]``.
 
@@ -168,7 +224,8 @@ def _decode_partition(p, q, k_cache, v_cache, k_scale, v_scale, block_tables, se
     side, at a few and at dozens of sequences).
 
     int8 caches (``k_scale``/``v_scale`` given): score = ``k_scale * (q . k_int8)``, and each
-    probability is multiplied by its value row's scale before ``P V``.
+    probability is multiplied by its value row's scale before ``P V``. ``cap`` (float or None):
+    the scaled scores are soft-capped before their max.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
@@ -200,6 +257,8 @@ def _decode_partition(p, q, k_cache, v_cache, k_scale, v_scale, block_tables, se
                     scores[h, g, j] = s
     for h in range(num_kv):
         for g in range(group):
+            if cap is not None:
+                _soft_cap(scores[h, g], n, 1.0, cap, scratch)
             m = _prefix_max(scores[h, g], n)
             part_max[p, h, g] = m
             part_sum[p, h, g] = _exp_and_sum(scores[h, g], n, m, scratch)
@@ -231,7 +290,7 @@ def _prefetch_row(cache, first, length):  # pragma: no cover - compiled
 
 @parallel_kernel(fastmath=_FM)
 def _paged_decode(q, k_cache, v_cache, k_scale, v_scale, block_tables, seqs, rows, part_seq, part_start, part_end,
-                  scale, out):  # pragma: no cover - compiled
+                  scale, cap, out):  # pragma: no cover - compiled
     """Decode attention for the batch sequences ``seqs`` whose query rows are ``rows``.
 
     Args:
@@ -242,7 +301,9 @@ def _paged_decode(q, k_cache, v_cache, k_scale, v_scale, block_tables, seqs, row
             query is row ``rows[d]``.
         part_seq, part_start, part_end: ``[P]`` int32: partition ``p`` covers context positions
             ``part_start[p] : part_end[p]`` of decode sequence ``part_seq[p]``; the partitions
-            of one sequence are consecutive and start at 0.
+            of one sequence are consecutive and cover the positions it attends to (its whole
+            context, or the last ``W`` positions with a sliding window).
+        cap: ``logits_soft_cap`` (float), or None.
         out: ``[T, H, D]`` float32; the rows ``rows`` are written.
     """
     num_parts = part_seq.shape[0]
@@ -250,7 +311,7 @@ def _paged_decode(q, k_cache, v_cache, k_scale, v_scale, block_tables, seqs, row
     scale32 = np.float32(scale)
     for p in prange(num_parts):
         _decode_partition(p, q, k_cache, v_cache, k_scale, v_scale, block_tables, seqs, rows, part_seq, part_start,
-                          part_end, scale32, part_max, part_sum, part_acc)
+                          part_end, scale32, cap, part_max, part_sum, part_acc)
     _merge_partitions(part_seq, rows, part_max, part_sum, part_acc, out)
 
 
@@ -294,9 +355,14 @@ def _merge_partitions(part_seq, rows, part_max, part_sum, part_acc, out):  # pra
 
 @njit(cache=True, fastmath=_FM)
 def _prefill_task(task, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, tile_seq,
-                  tile_q0, scale32, q_tile, k_tile, out):  # pragma: no cover - compiled
+                  tile_q0, scale32, window, cap, q_tile, k_tile, out):  # pragma: no cover - compiled
     """Task ``task`` of :func:`_flash_prefill`: one query tile of one sequence, one KV head
-    (int8 caches: the key/value tiles hold ``q * scale``)."""
+    (int8 caches: the key/value tiles hold ``q * scale``).
+
+    Key tiles start at the first row's window start (keys before it are outside every row's
+    window) and end after the last row; in each tile, row ``r`` scores only its own keys
+    ``j0 .. j1 - 1`` (window start to its position), into ``s[0 : j1 - j0]``. A row with no
+    key in a tile skips it (its running max stays -inf until its first key: no NaN)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv
@@ -320,7 +386,8 @@ def _prefill_task(task, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq
     s = np.empty(k_tile, dtype=np.float32)
     scratch = np.empty(2 * k_tile, dtype=np.int32)
     end_key = first_pos + q0 + n_rows  # keys at or after this are in every row's future
-    for k0 in range(0, end_key, k_tile):
+    first_key = max(0, first_pos + q0 - window + 1)  # keys before this are behind every row's window
+    for k0 in range(first_key, end_key, k_tile):
         n_keys = min(k_tile, end_key - k0)
         for b in range(k0 // block_size, (k0 + n_keys + block_size - 1) // block_size):
             block = block_tables[seq, b]
@@ -337,7 +404,10 @@ def _prefill_task(task, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq
                         kt[d, pos - k0] = krow[d] * ks
                         vt[pos - k0, d] = vrow[d] * vs
         for r in range(n_rows):
-            n_valid = min(n_keys, first_pos + q0 + r - k0 + 1)  # keys k0 ..= this row's position
+            pos = first_pos + q0 + r
+            j0 = max(0, pos - window + 1 - k0)  # this row's keys in the tile: j0 .. j1 - 1
+            j1 = min(n_keys, pos - k0 + 1)
+            n_valid = j1 - j0
             if n_valid <= 0:
                 continue
             for g in range(group):
@@ -345,13 +415,16 @@ def _prefill_task(task, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq
                 s[:n_valid] = 0.0
                 for d in range(0, d4, 4):  # four dims per pass: one load/store of s per four FMAs
                     x0, x1, x2, x3 = qr[d], qr[d + 1], qr[d + 2], qr[d + 3]
+                    # offset loads from the row views (slicing kt[d, j0:] per pass measured 5-10% slower)
                     kr0, kr1, kr2, kr3 = kt[d], kt[d + 1], kt[d + 2], kt[d + 3]
                     for j in range(n_valid):
-                        s[j] += x0 * kr0[j] + x1 * kr1[j] + x2 * kr2[j] + x3 * kr3[j]
+                        s[j] += x0 * kr0[j0 + j] + x1 * kr1[j0 + j] + x2 * kr2[j0 + j] + x3 * kr3[j0 + j]
                 for d in range(d4, head_dim):
                     qd = qr[d]
                     for j in range(n_valid):
-                        s[j] += qd * kt[d, j]
+                        s[j] += qd * kt[d, j0 + j]
+                if cap is not None:
+                    _soft_cap(s, n_valid, 1.0, cap, scratch)
                 m_old = row_max[r, g]
                 m_new = max(m_old, _prefix_max(s, n_valid))
                 alpha = np.float32(math.exp(m_old - m_new))  # 0 on the first tile (m_old = -inf)
@@ -363,12 +436,12 @@ def _prefill_task(task, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq
                 j4 = n_valid - n_valid % 4
                 for j in range(0, j4, 4):  # four keys per pass: one load/store of acc per four FMAs
                     p0, p1, p2, p3 = s[j], s[j + 1], s[j + 2], s[j + 3]
-                    v0, v1, v2, v3 = vt[j], vt[j + 1], vt[j + 2], vt[j + 3]
+                    v0, v1, v2, v3 = vt[j0 + j], vt[j0 + j + 1], vt[j0 + j + 2], vt[j0 + j + 3]
                     for d in range(head_dim):
                         a[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d]
                 for j in range(j4, n_valid):
                     pj = s[j]
-                    vj = vt[j]
+                    vj = vt[j0 + j]
                     for d in range(head_dim):
                         a[d] += pj * vj[d]
     for r in range(n_rows):
@@ -381,7 +454,7 @@ def _prefill_task(task, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq
 
 @parallel_kernel(fastmath=_FM)
 def _flash_prefill(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, tile_seq,
-                   tile_q0, scale, q_tile, k_tile, out):  # pragma: no cover - compiled
+                   tile_q0, scale, window, cap, q_tile, k_tile, out):  # pragma: no cover - compiled
     """Causal flash attention for the query tiles listed by ``tile_seq``/``tile_q0``.
 
     Args:
@@ -390,49 +463,83 @@ def _flash_prefill(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens
         query_start_loc, seq_lens, block_tables: the batch's metadata (int32).
         tile_seq, tile_q0: ``[n]`` int32: tile ``i`` is query rows ``tile_q0[i] : tile_q0[i] + q_tile``
             (clipped to the sequence) of sequence ``tile_seq[i]``, counted from its first row.
+        window: keys per query (int; :data:`_NO_WINDOW` for none).
+        cap: ``logits_soft_cap`` (float), or None.
         out: ``[T, H, D]`` float32, the tiles' rows are written.
     """
     num_kv = k_cache.shape[2]
     scale32 = np.float32(scale)
     for task in prange(tile_seq.shape[0] * num_kv):
         _prefill_task(task, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, tile_seq,
-                      tile_q0, scale32, q_tile, k_tile, out)
+                      tile_q0, scale32, window, cap, q_tile, k_tile, out)
 
 
 @njit(cache=True, fastmath=_FM)
-def _softmax_rows(s, first_pos, group, scale32, r0, r1):  # pragma: no cover - compiled
+def _softmax_rows(s, first_pos, group, scale32, window, cap, r0, r1):  # pragma: no cover - compiled
     """Rows ``r0 .. r1 - 1`` of :func:`_causal_softmax`."""
     n_keys = s.shape[1]
     scratch = np.empty(2 * n_keys, dtype=np.int32)
     for i in range(r0, r1):
         row = s[i]
-        n = min(n_keys, first_pos + i // group + 1)  # keys 0 ..= this row's position
-        m = _prefix_max(row, n)
-        head = row[:n]
-        exp_affine(head, scale32, -scale32 * m, head, scratch)  # exp(scale * (s - max))
+        pos = first_pos + i // group
+        j0, j1 = max(0, pos - window + 1), min(n_keys, pos + 1)  # keys j0 ..= this row's position
+        n = j1 - j0
+        for j in range(j0):  # behind the window
+            row[j] = 0.0
+        head = row[j0:j1]
+        if cap is None:
+            m = _prefix_max(head, n)
+            exp_affine(head, scale32, -scale32 * m, head, scratch)  # exp(scale * (s - max))
+        else:  # the cap needs the scaled scores: scale, cap, then exp(s - max)
+            _soft_cap(head, n, scale32, cap, scratch)
+            m = _prefix_max(head, n)
+            exp_affine(head, 1.0, -m, head, scratch)
         total = np.float32(0.0)
         for j in range(n):
             total += head[j]
         inv = np.float32(1.0) / total
         for j in range(n):
             head[j] *= inv
-        for j in range(n, n_keys):
+        for j in range(j1, n_keys):  # the future
             row[j] = 0.0
 
 
 @parallel_kernel()
-def _causal_softmax(s, first_pos, group, scale, rows_per_task):  # pragma: no cover - compiled
-    """In place: row ``i`` of ``s [R, K]`` float32 (raw scores ``q . k``, row ``i`` the query at
-    position ``first_pos + i // group``) becomes ``softmax(scale * s[i, :n])`` with
-    ``n = position + 1`` keys, and 0 from key ``n`` on (the future)."""
+def _causal_softmax(s, first_pos, group, scale, window, cap, rows_per_task):  # pragma: no cover - compiled
+    """In place: row ``i`` of ``s [R, K]`` float32 (raw scores ``q . k`` over keys ``0 .. K - 1``,
+    row ``i`` the query at key position ``p = first_pos + i // group``) becomes the softmax of
+    ``scale * s[i, j0:p + 1]`` (soft-capped first when ``cap`` is a float), ``j0 = max(0, p - window + 1)``,
+    and 0 elsewhere (behind the window and the future)."""
     scale32 = np.float32(scale)
     num_rows = s.shape[0]
     for t in prange((num_rows + rows_per_task - 1) // rows_per_task):
-        _softmax_rows(s, first_pos, group, scale32, t * rows_per_task, min(num_rows, (t + 1) * rows_per_task))
+        _softmax_rows(s, first_pos, group, scale32, window, cap, t * rows_per_task,
+                      min(num_rows, (t + 1) * rows_per_task))
+
+
+class _DecodeParts:
+    """Decode partitions of a step for one window (the arguments of :func:`_paged_decode`).
+
+    Attributes:
+        seq, start, end: ``[P]`` int32: partition ``p`` is context positions ``start[p] : end[p]``
+            of decode sequence ``seq[p]``; a sequence's partitions are consecutive, of
+            ``part`` tokens from ``max(0, seq_len - W)`` (the last may be shorter).
+        tokens: context tokens read in all (the serial-or-parallel choice).
+    """
+
+    def __init__(self, lens: np.ndarray, window: int | None, part: int):
+        first = np.zeros_like(lens) if window is None else np.maximum(lens - window, 0)
+        counts = -(-(lens - first) // part)  # partitions per decode sequence
+        self.seq = np.repeat(np.arange(lens.size), counts).astype(np.int32)
+        offset = np.repeat(np.cumsum(counts) - counts, counts)  # index of each sequence's first partition
+        self.start = (first[self.seq] + (np.arange(self.seq.size) - offset) * part).astype(np.int32)
+        self.end = np.minimum(self.start + part, lens[self.seq]).astype(np.int32)
+        self.tokens = int((lens - first).sum())
 
 
 class _Plan:
-    """Per-step work lists derived from the metadata (built once in ``prepare``)."""
+    """Per-step work lists derived from the metadata (built once in ``prepare``); decode
+    partitions per sliding window, built at the first layer that uses it (:meth:`decode_parts`)."""
 
     def __init__(self, meta: AttentionMetadata, block_size: int):
         qsl = np.ascontiguousarray(meta.query_start_loc, dtype=np.int32)
@@ -457,14 +564,10 @@ class _Plan:
         decode = np.flatnonzero(q_lens == 1).astype(np.int32)
         self.decode_seqs = decode
         self.decode_rows = qsl[decode]
-        part = max(block_size, DECODE_PARTITION // block_size * block_size)
-        lens = seq_lens[decode].astype(np.int64)
-        counts = -(-lens // part)  # partitions per decode sequence
-        self.part_seq = np.repeat(np.arange(decode.size), counts).astype(np.int32)
-        first = np.repeat(np.cumsum(counts) - counts, counts)  # index of each sequence's first partition
-        self.part_start = ((np.arange(self.part_seq.size) - first) * part).astype(np.int32)
-        self.part_end = np.minimum(self.part_start + part, lens[self.part_seq]).astype(np.int32)
-        self.decode_tokens = int(lens.sum())
+        self._part = max(block_size, DECODE_PARTITION // block_size * block_size)
+        self._decode_lens = seq_lens[decode].astype(np.int64)
+        self._decode_parts: dict[int | None, _DecodeParts] = {}
+        self.max_seq_len = int(seq_lens.max(initial=0))
 
         prefill = np.flatnonzero(q_lens > 1)
         to_blas = q_lens >= BLAS_PREFILL_MIN_ROWS
@@ -473,6 +576,16 @@ class _Plan:
                  for q0 in range(0, int(q_lens[i]), PREFILL_Q_TILE)]
         self.tile_seq = np.array([t[0] for t in tiles], dtype=np.int32)
         self.tile_q0 = np.array([t[1] for t in tiles], dtype=np.int32)
+
+    def decode_parts(self, window: int | None) -> _DecodeParts:
+        """The decode partitions for ``window`` (None: whole contexts), cached for the step's
+        other layers; a window at least every context is the same work as none."""
+        if window is not None and window >= self.max_seq_len:
+            window = None
+        parts = self._decode_parts.get(window)
+        if parts is None:
+            parts = self._decode_parts[window] = _DecodeParts(self._decode_lens, window, self._part)
+        return parts
 
 
 class NumbaAttention:
@@ -541,7 +654,8 @@ class NumbaAttention:
             _write_kv_int8(k_cache, v_cache, k_scale, v_scale, k, v, plan.slot_mapping)
 
     def forward(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, meta: AttentionMetadata,
-                scale: float, out: np.ndarray | None = None, *, k_scale: np.ndarray | None = None,
+                scale: float, out: np.ndarray | None = None, *, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None, k_scale: np.ndarray | None = None,
                 v_scale: np.ndarray | None = None) -> np.ndarray:
         """Attention per the contract.
 
@@ -550,13 +664,26 @@ class NumbaAttention:
             k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32, or
                 int8 with ``k_scale, v_scale [num_blocks, block_size, num_kv_heads]`` float32.
             meta: where each sequence's queries and keys live.
-            scale: softmax scale, usually ``1 / sqrt(head_dim)``.
+            scale: softmax scale (> 0), usually ``1 / sqrt(head_dim)``.
             out: optional ``[T, num_heads, head_dim]`` float32 C-contiguous array to write
                 (tests pass one poisoned with NaN: every row must be overwritten).
+            sliding_window: ``W``, keys per query (itself included), or None for all.
+            logits_soft_cap: ``c`` of ``c * tanh(scale * q.k / c)``, or None.
         Returns:
             ``[T, num_heads, head_dim]`` float32 (``out`` when given).
+        Raises:
+            ValueError: ``sliding_window < 1`` or ``logits_soft_cap`` not a positive finite number
+                (and the errors of the class docstring).
         """
         self._check(k_cache, v_cache, k_scale, v_scale, q)
+        if sliding_window is not None:
+            if int(sliding_window) != sliding_window or sliding_window < 1:
+                raise ValueError(f"sliding_window must be an int >= 1 or None, got {sliding_window!r}")
+            sliding_window = int(sliding_window)  # a Python int: numba compiles no other specialisation
+        if logits_soft_cap is not None:
+            logits_soft_cap = float(logits_soft_cap)
+            if not (0.0 < logits_soft_cap < math.inf):
+                raise ValueError(f"logits_soft_cap must be a positive finite number or None, got {logits_soft_cap}")
         plan = self._plan_for(meta, k_cache.shape[1])
         if plan.min_block < 0 or plan.max_block >= k_cache.shape[0]:
             raise ValueError(f"block ids {plan.min_block}..{plan.max_block} outside the cache's "
@@ -568,33 +695,40 @@ class NumbaAttention:
             out = np.empty(q.shape, dtype=np.float32)
         elif out.shape != q.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
             raise ValueError(f"out must be a C-contiguous float32 array of shape {q.shape}")
-        if plan.part_seq.shape[0]:
-            decode = _paged_decode.serial if plan.decode_tokens < SERIAL_DECODE_MAX_TOKENS else _paged_decode
+        window = _NO_WINDOW if sliding_window is None else sliding_window
+        if plan.decode_seqs.shape[0]:
+            parts = plan.decode_parts(sliding_window)
+            decode = _paged_decode.serial if parts.tokens < SERIAL_DECODE_MAX_TOKENS else _paged_decode
             decode(q, k_cache, v_cache, k_scale, v_scale, plan.block_tables, plan.decode_seqs, plan.decode_rows,
-                   plan.part_seq, plan.part_start, plan.part_end, float(scale), out)
+                   parts.seq, parts.start, parts.end, float(scale), logits_soft_cap, out)
         if plan.tile_seq.shape[0]:
             _flash_prefill(q, k_cache, v_cache, k_scale, v_scale, plan.block_tables, plan.seq_lens,
-                           plan.query_start_loc, plan.tile_seq, plan.tile_q0, float(scale), PREFILL_Q_TILE,
-                           PREFILL_K_TILE, out)
+                           plan.query_start_loc, plan.tile_seq, plan.tile_q0, float(scale), window, logits_soft_cap,
+                           PREFILL_Q_TILE, PREFILL_K_TILE, out)
         for i in plan.blas_prefill:
-            self._blas_prefill(q, k_cache, v_cache, k_scale, v_scale, plan, i, scale, out)
+            self._blas_prefill(q, k_cache, v_cache, k_scale, v_scale, plan, i, scale, window, logits_soft_cap, out)
         return out
 
-    def _blas_prefill(self, q, k_cache, v_cache, k_scale, v_scale, plan: _Plan, i: int, scale: float,
-                      out: np.ndarray) -> None:
+    def _blas_prefill(self, q, k_cache, v_cache, k_scale, v_scale, plan: _Plan, i: int, scale: float, window: int,
+                      cap: float | None, out: np.ndarray) -> None:
         """Sequence ``i``'s chunk by BLAS tiles (module docstring): for each KV head and tile of
-        query rows, ``S = Q K^T`` over the keys up to the tile's last position, the causal
-        softmax in place, ``O = S V``. The score tiles live in one buffer kept between calls:
-        a fresh multi-MB array per tile costs a page fault per 4 KB on first write (about as
-        long as the product itself at a 1024-token chunk)."""
+        query rows, ``S = Q K^T`` over the keys from the window start of the tile's first row
+        to the tile's last position, the masked softmax in place, ``O = S V``. Only the blocks
+        from the chunk's first window start on are gathered. The score tiles live in one
+        buffer kept between calls: a fresh multi-MB array per tile costs a page fault per
+        4 KB on first write (about as long as the product itself at a 1024-token chunk)."""
         start, end = int(plan.query_start_loc[i]), int(plan.query_start_loc[i + 1])
         seq_len = int(plan.seq_lens[i])
         first_pos = seq_len - (end - start)
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv = k_cache.shape[2]
         group = num_heads // num_kv
-        k, v = gather_context(k_cache, v_cache, plan.block_tables[i], seq_len, k_scale, v_scale)  # [seq_len, num_kv, D]
-        need = min(end - start, BLAS_PREFILL_Q_TILE) * group * seq_len
+        block_size = k_cache.shape[1]
+        first_block = max(0, first_pos - window + 1) // block_size  # blocks before are behind every row's window
+        base = first_block * block_size  # the position of key row 0 of k, v
+        k, v = gather_context(k_cache, v_cache, plan.block_tables[i, first_block:], seq_len - base, k_scale,
+                              v_scale)  # [seq_len - base, num_kv, D]
+        need = min(end - start, BLAS_PREFILL_Q_TILE) * group * min(seq_len - base, BLAS_PREFILL_Q_TILE + window)
         if self._scores.size < need:
             self._scores = np.empty(need, dtype=np.float32)
         for h in range(num_kv):
@@ -602,12 +736,15 @@ class NumbaAttention:
             heads = slice(h * group, (h + 1) * group)
             for q0 in range(start, end, BLAS_PREFILL_Q_TILE):
                 q1 = min(end, q0 + BLAS_PREFILL_Q_TILE)
-                n_keys = first_pos + (q1 - start)  # keys after the tile's last row are in every row's future
+                tile_pos = first_pos + (q0 - start)  # the tile's first row
+                k0 = max(base, tile_pos - window + 1) - base  # keys before are behind every row's window
+                k1 = first_pos + (q1 - start) - base  # keys after the tile's last row are in every row's future
                 qt = q[q0:q1, heads].reshape((q1 - q0) * group, head_dim)  # row (r, g) = r * group + g
-                scores = self._scores[:qt.shape[0] * n_keys].reshape(qt.shape[0], n_keys)
-                blas.matmul(qt, kh[:n_keys].T, out=scores)
-                _causal_softmax(scores, first_pos + (q0 - start), group, float(scale), SOFTMAX_ROWS_PER_TASK)
-                out[q0:q1, heads] = blas.matmul(scores, vh[:n_keys]).reshape(q1 - q0, group, head_dim)
+                scores = self._scores[:qt.shape[0] * (k1 - k0)].reshape(qt.shape[0], k1 - k0)
+                blas.matmul(qt, kh[k0:k1].T, out=scores)
+                _causal_softmax(scores, tile_pos - base - k0, group, float(scale), window, cap,
+                                SOFTMAX_ROWS_PER_TASK)
+                out[q0:q1, heads] = blas.matmul(scores, vh[k0:k1]).reshape(q1 - q0, group, head_dim)
 
 
 register_kernels(sys.modules[__name__])

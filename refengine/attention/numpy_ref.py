@@ -13,6 +13,13 @@ Two paths, one contract (see :mod:`refengine.attention`):
   softmax per head. Source: Kwon et al. 2023, "Efficient Memory Management for LLM
   Serving with PagedAttention", §4.
 
+Per-layer options, as keyword arguments of ``forward``: ``sliding_window`` W (a query at
+position ``p`` sees keys ``max(0, p - W + 1) ..= p``, W keys including itself: transformers'
+rule; key tiles wholly before a query tile's window are skipped, decode reads only the last W
+keys) and ``logits_soft_cap`` c (scores ``c * tanh(s / c)`` before the softmax, Gemma 2's
+``attn_logit_softcapping``; transformers ``models/gemma2/modeling_gemma2.py``,
+``eager_attention_forward``).
+
 int8 caches (``kv_cache_dtype="int8"``): ``write_kv`` quantizes each token's row per KV
 head (:func:`refengine.kv_cache.quantize_int8`, LMDeploy's scheme) and both paths read
 ``q * scale`` through :func:`gather_context`, so prefill and decode see the same values.
@@ -67,7 +74,8 @@ class NumpyAttention:
         v_cache[blocks, offsets] = v
 
     def forward(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, meta: AttentionMetadata,
-                scale: float, *, k_scale: np.ndarray | None = None, v_scale: np.ndarray | None = None) -> np.ndarray:
+                scale: float, *, sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                k_scale: np.ndarray | None = None, v_scale: np.ndarray | None = None) -> np.ndarray:
         """Attention per the contract.
 
         Args:
@@ -76,20 +84,23 @@ class NumpyAttention:
                 int8 with ``k_scale, v_scale [num_blocks, block_size, num_kv_heads]`` float32.
             meta: where each sequence's queries and keys live.
             scale: softmax scale, usually ``1 / sqrt(head_dim)``.
+            sliding_window: keys per query (itself included), None for all of them.
+            logits_soft_cap: ``c`` of ``c * tanh(scale * q.k / c)``, None for raw scores.
         Returns:
             ``[T, num_heads, head_dim]`` float32.
         """
         out = np.empty(q.shape, dtype=np.float32)
+        options = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
         q_lens = np.diff(meta.query_start_loc)
         decode = np.flatnonzero(q_lens == 1)
         if decode.size:
             rows = meta.query_start_loc[decode]
             out[rows] = paged_decode(q[rows], k_cache, v_cache, meta.block_tables[decode],
-                                     meta.seq_lens[decode], scale, k_scale, v_scale)
+                                     meta.seq_lens[decode], scale, k_scale, v_scale, **options)
         for i in np.flatnonzero(q_lens > 1):
             start, end = int(meta.query_start_loc[i]), int(meta.query_start_loc[i + 1])
             k, v = gather_context(k_cache, v_cache, meta.block_tables[i], int(meta.seq_lens[i]), k_scale, v_scale)
-            out[start:end] = flash_prefill(q[start:end], k, v, scale)
+            out[start:end] = flash_prefill(q[start:end], k, v, scale, **options)
         return out
 
 
@@ -116,16 +127,29 @@ def gather_context(k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.nda
     return k, v
 
 
+def soft_cap(s: np.ndarray, cap: float | None) -> np.ndarray:
+    """``cap * tanh(s / cap)`` in float32 (``s`` itself when ``cap`` is None): scores squashed
+    into ``(-cap, cap)``, Gemma 2's attention-logit soft-capping."""
+    if cap is None:
+        return s
+    c = np.float32(cap)
+    return np.tanh(s / c) * c
+
+
 def flash_prefill(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
-                  q_tile: int = Q_TILE, k_tile: int = K_TILE) -> np.ndarray:
+                  q_tile: int = Q_TILE, k_tile: int = K_TILE, *, sliding_window: int | None = None,
+                  logits_soft_cap: float | None = None) -> np.ndarray:
     """Causal attention of one sequence's last ``q_len`` positions over its whole context.
 
-    Query row ``j`` sits at position ``seq_len - q_len + j`` and sees keys ``0 ..= that``.
+    Query row ``j`` sits at position ``p = seq_len - q_len + j`` and sees keys ``0 ..= p``,
+    or ``max(0, p - W + 1) ..= p`` with a sliding window ``W``.
 
     Args:
         q: ``[q_len, num_heads, head_dim]`` float32.
         k, v: ``[seq_len, num_kv_heads, head_dim]``, ``seq_len >= q_len``.
         scale: softmax scale.
+        sliding_window: ``W`` (keys per query, itself included), or None.
+        logits_soft_cap: ``c`` of :func:`soft_cap`, or None.
     Returns:
         ``[q_len, num_heads, head_dim]`` float32.
     """
@@ -146,14 +170,22 @@ def flash_prefill(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
         l = np.zeros_like(m)
         acc = np.zeros((num_kv_heads, group, q1 - q0, head_dim), dtype=np.float32)
         last_key = first_pos + q1  # keys at or after this position are masked for the whole tile
-        for k0 in range(0, last_key, k_tile):
+        # keys before the first row's window are masked for the whole tile: start at its tile
+        first_key = 0 if sliding_window is None else max(0, qpos[0] - sliding_window + 1) // k_tile * k_tile
+        for k0 in range(first_key, last_key, k_tile):
             k1 = min(k0 + k_tile, last_key)
-            s = np.matmul(qt, kt[:, None, :, k0:k1])  # [kv, group, q_tile, k_tile]
+            s = soft_cap(np.matmul(qt, kt[:, None, :, k0:k1]), logits_soft_cap)  # [kv, group, q_tile, k_tile]
+            keys = np.arange(k0, k1)[None, :]
             if k1 - 1 > qpos[0]:  # the tile crosses the diagonal: mask the future
-                s = np.where(np.arange(k0, k1)[None, :] > qpos[:, None], -np.inf, s)
+                s = np.where(keys > qpos[:, None], -np.inf, s)
+            if sliding_window is not None and k0 <= qpos[-1] - sliding_window:  # ... and the keys left behind
+                s = np.where(keys <= qpos[:, None] - sliding_window, -np.inf, s)
             m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
-            p = np.exp(s - m_new)
-            alpha = np.exp(m - m_new)
+            # a row whose keys in this tile are all masked (its window starts later) has m_new = -inf
+            # until it meets its first key: subtract 0 then, so its p and alpha are 0, not NaN
+            m_sub = np.where(m_new == -np.inf, np.float32(0.0), m_new)
+            p = np.exp(s - m_sub)
+            alpha = np.exp(m - m_sub)
             l = l * alpha + p.sum(axis=-1, keepdims=True)
             acc = acc * alpha + np.matmul(p, vt[:, None, k0:k1])
             m = m_new
@@ -163,7 +195,8 @@ def flash_prefill(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
 
 def paged_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
                  seq_lens: np.ndarray, scale: float, k_scale: np.ndarray | None = None,
-                 v_scale: np.ndarray | None = None) -> np.ndarray:
+                 v_scale: np.ndarray | None = None, *, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> np.ndarray:
     """One query token per sequence, keys read through the block table.
 
     Args:
@@ -173,6 +206,8 @@ def paged_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_
         seq_lens: ``[B]`` int32 context lengths (including the query token).
         scale: softmax scale.
         k_scale, v_scale: ``[num_blocks, block_size, num_kv_heads]`` float32 for int8 caches.
+        sliding_window: ``W``: only the last ``W`` keys are read; None for all.
+        logits_soft_cap: ``c`` of :func:`soft_cap`, or None.
     Returns:
         ``[B, num_heads, head_dim]`` float32.
     """
@@ -183,7 +218,9 @@ def paged_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_
     out = np.empty((batch, num_kv_heads, group, head_dim), dtype=np.float32)
     for b in range(batch):  # one sequence at a time: its K/V stay in cache between the two products
         k, v = gather_context(k_cache, v_cache, block_tables[b], int(seq_lens[b]), k_scale, v_scale)
-        s = np.matmul(qg[b], k.astype(np.float32, copy=False).transpose(1, 2, 0))  # [kv, group, seq_len]
+        if sliding_window is not None:
+            k, v = k[-sliding_window:], v[-sliding_window:]
+        s = soft_cap(np.matmul(qg[b], k.astype(np.float32, copy=False).transpose(1, 2, 0)), logits_soft_cap)
         s = np.exp(s - s.max(axis=-1, keepdims=True))
         s /= s.sum(axis=-1, keepdims=True)
         out[b] = np.matmul(s, v.astype(np.float32, copy=False).transpose(1, 0, 2))

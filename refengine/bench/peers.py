@@ -253,4 +253,5 @@ def peers_cmd(gguf, hf_dir, cases, prompt_len, output_len, threads, repeats, jso
             f"{output_len} greedy tokens, EOS ignored; {threads} threads; each case in its own process, "
             f"medians of {repeats} rounds. Model: `{gguf.name}`.", (headers, rows)]
     body += skipped
-    write_performance(performance_md, "bench peers", body, echo=click.echo)
+    section = "bench peers" if gguf.resolve() == DEFAULT_GGUF.resolve() else f"bench peers: {gguf.stem}"
+    write_performance(performance_md, section, body, echo=click.echo)

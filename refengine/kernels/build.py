@@ -104,8 +104,17 @@ def nvrtc_program(cuda_include: os.PathLike | str | None,
 # GPU (CuPy)
 # =======================================================================================
 
+# Dynamic shared memory a launch may use without opting in (cudaFuncAttributeMaxDynamicSharedMemorySize).
+DEFAULT_MAX_SHARED_BYTES = 48 * 1024
+
+
 class CupyKernels:
     """A module compiled by NVRTC through ``cupy.RawModule`` (CuPy caches the binary on disk).
+
+    A launch that asks for more than :data:`DEFAULT_MAX_SHARED_BYTES` of dynamic shared
+    memory (``paged_decode`` at head_dim 256: 73.2 KiB) first raises its kernel's limit
+    (``RawKernel.max_dynamic_shared_size_bytes``, i.e. ``cuFuncSetAttribute``; an H100/H200
+    allows up to 227 KiB per block).
 
     Args:
         cupy: the ``cupy`` module.
@@ -120,11 +129,15 @@ class CupyKernels:
         code, options = nvrtc_program(Path(cuda_path) / "include" if cuda_path else None, sources)
         self._module = cupy.RawModule(code=code, options=options)
         self._kernels: dict[str, Any] = {}
+        self._shared_limit: dict[str, int] = {}  # per kernel: the limit set so far
 
     def launch(self, launch: Launch) -> None:
         kernel = self._kernels.get(launch.kernel)
         if kernel is None:
             kernel = self._kernels[launch.kernel] = self._module.get_function(launch.kernel)
+        if launch.shared_bytes > self._shared_limit.get(launch.kernel, DEFAULT_MAX_SHARED_BYTES):
+            kernel.max_dynamic_shared_size_bytes = launch.shared_bytes
+            self._shared_limit[launch.kernel] = launch.shared_bytes
         kernel(launch.grid, launch.block, launch.args, shared_mem=launch.shared_bytes)
 
     def empty(self, shape: tuple, dtype: Any) -> Any:

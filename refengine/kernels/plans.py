@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED_HEAD_DIMS = (32, 64, 128)
+# 96: Phi-3; 256: Gemma 2/3. Every kernel file instantiates each of these.
+SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 
 # Launch geometry; each constant mirrors the kernel source named beside it.
 RESHAPE_THREADS = 128
@@ -21,15 +22,18 @@ LAYER_THREADS = 256  # layers.cu: any multiple of 32
 RMS_NORM_SHARED_BYTES = 32 * 4  # layers.cu: layers::kMaxWarps floats, one partial sum per warp
 PREFILL_THREADS = 128  # flash_prefill.cu prefill::kNumThreads
 PREFILL_BLOCK_M = 32  # prefill::kBlockM (query rows per block)
-PREFILL_BLOCK_N = 32  # prefill::kBlockN (keys per shared-memory tile)
+PREFILL_BLOCK_N = 32  # prefill::block_n<D>() (keys per shared-memory tile) ...
+PREFILL_BLOCK_N_HD256 = 16  # ... and at head_dim 256
 MMA_BLOCK_M = 64  # flash_prefill_mma.cu prefill_mma::kBlockM
-MMA_BLOCK_N = 64  # prefill_mma::kBlockN
+MMA_BLOCK_N = 64  # prefill_mma::block_n<D>() ...
+MMA_BLOCK_N_HD256 = 32  # ... and at head_dim 256
 MMA_PAD = 8  # prefill_mma::kPad
 PREFILL_KERNELS = ("auto", "simt", "mma")
 DECODE_THREADS = 128  # paged_decode.cu decode::kNumThreads
 DECODE_KEY_TILE = 32  # decode::kKeyTile
 DECODE_GROUP_TILE = 8  # decode::kGroupTile (query heads per block)
 DEFAULT_PARTITION_SIZE = 512  # context tokens per Flash-Decoding partition
+INT32_MAX = 2**31 - 1
 
 
 @dataclass
@@ -88,18 +92,41 @@ def dtype_tag(dtype: Any) -> str:
     return tags[name]
 
 
+def prefill_block_n(head_dim: int) -> int:
+    """Keys per tile of ``flash_prefill`` (mirrors ``prefill::block_n``): 32, or 16 at head_dim 256."""
+    return PREFILL_BLOCK_N_HD256 if head_dim > 128 else PREFILL_BLOCK_N
+
+
+def mma_block_n(head_dim: int) -> int:
+    """Keys per tile of ``flash_prefill_mma`` (mirrors ``prefill_mma::block_n``): 64, or 32 at head_dim 256."""
+    return MMA_BLOCK_N_HD256 if head_dim > 128 else MMA_BLOCK_N
+
+
 def prefill_shared_bytes(head_dim: int, itemsize: int) -> int:
-    """Dynamic shared memory of ``flash_prefill``: a K and a V tile of 32 keys."""
-    return 2 * PREFILL_BLOCK_N * head_dim * itemsize
+    """Dynamic shared memory of ``flash_prefill``: a K and a V tile of :func:`prefill_block_n` keys."""
+    return 2 * prefill_block_n(head_dim) * head_dim * itemsize
 
 
 def prefill_mma_shared_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of ``flash_prefill_mma``: padded K and V tiles of 64 keys (2-byte T)."""
-    return 2 * MMA_BLOCK_N * (head_dim + MMA_PAD) * 2
+    """Dynamic shared memory of ``flash_prefill_mma``: padded K and V tiles of :func:`mma_block_n`
+    keys (2-byte T)."""
+    return 2 * mma_block_n(head_dim) * (head_dim + MMA_PAD) * 2
+
+
+def window_arg(sliding_window: int | None) -> np.int32:
+    """The kernels' ``window`` argument: keys per query, ``0`` for no window. A window past
+    int32 (already wider than any context) is clamped to ``2**31 - 1``."""
+    return np.int32(0 if sliding_window is None else min(int(sliding_window), INT32_MAX))
+
+
+def soft_cap_arg(logits_soft_cap: float | None) -> np.float32:
+    """The kernels' ``soft_cap`` argument: ``c`` of ``c * tanh(s / c)``, ``0`` for none."""
+    return np.float32(0.0 if logits_soft_cap is None else logits_soft_cap)
 
 
 def decode_shared_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of ``paged_decode`` (float32; mirrors ``decode::shared_floats``)."""
+    """Dynamic shared memory of ``paged_decode`` (float32; mirrors ``decode::shared_floats``):
+    37.2 KiB at head_dim 128, 73.2 KiB at 256 (over the 48 KiB default: the GPU launcher opts in)."""
     floats = (DECODE_GROUP_TILE * head_dim + DECODE_KEY_TILE * (head_dim + 1) + DECODE_KEY_TILE * head_dim
               + DECODE_GROUP_TILE * DECODE_KEY_TILE + 3 * DECODE_GROUP_TILE)
     return 4 * floats
@@ -119,7 +146,8 @@ def reshape_and_cache_launch(k: Any, v: Any, k_cache: Any, v_cache: Any, slot_ma
 
 
 def flash_prefill_launch(q: Any, k_cache: Any, v_cache: Any, out: Any, meta: DeviceMetadata, scale: float,
-                         use_mma: bool) -> Launch:
+                         use_mma: bool, sliding_window: int | None = None,
+                         logits_soft_cap: float | None = None) -> Launch:
     """``flash_prefill`` (SIMT) or ``flash_prefill_mma`` (tensor cores): grid
     ``(query tiles of the longest chunk, num_heads, num_seqs)``.
 
@@ -129,13 +157,15 @@ def flash_prefill_launch(q: Any, k_cache: Any, v_cache: Any, out: Any, meta: Dev
         meta: the batch's placed metadata.
         scale: softmax scale.
         use_mma: the tensor-core kernel (16-bit storage only; the caller decides).
+        sliding_window: keys per query (itself included), or None; already validated.
+        logits_soft_cap: ``c`` of ``c * tanh(s / c)``, or None; already validated.
     """
     _, num_heads, head_dim = (int(s) for s in q.shape)
     _, block_size, num_kv_heads, _ = (int(s) for s in k_cache.shape)
     tag = dtype_tag(q.dtype)
     args = (q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
             np.int32(meta.max_blocks), np.int32(num_heads), np.int32(num_kv_heads), np.int32(block_size),
-            np.float32(scale))
+            np.float32(scale), window_arg(sliding_window), soft_cap_arg(logits_soft_cap))
     if use_mma:
         q_tiles = -(-int(meta.max_query_len) // MMA_BLOCK_M)
         return Launch(f"flash_prefill_mma_{tag}_hd{head_dim}", (q_tiles, num_heads, meta.num_seqs),
@@ -145,16 +175,20 @@ def flash_prefill_launch(q: Any, k_cache: Any, v_cache: Any, out: Any, meta: Dev
                   prefill_shared_bytes(head_dim, np.dtype(q.dtype).itemsize), args)
 
 
-def decode_partitions(max_seq_len: int, partition_size: int) -> int:
-    """Flash-Decoding partitions of the longest context (at least 1)."""
-    return max(1, -(-int(max_seq_len) // partition_size))
+def decode_partitions(max_seq_len: int, partition_size: int, sliding_window: int | None = None) -> int:
+    """Flash-Decoding partitions of the longest context, or of the window when it is
+    shorter (the kernel reads only the last ``sliding_window`` keys); at least 1."""
+    keys = int(max_seq_len) if sliding_window is None else min(int(max_seq_len), int(sliding_window))
+    return max(1, -(-keys // partition_size))
 
 
 def paged_decode_launches(q: Any, k_cache: Any, v_cache: Any, out: Any, partials: tuple[Any, Any, Any],
-                          meta: DeviceMetadata, scale: float, partition_size: int) -> list[Launch]:
+                          meta: DeviceMetadata, scale: float, partition_size: int,
+                          sliding_window: int | None = None, logits_soft_cap: float | None = None) -> list[Launch]:
     """``paged_decode`` (grid ``(num_kv_heads * group chunks, num_seqs, partitions)``), then
     ``paged_decode_reduce`` (grid ``(num_heads, num_seqs)``) when there is more than one
-    partition.
+    partition. With a sliding window the partitions tile only the last ``sliding_window``
+    keys of each context, so there are :func:`decode_partitions` of ``min(max_seq_len, W)``.
 
     Args:
         q, out: ``[B, num_heads, head_dim]`` (one query row per sequence).
@@ -164,11 +198,13 @@ def paged_decode_launches(q: Any, k_cache: Any, v_cache: Any, out: Any, partials
             ``> 1``; with one partition any float32 arrays (not read: the kernel writes ``out``).
         meta: the batch's placed metadata; scale: softmax scale.
         partition_size: context tokens per partition (multiple of 32).
+        sliding_window, logits_soft_cap: as for :func:`flash_prefill_launch`.
     """
     _, num_heads, head_dim = (int(s) for s in q.shape)
     _, block_size, num_kv_heads, _ = (int(s) for s in k_cache.shape)
     tag = dtype_tag(q.dtype)
-    partitions = decode_partitions(meta.max_seq_len, partition_size)
+    partitions = decode_partitions(meta.max_seq_len, partition_size, sliding_window)
+    window = window_arg(sliding_window)
     group_chunks = -(-(num_heads // num_kv_heads) // DECODE_GROUP_TILE)
     partial_out, partial_max, partial_sum = partials
     launches = [Launch(
@@ -176,12 +212,12 @@ def paged_decode_launches(q: Any, k_cache: Any, v_cache: Any, out: Any, partials
         (DECODE_THREADS, 1, 1), decode_shared_bytes(head_dim),
         (q, k_cache, v_cache, out, partial_out, partial_max, partial_sum, meta.query_start_loc, meta.seq_lens,
          meta.block_tables, np.int32(meta.max_blocks), np.int32(num_heads), np.int32(num_kv_heads),
-         np.int32(block_size), np.float32(scale), np.int32(partition_size)),
+         np.int32(block_size), np.float32(scale), np.int32(partition_size), window, soft_cap_arg(logits_soft_cap)),
     )]
     if partitions > 1:
         launches.append(Launch(
             f"paged_decode_reduce_{tag}_hd{head_dim}", (num_heads, meta.num_seqs, 1), (head_dim, 1, 1), 0,
             (out, partial_out, partial_max, partial_sum, meta.query_start_loc, meta.seq_lens, np.int32(num_heads),
-             np.int32(partitions), np.int32(partition_size)),
+             np.int32(partitions), np.int32(partition_size), window),
         ))
     return launches

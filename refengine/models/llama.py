@@ -52,10 +52,14 @@ def _kv_out(c: ModelConfig) -> int:
 
 
 class Layer:
-    """One decoder layer's weights on the device, as attributes: fused ``[in, out]``-shaped
-    matrices in the weight dtype, float32 vectors (norms, biases); ``None`` where absent."""
+    """One decoder layer on the device, as attributes: fused ``[in, out]``-shaped matrices in
+    the weight dtype, float32 vectors (norms, biases; ``None`` where absent), its
+    :class:`RotaryEmbedding` (``rope``) and its attention keywords (``attention_options``:
+    ``sliding_window``, ``logits_soft_cap`` where the layer has them)."""
 
     qkv_bias = None
+    rope: RotaryEmbedding
+    attention_options: dict
 
     def __init__(self, tensors: dict):
         self.__dict__.update(tensors)
@@ -69,6 +73,7 @@ class LlamaForCausalLM:
         layer_tensors: checkpoint tensor name (after ``model.layers.{i}.``) -> shape from the config.
         fused: device tensor -> the checkpoint matrices concatenated (on the output axis) into it.
         vectors: device tensor -> checkpoint vector (norms, biases), kept float32.
+        norm_offset: added to every RMSNorm weight at load (Gemma's ``x * (1 + w)``: 1.0).
 
     Args:
         config: the parsed ``config.json``.
@@ -78,6 +83,8 @@ class LlamaForCausalLM:
         ops: the layer operations.
         xp: ``numpy`` or ``cupy``.
         dtype: weight and KV cache dtype (float32 on the CPU; float16/bfloat16 on a GPU).
+        max_model_len: the longest context the engine allows (RoPE's static choices), None
+            for ``max_position_embeddings``.
     """
 
     architecture = "LlamaForCausalLM"
@@ -109,7 +116,15 @@ class LlamaForCausalLM:
         "self_attn.v_proj.bias": lambda c: (_kv_out(c),),
     }
 
+    norm_offset = 0.0
+
     # --- config.json -----------------------------------------------------------------
+    @classmethod
+    def normalize_config(cls, cfg: dict) -> dict:
+        """``config.json`` as the generic reader (:mod:`refengine.models.hf_config`) expects
+        it; a family whose files say things another way rewrites them here (Llama: as is)."""
+        return cfg
+
     @classmethod
     def config_fields(cls, cfg: dict) -> dict:
         """Family-specific :class:`ModelConfig` fields read from a parsed ``config.json``:
@@ -143,13 +158,13 @@ class LlamaForCausalLM:
         return cls.vectors
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], attention: AttentionBackend,
-                 ops: LayerOps, xp=np, dtype=np.float32):
+                 ops: LayerOps, xp=np, dtype=np.float32, max_model_len: int | None = None):
         self.config = cfg = config
         self.xp, self.dtype, self.attention, self.ops = xp, dtype, attention, ops
         w = weights
         self.embed = self._device_weight(w.pop("model.embed_tokens.weight"))  # [V, H], or quantized
         self.layers = [self._load_layer(w, f"model.layers.{i}.") for i in range(cfg.num_hidden_layers)]
-        self.norm = xp.asarray(w.pop("model.norm.weight"), dtype=np.float32)
+        self.norm = xp.asarray(w.pop("model.norm.weight").astype(np.float32) + np.float32(self.norm_offset))
         if cfg.tie_word_embeddings:  # tied weights are one array: a view, or the quantized rows themselves
             self.lm_head = self.embed if is_quantized(self.embed) else self.embed.T
         else:
@@ -158,8 +173,21 @@ class LlamaForCausalLM:
         if w:
             raise ValueError(f"unconsumed weights: {list(w)[:3]}")
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                    cfg.rope_scaling, xp=xp)
-        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+                                    cfg.rope_scaling, xp=xp, max_model_len=max_model_len)
+        local_rope = self.rope
+        if cfg.rope_local_base_freq is not None:  # Gemma 3: the sliding layers rotate with their own base
+            local_rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_base_freq,
+                                         cfg.rope_local_scaling, xp=xp, max_model_len=max_model_len)
+        for i, layer in enumerate(self.layers):
+            window = cfg.layer_window(i)
+            layer.rope = local_rope if window is not None else self.rope
+            layer.attention_options = {}
+            if window is not None:
+                layer.attention_options["sliding_window"] = window
+            if cfg.attn_logit_softcapping is not None:
+                layer.attention_options["logits_soft_cap"] = float(cfg.attn_logit_softcapping)
+        self.scale = 1.0 / math.sqrt(cfg.query_pre_attn_scalar or cfg.head_dim)
+        self.activation = {"silu": ops.silu_and_mul, "gelu_pytorch_tanh": ops.gelu_tanh_and_mul}[cfg.hidden_activation]
 
     def _device_weight(self, matrix):
         """A checkpoint matrix on the device: a float array in ``dtype``, or a quantized
@@ -172,7 +200,10 @@ class LlamaForCausalLM:
             matrix = concat_rows([w.pop(prefix + p) for p in parts])
             tensors[name] = matrix if is_quantized(matrix) else xp.asarray(self.ops.weight(matrix), dtype=self.dtype)
         for name, parts in self.layer_vectors(self.config).items():
-            tensors[name] = xp.asarray(np.concatenate([w.pop(prefix + p) for p in parts]), dtype=np.float32)
+            vector = np.concatenate([w.pop(prefix + p) for p in parts]).astype(np.float32)
+            if self.norm_offset and name.endswith("norm"):
+                vector += np.float32(self.norm_offset)  # float32(1 + w), as the HF norm computes it
+            tensors[name] = xp.asarray(vector)
         return Layer(tensors)
 
     def embed_tokens(self, input_ids):
@@ -181,6 +212,10 @@ class LlamaForCausalLM:
         if is_quantized(self.embed):
             return self.embed.select_rows(np.asarray(input_ids))
         return self.embed[input_ids].astype(self.xp.float32)
+
+    def final_logits(self, h):
+        """``h [S, hidden]`` float32 after the final norm -> ``[S, vocab_size]`` float32 logits."""
+        return self.ops.linear(h, self.lm_head)
 
     # --- forward -----------------------------------------------------------------------
     def forward(self, input_ids, positions, kv_cache: KVCache, meta: AttentionMetadata, logits_indices):
@@ -202,23 +237,32 @@ class LlamaForCausalLM:
         h = self.embed_tokens(input_ids)
         for li, layer in enumerate(self.layers):
             h = self.decoder_layer(layer, h, positions, kv_cache.layer(li), meta)
-        h = ops.rms_norm(h[logits_indices], self.norm, eps)
-        return ops.linear(h, self.lm_head)
+        return self.final_logits(ops.rms_norm(h[logits_indices], self.norm, eps))
 
     def decoder_layer(self, layer: Layer, h, positions, kv: LayerKVCache, meta: AttentionMetadata):
         """One ``LlamaDecoderLayer``: ``h [T, hidden]`` float32 -> ``[T, hidden]`` float32."""
         ops, cfg = self.ops, self.config
         eps = cfg.rms_norm_eps
         x = ops.rms_norm(h, layer.input_norm, eps)
+        h = h + self.self_attention(layer, x, positions, kv, meta)
+        x = ops.rms_norm(h, layer.post_norm, eps)
+        return h + self.mlp(layer, x)
+
+    def self_attention(self, layer: Layer, x, positions, kv: LayerKVCache, meta: AttentionMetadata):
+        """``x [T, hidden]`` float32 (normed) -> the attention block's output ``[T, hidden]``
+        float32, after ``o_proj``: q/k/v, RoPE, the cache write, attention over the cache."""
         q, k, v = self.qkv_projection(layer, x)
-        q, k = ops.rope(q, k, positions, self.rope)
+        q, k = self.ops.rope(q, k, positions, layer.rope)
         scales = {"k_scale": kv.k_scale, "v_scale": kv.v_scale}  # None unless the cache is int8
         self.attention.write_kv(kv.k, kv.v, k.astype(kv.dtype, copy=False), v.astype(kv.dtype, copy=False), meta,
                                 **scales)
-        o = self.attention.forward(q.astype(kv.dtype, copy=False), kv.k, kv.v, meta, self.scale, **scales)
-        h = h + ops.linear(o.reshape(o.shape[0], -1), layer.o)
-        x = ops.rms_norm(h, layer.post_norm, eps)
-        return h + ops.linear(ops.silu_and_mul(ops.linear(x, layer.gate_up)), layer.down)
+        o = self.attention.forward(q.astype(kv.dtype, copy=False), kv.k, kv.v, meta, self.scale,
+                                   **layer.attention_options, **scales)
+        return self.ops.linear(o.reshape(o.shape[0], -1), layer.o)
+
+    def mlp(self, layer: Layer, x):
+        """``x [T, hidden]`` float32 (normed) -> ``down(act(gate(x)) * up(x))`` ``[T, hidden]`` float32."""
+        return self.ops.linear(self.activation(self.ops.linear(x, layer.gate_up)), layer.down)
 
     def qkv_projection(self, layer: Layer, x):
         """``x [T, hidden]`` -> ``q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]`` float32, before RoPE."""

@@ -1,5 +1,5 @@
 """Mistral (``MistralForCausalLM``): Llama's layers; ``config.json``'s ``sliding_window`` is
-always in force (transformers ``models/mistral/modeling_mistral.py``)."""
+in force on every layer (transformers ``models/mistral/modeling_mistral.py``)."""
 
 from __future__ import annotations
 

@@ -10,15 +10,20 @@ import numpy as np
 from refengine.config import ModelConfig
 from refengine.gguf_file import is_gguf, open_gguf
 from refengine.loader import check_weights, load_weights
+from refengine.models.gemma2 import Gemma2ForCausalLM
+from refengine.models.gemma3 import Gemma3ForCausalLM
 from refengine.models.llama import LlamaForCausalLM
 from refengine.models.mistral import MistralForCausalLM
+from refengine.models.olmo2 import Olmo2ForCausalLM
+from refengine.models.phi3 import Phi3ForCausalLM
 from refengine.models.qwen2 import Qwen2ForCausalLM
 from refengine.models.qwen3 import Qwen3ForCausalLM
 from refengine.quant.awq_gptq import CHECKPOINT_METHODS, checkpoint_quantization, resolve_quantization
 from refengine.quant.int8 import quantize_weights
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
-    cls.architecture: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
+    cls.architecture: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+                                      Gemma2ForCausalLM, Gemma3ForCausalLM, Olmo2ForCausalLM, Phi3ForCausalLM)
 }
 
 
@@ -36,7 +41,7 @@ def get_model_class(architectures: list[str] | None) -> type[LlamaForCausalLM]:
 
 
 def load_model(model_dir: str | Path, config: ModelConfig, attention, ops, xp=np, dtype=np.float32,
-               dequantize_gguf: bool = False, quantization: str | None = None):
+               dequantize_gguf: bool = False, quantization: str | None = None, max_model_len: int | None = None):
     """Build the model of ``config.architecture`` from ``model_dir``'s checkpoint.
 
     The model class says which tensors it expects; :func:`refengine.loader.load_weights`
@@ -49,7 +54,9 @@ def load_model(model_dir: str | Path, config: ModelConfig, attention, ops, xp=np
             ``cupy``; dtype: weight and KV cache dtype; quantization: the engine option
             (None: as the checkpoint is; ``"int8"``: every float matrix quantized at load;
             ``"awq"``/``"gptq"``: must match ``config.json``'s ``quantization_config``),
-            :func:`refengine.quant.awq_gptq.resolve_quantization`.
+            :func:`refengine.quant.awq_gptq.resolve_quantization`; max_model_len: the longest
+            context the engine allows (the static choice of ``longrope`` and ``dynamic`` RoPE,
+            :class:`refengine.layers.RotaryEmbedding`), None for ``max_position_embeddings``.
     Raises:
         FileNotFoundError, ValueError: from :func:`refengine.loader.load_weights` or
             :meth:`refengine.gguf_file.GGUFFile.weights`.
@@ -64,4 +71,4 @@ def load_model(model_dir: str | Path, config: ModelConfig, attention, ops, xp=np
         weights = load_weights(model_dir, cls.checkpoint_shapes(config), config.tie_word_embeddings, repack=repack)
     if method == "int8":
         quantize_weights(weights)  # every float matrix; norms and biases stay float32
-    return cls(config, weights, attention, ops, xp=xp, dtype=dtype)
+    return cls(config, weights, attention, ops, xp=xp, dtype=dtype, max_model_len=max_model_len)

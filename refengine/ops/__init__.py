@@ -50,6 +50,10 @@ class LayerOps(Protocol):
     def silu_and_mul(self, x: Any) -> Any:
         """``silu(x[:, :I]) * x[:, I:]`` for ``x [T, 2I]`` float32 -> ``[T, I]`` float32."""
 
+    def gelu_tanh_and_mul(self, x: Any) -> Any:
+        """``gelu_tanh(x[:, :I]) * x[:, I:]`` for ``x [T, 2I]`` float32 -> ``[T, I]`` float32
+        (:func:`refengine.layers.gelu_tanh_and_mul`)."""
+
 
 def get_layer_ops(name: str, xp=np, kernels: Any = None) -> LayerOps:
     """Build the layer operations called ``name`` (one of :data:`LAYER_OPS`).

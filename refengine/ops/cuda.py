@@ -30,8 +30,8 @@ class DevicePositions:
 
 
 class CudaLayerOps:
-    """RMSNorm, RoPE and SiLU-and-mul through the kernels of ``cuda/layers.cu``; the matrix
-    product through cuBLAS (CuPy's ``@``, float32 accumulation).
+    """RMSNorm, RoPE, SiLU-and-mul and GELU(tanh)-and-mul through the kernels of
+    ``cuda/layers.cu``; the matrix product through cuBLAS (CuPy's ``@``, float32 accumulation).
 
     Args:
         kernels: the launcher of the compiled module; default the current device's CuPy
@@ -45,7 +45,9 @@ class CudaLayerOps:
 
     def __init__(self, kernels: KernelModule | None = None):
         self.kernels = cupy_kernels() if kernels is None else kernels
-        self._cos_sin = None
+        # id(rope) -> (rope, its [max_positions, head_dim] cos|sin table): one per RoPE object,
+        # as layers may carry different ones (Gemma 3's local and global bases)
+        self._cos_sin: dict[int, tuple[Any, Any]] = {}
 
     def device_positions(self, positions: np.ndarray) -> DevicePositions:
         """``positions [T]`` (host ints) copied to the device as int32, once per step."""
@@ -83,12 +85,21 @@ class CudaLayerOps:
         return out.reshape(x.shape)
 
     def rope(self, q, k, positions: DevicePositions, rope):
-        """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by ``positions`` with ``rope``'s tables."""
+        """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by ``positions`` with ``rope``'s tables
+        (:class:`refengine.layers.RotaryEmbedding`, ``cos``/``sin [max_positions, D // 2]``;
+        any even D, 96 and 256 included). Their concatenation is built once per ``rope`` object.
+
+        Returns:
+            ``(q, k)`` rotated (C-contiguous copies of the inputs if they were not, else the
+            inputs themselves, rotated in place).
+        """
         xp = rope.xp
-        if self._cos_sin is None:
-            self._cos_sin = xp.ascontiguousarray(xp.concatenate([rope.cos, rope.sin], axis=1))
+        cached = self._cos_sin.get(id(rope))  # the entry keeps rope alive: its id is not reused
+        if cached is None:
+            table = xp.ascontiguousarray(xp.concatenate([rope.cos, rope.sin], axis=1))
+            cached = self._cos_sin[id(rope)] = (rope, table)
         q, k = xp.ascontiguousarray(q), xp.ascontiguousarray(k)
-        self.rotary_embedding(positions, q, k, self._cos_sin)  # in place
+        self.rotary_embedding(positions, q, k, cached[1])  # in place
         return q, k
 
     def silu_and_mul(self, x: Any) -> Any:
@@ -97,13 +108,26 @@ class CudaLayerOps:
         Raises:
             ValueError: x is not 2-D with an even last dimension.
         """
+        return self._gated("silu_and_mul", x)
+
+    def gelu_tanh_and_mul(self, x: Any) -> Any:
+        """GeGLU activation (Gemma's ``gelu_pytorch_tanh``): ``gelu_tanh(x[:, :I]) * x[:, I:]``
+        for ``x [T, 2I]`` -> ``[T, I]``, as :func:`refengine.layers.gelu_tanh_and_mul`.
+
+        Raises:
+            ValueError: x is not 2-D with an even last dimension.
+        """
+        return self._gated("gelu_tanh_and_mul", x)
+
+    def _gated(self, kernel: str, x: Any) -> Any:
+        """One ``<kernel>_<dt>`` launch of layers.cu's gated activations (one block per row)."""
         if x.ndim != 2 or x.shape[1] % 2:
-            raise ValueError(f"silu_and_mul wants x [T, 2 * intermediate], got {tuple(x.shape)}")
+            raise ValueError(f"{kernel} wants x [T, 2 * intermediate], got {tuple(x.shape)}")
         kern = self.kernels
         inter = int(x.shape[1]) // 2
         out = kern.empty((int(x.shape[0]), inter), x.dtype)
         if x.shape[0]:
-            kern.launch(Launch(f"silu_and_mul_{dtype_tag(x.dtype)}", (int(x.shape[0]), 1, 1), (LAYER_THREADS, 1, 1),
+            kern.launch(Launch(f"{kernel}_{dtype_tag(x.dtype)}", (int(x.shape[0]), 1, 1), (LAYER_THREADS, 1, 1),
                                0, (out, kern.contiguous(x), np.int32(inter))))
         return out
 

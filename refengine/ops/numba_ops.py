@@ -39,6 +39,7 @@ Numerics (float32 in and out, as the twins):
 
 from __future__ import annotations
 
+import math
 import sys
 
 import numpy as np
@@ -317,6 +318,20 @@ def _silu_and_mul(x, out, t0, t1):  # pragma: no cover - compiled
             ot[i] = gate[i] / (one + ot[i]) * up[i]
 
 
+@njit(cache=True)
+def _gelu_tanh_and_mul(x, out, t0, t1):  # pragma: no cover - compiled
+    """``out[t, i] = 0.5 g (1 + tanh(c (g + 0.044715 g^3))) * x[t, I + i]`` with ``g = x[t, i]``,
+    ``c = sqrt(2 / pi)``, ``x [T, 2I]`` float32, for rows ``t0 .. t1 - 1`` (the twin's order)."""
+    inter = x.shape[1] // 2
+    c = np.float32(math.sqrt(2.0 / math.pi))
+    a, half, one = np.float32(0.044715), np.float32(0.5), np.float32(1.0)
+    for t in range(t0, t1):
+        for i in range(inter):
+            g = x[t, i]
+            ot = half * g * (one + np.float32(math.tanh(c * (g + a * g * g * g))))
+            out[t, i] = ot * x[t, inter + i]
+
+
 # The elementwise layers over blocks of ``per`` rows (NumbaOps._over_rows picks the twin and ``per``).
 @parallel_kernel()
 def _rms_norm_blocks(x, weight, eps, out, per):  # pragma: no cover - compiled
@@ -334,6 +349,12 @@ def _rope_blocks(x, positions, cos, sin, per):  # pragma: no cover - compiled
 def _silu_and_mul_blocks(x, out, per):  # pragma: no cover - compiled
     for c in prange((x.shape[0] + per - 1) // per):
         _silu_and_mul(x, out, c * per, min(x.shape[0], (c + 1) * per))
+
+
+@parallel_kernel()
+def _gelu_tanh_and_mul_blocks(x, out, per):  # pragma: no cover - compiled
+    for c in prange((x.shape[0] + per - 1) // per):
+        _gelu_tanh_and_mul(x, out, c * per, min(x.shape[0], (c + 1) * per))
 
 
 def matmul_dot(x: np.ndarray, w: np.ndarray, tile4x4: bool | None = None) -> np.ndarray:
@@ -438,6 +459,13 @@ class NumbaOps:
         x = np.ascontiguousarray(x, dtype=np.float32)
         out = np.empty((x.shape[0], x.shape[1] // 2), dtype=np.float32)
         self._over_rows(_silu_and_mul_blocks, x.shape[0], x, out)
+        return out
+
+    def gelu_tanh_and_mul(self, x: np.ndarray) -> np.ndarray:
+        """``gelu_tanh(x[:, :I]) * x[:, I:]`` -> ``[T, I]`` float32."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        out = np.empty((x.shape[0], x.shape[1] // 2), dtype=np.float32)
+        self._over_rows(_gelu_tanh_and_mul_blocks, x.shape[0], x, out)
         return out
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from refengine.layers import rms_norm, silu_and_mul
+from refengine.layers import gelu_tanh_and_mul, rms_norm, silu_and_mul
 from refengine.quant import is_quantized, reference_linear
 
 
@@ -48,3 +48,6 @@ class NumpyOps:
 
     def silu_and_mul(self, x):
         return silu_and_mul(x, self.xp)
+
+    def gelu_tanh_and_mul(self, x):
+        return gelu_tanh_and_mul(x, self.xp)
