@@ -8,7 +8,8 @@ in a few minutes:
       paged batches (decode, chunked prefill, mixed; GQA; head_dim 64/128; float16,
       bfloat16, float32 storage), then the per-layer options (sliding window, logit soft
       cap) at head_dim 64/96/128/256, ``reshape_and_cache`` bit for bit, the layer kernels
-      (rotary embedding at head_dim 64/96/256), and the tensor-core layouts on the hardware
+      (rotary embedding at head_dim 64/96/256), the quantized-weight products (int8 and
+      int4 GEMV / GEMM, ``cuda/quant_matmul.cu``), and the tensor-core layouts on the hardware
       (one MMA; one ``ldmatrix`` /
       ``ldmatrix.trans`` with ``cp.async`` zero fill, bit for bit against the PTX figures
       as ``ldmatrix_expected`` writes them out; the CPU emulator is tested against the same);
@@ -21,6 +22,8 @@ in a few minutes:
         context 1k-32k, 32 query heads, 8 KV heads, head_dim 128, beside the device's
         measured device-to-device copy bandwidth ((read + write bytes) / time), at the
         default partition size (512) and the best of 128/256/512/1024;
+      * quantized-weight products (int8, int4) at 4096x4096: weight bytes read per second
+        at 1-9 rows (GEMV), TFLOP/s at 512 (the SIMT GEMM);
       * end to end: SmolLM2 greedy on the GPU (float32) against the CPU, and offline
         throughput in bfloat16;
   (c) a short table of the results.
@@ -145,6 +148,8 @@ def check_correctness(cp, quick: bool) -> list[tuple[str, bool, str]]:
                                                              sliding_window=window, logits_soft_cap=cap))
     results += check_mma_layout(cp, rng)
     results += check_layers(cp, rng)
+    results += check_kv_quant(cp, rng, dtypes, quick)
+    results += check_quant_matmul(cp, rng)
     # reshape_and_cache: a copy, so bit-exact.
     backend = CudaAttention()
     for tag, dtype, _ in dtypes:
@@ -160,6 +165,71 @@ def check_correctness(cp, quick: bool) -> list[tuple[str, bool, str]]:
         NumpyAttention().write_kv(kc, vc, k, v, meta)
         ok = cp.asnumpy(dkc).tobytes() == kc.tobytes() and cp.asnumpy(dvc).tobytes() == vc.tobytes()
         results.append((f"reshape_and_cache {tag}", ok, "bit-exact" if ok else "MISMATCH"))
+    return results
+
+
+def check_kv_quant(cp, rng, dtypes, quick: bool = False) -> list[tuple[str, bool, str]]:
+    """Quantized KV caches (int8, fp8_e4m3, fp8_e5m2) on the device against the NumPy twin:
+    the cache write bit for bit (codes and int8 scales), every fp8 code decoded bit for bit
+    (one key whose value row holds the 256 codes: the output is that row times the scale),
+    and prefill / decode attention over the written cache within the output dtype's rounding
+    (``quick``: head_dim 64 only)."""
+    from refengine.attention import AttentionMetadata
+    from refengine.attention.cuda import CudaAttention
+    from refengine.attention.numpy_ref import NumpyAttention, fp8_to_float
+    from refengine.kv_cache import FP8Scale
+
+    results = []
+    backend, twin = CudaAttention(decode_partition_size=64), NumpyAttention()
+    for fmt in ("fp8_e4m3", "fp8_e5m2"):
+        kc = np.zeros((2, 16, 1, 256), np.uint8)
+        vc = kc.copy()
+        vc[0, 0, 0] = np.arange(256, dtype=np.uint8)
+        meta = AttentionMetadata(np.array([0, 1], np.int32), np.array([1], np.int32), np.array([[0]], np.int32),
+                                 np.array([], np.int32), 1, 1)
+        out = cp.asnumpy(backend.forward(cp.asarray(np.ones((1, 1, 256), np.float32)), cp.asarray(kc), cp.asarray(vc), meta,
+                                         1.0, k_scale=FP8Scale(fmt, 1.0), v_scale=FP8Scale(fmt, 2.0)))[0, 0]
+        want = fp8_to_float(np.arange(256, dtype=np.uint8), fmt) * np.float32(2.0)
+        # exact values, NaNs in the same places; -0.0 reads as 0.0 (the kernel adds it to a 0.0 sum)
+        ok = bool(np.array_equal(out, want, equal_nan=True))
+        results.append((f"kv {fmt} decode all 256 codes", ok, "exact" if ok else "MISMATCH"))
+    for kv_dtype in ("int8", "fp8_e4m3", "fp8_e5m2"):
+        for tag, dtype, _ in dtypes:
+            for head_dim in (64,) if quick else (64, 128):
+                for kind, seqs in (("prefill", [(70, 70), (100, 33), (16, 1)]), ("decode", [(1, 1), (130, 1),
+                                                                                          (300, 1)])):
+                    name = f"kv {kv_dtype:8s} {kind:7s} {tag:4s} hd{head_dim} h8/kv2"
+                    q, kc, vc, meta = random_paged_batch(rng, seqs, 8, 2, head_dim, 16, dtype)
+                    if kv_dtype == "int8":
+                        kc, vc = np.zeros((2, *kc.shape), np.int8)
+                        ks, vs = np.zeros((2, *kc.shape[:3]), np.float32)
+                        scales = lambda c: {"k_scale": c[2], "v_scale": c[3]}  # noqa: E731
+                        host = [kc, vc, ks, vs]
+                    else:
+                        kc, vc = np.zeros((2, *kc.shape), np.uint8)
+                        fixed = {"k_scale": FP8Scale(kv_dtype, 0.5), "v_scale": FP8Scale(kv_dtype, 2.0)}
+                        scales = lambda c: fixed  # noqa: E731
+                        host = [kc, vc]
+                    # every context token comes through write_kv (one prefill writes the whole cache)
+                    full = paged_metadata(meta.seq_lens, meta.seq_lens, meta.block_tables, 16)
+                    k = (rng.standard_normal((full.num_tokens, 2, head_dim), dtype=np.float32) * 3).astype(dtype)
+                    v = rng.standard_normal((full.num_tokens, 2, head_dim), dtype=np.float32).astype(dtype)
+                    try:
+                        dev = [cp.asarray(x) for x in host]
+                        dq, dk, dv = cp.asarray(q), cp.asarray(k), cp.asarray(v)
+                    except Exception as exc:  # e.g. a CuPy without bfloat16 support
+                        results.append((name, True, f"skipped: {type(exc).__name__}: {exc}"))
+                        continue
+                    backend.write_kv(dev[0], dev[1], dk, dv, full, **scales(dev))
+                    twin.write_kv(host[0], host[1], k.astype(np.float32), v.astype(np.float32), full, **scales(host))
+                    same = all(cp.asnumpy(d).tobytes() == h.tobytes() for d, h in zip(dev, host))
+                    scale = 1.0 / math.sqrt(head_dim)
+                    out = cp.asnumpy(backend.forward(dq, dev[0], dev[1], meta, scale, **scales(dev))).astype(np.float32)
+                    want = twin.forward(q.astype(np.float32), host[0], host[1], meta, scale, **scales(host))
+                    tol = {"f32": 2e-5}.get(tag, 1e-2 if tag == "bf16" else 2e-3)  # the output's rounding
+                    err = float(np.abs(out - want).max())
+                    ok = same and bool(np.isfinite(out).all()) and np.allclose(out, want, rtol=tol, atol=tol)
+                    results.append((name, ok, f"write {'bit-exact' if same else 'MISMATCH'}, max |err| {err:.2e}"))
     return results
 
 
@@ -283,6 +353,56 @@ def check_layers(cp, rng) -> list[tuple[str, bool, str]]:
     return results
 
 
+# (out, in, group_size): SmolLM2's K (576) on the 16-byte loads, and odd sizes (out not a
+# multiple of the 4 / 64 channels per block, K not a multiple of the group) on the byte path
+QUANT_SHAPES = ((200, 576, 64), (37, 50, 20))
+QUANT_ROWS = (1, 8, 9, 33)  # the GEMV, its last row count, the tiled GEMM, a tile and a row
+
+
+def check_quant_matmul(cp, rng) -> list[tuple[str, bool, str]]:
+    """The quantized-weight products (cuda/quant_matmul.cu, through ``CudaLayerOps.linear``:
+    int8, int4 with an act-order permutation) on the GPU against the float64 product of the
+    dequantized weights, within the float32 accumulation bound ``(K + 2) 2^-24 |x| @ |w'|.T``
+    (tests/test_cuda_quant.py derives it); the NumPy twin (``reference_linear``) is held to the same."""
+    import ml_dtypes
+
+    from refengine.ops.cuda import CudaLayerOps
+    from refengine.quant import reference_linear
+    from refengine.quant.int4 import Int4Weight
+    from refengine.quant.int8 import Int8Weight
+
+    ops = CudaLayerOps()
+    results = []
+    for out_f, in_f, gs in QUANT_SHAPES:
+        n_groups = -(-in_f // gs)
+        weights = {
+            "int8": Int8Weight.quantize(rng.standard_normal((out_f, in_f), dtype=np.float32)),
+            "int4": Int4Weight.from_values(rng.integers(0, 16, (out_f, in_f)),
+                                           rng.uniform(0.01, 0.1, (out_f, n_groups)).astype(np.float32),
+                                           rng.integers(0, 17, (out_f, n_groups)), gs, rng.permutation(in_f)),
+        }
+        for fmt, w in weights.items():
+            w_deq = w.dequantize().astype(np.float64)
+            for tag, dtype in (("f16", np.float16), ("bf16", ml_dtypes.bfloat16), ("f32", np.float32)):
+                for rows in QUANT_ROWS:
+                    x = rng.standard_normal((rows, in_f), dtype=np.float32).astype(dtype)
+                    name = f"{fmt} linear {tag} {rows}x{in_f} @ {out_f}x{in_f}" + (f" g{gs}" if fmt == "int4" else "")
+                    try:
+                        dx = cp.asarray(x)
+                    except Exception as exc:  # a CuPy without bfloat16 arrays
+                        results.append((name, True, f"skipped: {exc}"))
+                        continue
+                    exact = x.astype(np.float64) @ w_deq.T
+                    limit = (in_f + 2) * 2.0 ** -24 * (np.abs(x.astype(np.float64)) @ np.abs(w_deq).T)
+                    got = cp.asnumpy(ops.linear(dx, w)).astype(np.float64)
+                    twin = reference_linear(x, w).astype(np.float64)
+                    err = np.abs(got - exact)
+                    ok = bool(np.isfinite(got).all() and (err <= limit).all()
+                              and (np.abs(twin - exact) <= limit).all())
+                    results.append((name, ok, f"max |err| {err.max():.2e} (bound {limit.max():.2e})"))
+    return results
+
+
 # --------------------------------------------------------------------------------------
 # (b) microbenchmarks
 # --------------------------------------------------------------------------------------
@@ -310,6 +430,36 @@ def copy_bandwidth(cp, nbytes=2 << 30) -> float:
                                                           cp.cuda.runtime.memcpyDeviceToDevice))
     del src, dst
     return 2 * nbytes / seconds / 1e9
+
+
+def bench_quant_matmul(cp, deadline: float, shape=(4096, 4096), rows=(1, 8, 9, 512)) -> list[dict]:
+    """Quantized-weight products (``cuda/quant_matmul.cu`` through ``CudaLayerOps.linear``)
+    of float16 rows by an ``[out, in]`` int8 and int4 (group 128) weight: microseconds,
+    weight bytes read per second (the decode figure of merit: the GEMV reads each weight
+    byte once) and TFLOP/s (2 * rows * out * in)."""
+    from refengine.ops.cuda import CudaLayerOps
+    from refengine.quant.int4 import Int4Weight
+    from refengine.quant.int8 import Int8Weight
+
+    rng = np.random.default_rng(0)
+    out_f, in_f = shape
+    gs = min(128, in_f)
+    n_groups = -(-in_f // gs)
+    ops = CudaLayerOps()
+    weights = {"int8": Int8Weight(rng.integers(-127, 128, shape, dtype=np.int8), np.ones(out_f, np.float32)),
+               "int4": Int4Weight(rng.integers(0, 256, (out_f, in_f // 2), dtype=np.uint8),
+                                  np.ones((out_f, n_groups), np.float32), np.full((out_f, n_groups), 8, np.uint8), gs)}
+    results = []
+    for fmt, w in weights.items():
+        ops.place_quantized(w)  # the copy to the device is not timed
+        for n in rows:
+            if time.time() > deadline:
+                return results
+            x = cp.asarray(rng.standard_normal((n, in_f), dtype=np.float32).astype(np.float16))
+            seconds = time_gpu(cp, lambda: ops.linear(x, w))
+            results.append({"format": fmt, "rows": n, "shape": shape, "us": seconds * 1e6,
+                            "gbps": w.nbytes / seconds / 1e9, "tflops": 2 * n * out_f * in_f / seconds / 1e12})
+    return results
 
 
 def bench_prefill(cp, quick: bool, deadline: float, head_dims=(64, 128), seqs=None,
@@ -533,6 +683,13 @@ def main(argv=None) -> int:
             print(f"  {r['batch']:>5} {r['ctx']:>6} {r['us']:>9.1f} {r['gbps']:>8.0f} "
                   f"{100 * r['gbps'] / copy_gbps:>8.0f}%   {r['best_partition']:>20} {r['best_gbps']:>5.0f} "
                   f"{100 * r['best_gbps'] / copy_gbps:>2.0f}%")
+        quant = bench_quant_matmul(cp, time.time() + 30)  # a few short points, after the budget if need be
+        print(f"\n(b) quantized-weight products (quant_matmul.cu), float16 rows, weight bytes read per second "
+              f"(copy bandwidth {copy_gbps:.0f} GB/s read+write)")
+        print(f"  {'format':>6} {'rows':>5} {'out x in':>11} {'us':>9} {'GB/s':>8} {'TFLOP/s':>8}")
+        for r in quant:
+            print(f"  {r['format']:>6} {r['rows']:>5} {r['shape'][0]:>5}x{r['shape'][1]:<5} {r['us']:>9.1f} "
+                  f"{r['gbps']:>8.0f} {r['tflops']:>8.2f}")
         print(f"\nend to end: {end_to_end_smollm2()}")
     print(f"\ntotal {time.time() - started:.0f} s")
     return 1 if failed else 0

@@ -3,7 +3,8 @@
 # report what ptxas says about each kernel: registers, static shared memory, stack and
 # spills. Fails (exit 1) on a compile error, on any register spill, or when an attention
 # kernel is missing at one of the head dims of SUPPORTED_HEAD_DIMS in
-# refengine/kernels/plans.py (32, 64, 96, 128, 256).
+# refengine/kernels/plans.py (32, 64, 96, 128, 256), or a quantized-weight product
+# (quant_matmul.cu) at one of the activation dtypes.
 #
 # Usage: bash cuda/check_nvcc.sh [ARCH]      (ARCH defaults to sm_90)
 # Outputs: cuda/build/<kernel file>.cubin and cuda/build/<kernel file>.ptxas.log, plus
@@ -69,9 +70,14 @@ entries="$(for src in "${sources[@]}"; do cat "$build/$(basename "$src" .cu).ptx
 missing=""
 for d in $head_dims; do
     for kernel in flash_prefill_{f32,f16,bf16} flash_prefill_mma_{f16,bf16} paged_decode_{f32,f16,bf16} \
-                  paged_decode_reduce_{f32,f16,bf16}; do
+                  paged_decode_reduce_{f32,f16,bf16} \
+                  {flash_prefill,paged_decode}_{f32,f16,bf16}_{int8,fp8e4m3,fp8e5m2}; do
         grep -qx "${kernel}_hd$d" <<<"$entries" || missing="$missing ${kernel}_hd$d"
     done
+done
+# the quantized-weight products (quant_matmul.cu), one per format, path and activation dtype
+for kernel in {int8,int4}_{gemv,gemm}_{f32,f16,bf16}; do
+    grep -qx "$kernel" <<<"$entries" || missing="$missing $kernel"
 done
 if [ -n "$missing" ]; then
     echo "MISSING KERNELS:$missing" >&2

@@ -39,6 +39,10 @@
 // Shared memory (dynamic, 2 * BLOCK_N * HEAD_DIM * sizeof(T) bytes, at most 32 KiB):
 //   k_tile [BLOCK_N][HEAD_DIM], v_tile [BLOCK_N][HEAD_DIM] in the storage type T.
 //
+// Quantized caches (int8 / fp8, common.cuh): the same kernel, the cache elements
+// dequantized (value * scale, float32) as the tile is staged, into float32 tiles
+// (2 * BLOCK_N * HEAD_DIM * 4 bytes, at most 32 KiB): the values paged_decode reads too.
+//
 // Precision: T is float, __half or __nv_bfloat16 storage; q·k, softmax and p·v in float32.
 //
 // This is the SIMT formulation (one float32 FMA per product): it serves float32 storage
@@ -58,13 +62,19 @@ __host__ __device__ constexpr int block_n() {
 }
 }  // namespace prefill
 
-template <typename T, int HEAD_DIM>
-__device__ void flash_prefill(const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+// C: the cache element (T, or signed char / unsigned char for int8 / fp8 caches); Q: its
+// KvQuant (common.cuh). Quantized caches are dequantized while the tile is staged, into
+// float32 tiles: k_scales / v_scales [slots, num_kv_heads] per token (int8), or the layer's
+// k_scale / v_scale (fp8); unquantized ones ignore all four.
+template <typename T, typename C, int Q, int HEAD_DIM>
+__device__ void flash_prefill(const T* __restrict__ q, const C* __restrict__ k_cache, const C* __restrict__ v_cache,
                               T* __restrict__ out, const int* __restrict__ query_start_loc,
                               const int* __restrict__ seq_lens, const int* __restrict__ block_tables,
                               int max_blocks_per_seq, int num_heads, int num_kv_heads, int block_size, float scale,
-                              int window, float soft_cap) {
+                              int window, float soft_cap, const float* __restrict__ k_scales,
+                              const float* __restrict__ v_scales, float k_scale, float v_scale) {
     using namespace prefill;
+    using TileT = typename refengine_if<Q == kKvNone, T, float>::type;  // shared-memory tile type
     constexpr int kBlockN = block_n<HEAD_DIM>();
     constexpr int kDimsPerThread = HEAD_DIM / kThreadsPerRow;
     static_assert(HEAD_DIM % kThreadsPerRow == 0, "head_dim must be a multiple of 4");
@@ -105,9 +115,9 @@ __device__ void flash_prefill(const T* __restrict__ q, const T* __restrict__ k_c
     float l = 0.0f;               // running row sum of exp(s - m)
 
     extern __shared__ __align__(16) unsigned char shared_mem[];
-    T* k_tile = reinterpret_cast<T*>(shared_mem);
-    T* v_tile = k_tile + kBlockN * HEAD_DIM;
-    REFENGINE_CHECK_SHARED_BYTES(2 * kBlockN * HEAD_DIM * sizeof(T));
+    TileT* k_tile = reinterpret_cast<TileT*>(shared_mem);
+    TileT* v_tile = k_tile + kBlockN * HEAD_DIM;
+    REFENGINE_CHECK_SHARED_BYTES(2 * kBlockN * HEAD_DIM * sizeof(TileT));
 
     // Keys any row of this tile may see: up to the position of its last real row (causal),
     // and from the key tile holding the first row's first key (window; 0 without one).
@@ -126,8 +136,18 @@ __device__ void flash_prefill(const T* __restrict__ q, const T* __restrict__ k_c
                 const long long physical_block = block_table[pos / block_size];
                 const long long slot = physical_block * block_size + pos % block_size;
                 const long long offset = (slot * num_kv_heads + kv_head) * HEAD_DIM + d;
-                k_tile[idx] = k_cache[offset];
-                v_tile[idx] = v_cache[offset];
+                if constexpr (Q == kKvNone) {
+                    k_tile[idx] = k_cache[offset];
+                    v_tile[idx] = v_cache[offset];
+                } else {  // dequantize: value * scale in float32, as the twin and paged_decode do
+                    float ks = k_scale, vs = v_scale;
+                    if constexpr (Q == kKvInt8) {
+                        ks = k_scales[slot * num_kv_heads + kv_head];
+                        vs = v_scales[slot * num_kv_heads + kv_head];
+                    }
+                    k_tile[idx] = kv_element<Q>(k_cache[offset]) * ks;
+                    v_tile[idx] = kv_element<Q>(v_cache[offset]) * vs;
+                }
             } else {
                 store_float(&k_tile[idx], 0.0f);
                 store_float(&v_tile[idx], 0.0f);
@@ -196,9 +216,9 @@ __device__ void flash_prefill(const T* __restrict__ q, const T* __restrict__ k_c
         NAME(const T* q, const T* k_cache, const T* v_cache, T* out, const int* query_start_loc,                \
              const int* seq_lens, const int* block_tables, int max_blocks_per_seq, int num_heads,               \
              int num_kv_heads, int block_size, float scale, int window, float soft_cap) {                       \
-        flash_prefill<T, HEAD_DIM>(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,           \
-                                   max_blocks_per_seq, num_heads, num_kv_heads, block_size, scale, window,      \
-                                   soft_cap);                                                                   \
+        flash_prefill<T, T, kKvNone, HEAD_DIM>(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, \
+                                               max_blocks_per_seq, num_heads, num_kv_heads, block_size, scale,   \
+                                               window, soft_cap, nullptr, nullptr, 1.0f, 1.0f);                  \
     }                                                                                                           \
     REFENGINE_EXPORT_KERNEL(NAME)
 
@@ -217,3 +237,37 @@ DEFINE_FLASH_PREFILL(flash_prefill_bf16_hd64, __nv_bfloat16, 64)
 DEFINE_FLASH_PREFILL(flash_prefill_bf16_hd96, __nv_bfloat16, 96)
 DEFINE_FLASH_PREFILL(flash_prefill_bf16_hd128, __nv_bfloat16, 128)
 DEFINE_FLASH_PREFILL(flash_prefill_bf16_hd256, __nv_bfloat16, 256)
+
+// Quantized caches: flash_prefill_<dtype>_<int8|fp8e4m3|fp8e5m2>_hd<head_dim>, the same launch
+// but 2 * block_n * head_dim * 4 bytes of shared memory (float32 tiles) and four more
+// arguments: k_scales, v_scales float32 [num_blocks * block_size, num_kv_heads] (int8; any
+// pointer for fp8), k_scale, v_scale (fp8: the layer's scales; int8: unused). The caches are
+// int8 values or fp8 codes, one byte each. (flash_prefill_mma has no quantized variants: the
+// plan sends quantized caches here, see refengine/kernels/plans.py.)
+#define DEFINE_FLASH_PREFILL_QUANT(NAME, T, C, Q, HEAD_DIM)                                                     \
+    extern "C" __global__ void __launch_bounds__(prefill::kNumThreads)                                          \
+        NAME(const T* q, const C* k_cache, const C* v_cache, T* out, const int* query_start_loc,                \
+             const int* seq_lens, const int* block_tables, int max_blocks_per_seq, int num_heads,               \
+             int num_kv_heads, int block_size, float scale, int window, float soft_cap, const float* k_scales,  \
+             const float* v_scales, float k_scale, float v_scale) {                                             \
+        flash_prefill<T, C, Q, HEAD_DIM>(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,     \
+                                         max_blocks_per_seq, num_heads, num_kv_heads, block_size, scale,        \
+                                         window, soft_cap, k_scales, v_scales, k_scale, v_scale);               \
+    }                                                                                                           \
+    REFENGINE_EXPORT_KERNEL(NAME)
+
+#define DEFINE_FLASH_PREFILL_QUANTS(DT, T, HEAD_DIM)                                                              \
+    DEFINE_FLASH_PREFILL_QUANT(flash_prefill_##DT##_int8_hd##HEAD_DIM, T, signed char, kKvInt8, HEAD_DIM)         \
+    DEFINE_FLASH_PREFILL_QUANT(flash_prefill_##DT##_fp8e4m3_hd##HEAD_DIM, T, unsigned char, kKvFp8E4m3, HEAD_DIM) \
+    DEFINE_FLASH_PREFILL_QUANT(flash_prefill_##DT##_fp8e5m2_hd##HEAD_DIM, T, unsigned char, kKvFp8E5m2, HEAD_DIM)
+
+#define DEFINE_FLASH_PREFILL_QUANT_DIMS(DT, T) \
+    DEFINE_FLASH_PREFILL_QUANTS(DT, T, 32)     \
+    DEFINE_FLASH_PREFILL_QUANTS(DT, T, 64)     \
+    DEFINE_FLASH_PREFILL_QUANTS(DT, T, 96)     \
+    DEFINE_FLASH_PREFILL_QUANTS(DT, T, 128)    \
+    DEFINE_FLASH_PREFILL_QUANTS(DT, T, 256)
+
+DEFINE_FLASH_PREFILL_QUANT_DIMS(f32, float)
+DEFINE_FLASH_PREFILL_QUANT_DIMS(f16, __half)
+DEFINE_FLASH_PREFILL_QUANT_DIMS(bf16, __nv_bfloat16)

@@ -42,6 +42,11 @@
 // Precision: T inputs, float32 accumulation and softmax; P is rounded to T for the P·V
 // product (as in FlashAttention-2), which the T-precision tolerance of the tests covers.
 //
+// Quantized KV caches (int8 / fp8) have no variant here: the plan sends them to flash_prefill.cu's
+// SIMT kernel. These tiles reach ldmatrix as 16-bit values through cp.async; dequantizing would
+// take a register pass per tile and round the dequantized keys to 16 bits, which paged_decode
+// (float32 tiles) does not, so prefill and decode would read different values.
+//
 // Not done (next steps for speed, to be measured on an H200 first): a deeper pipeline (two
 // K/V stages fit the 48 KiB a launch gets without opting in up to head_dim 64; head_dim 128
 // needs 69.6 KiB and cudaFuncAttributeMaxDynamicSharedMemorySize), block-table lookups done

@@ -53,18 +53,23 @@ __host__ __device__ constexpr int shared_floats() {
 }
 }  // namespace decode
 
-template <typename T, int HEAD_DIM>
-__device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+// C: the cache element (T, or signed char / unsigned char for int8 / fp8 caches); Q: its
+// KvQuant (common.cuh). Quantized elements are dequantized as the tile is staged (value *
+// scale in float32, the same values flash_prefill reads): k_scales / v_scales [slots,
+// num_kv_heads] per token for int8, the layer's k_scale / v_scale for fp8.
+template <typename T, typename C, int Q, int HEAD_DIM>
+__device__ void paged_decode(const T* __restrict__ q, const C* __restrict__ k_cache, const C* __restrict__ v_cache,
                              T* __restrict__ out, float* __restrict__ partial_out, float* __restrict__ partial_max,
                              float* __restrict__ partial_sum, const int* __restrict__ query_start_loc,
                              const int* __restrict__ seq_lens, const int* __restrict__ block_tables,
                              int max_blocks_per_seq, int num_heads, int num_kv_heads, int block_size, float scale,
-                             int partition_size, int window, float soft_cap) {
+                             int partition_size, int window, float soft_cap, const float* __restrict__ k_scales,
+                             const float* __restrict__ v_scales, float k_scale, float v_scale) {
     using namespace decode;
     static_assert((kGroupTile * HEAD_DIM) % kNumThreads == 0, "kGroupTile * head_dim must be a multiple of 128");
-    static_assert(HEAD_DIM % 8 == 0, "head_dim must be a multiple of 8 (16-byte loads)");
     constexpr int kAccPerThread = kGroupTile * HEAD_DIM / kNumThreads;  // outputs each thread accumulates
-    constexpr int kVec = 16 / sizeof(T);                                // elements per 16-byte load
+    constexpr int kVec = 16 / sizeof(C);                                // elements per 16-byte load
+    static_assert(HEAD_DIM % kVec == 0, "head_dim must be a multiple of 16 bytes' elements (16-byte loads)");
     constexpr int kChunksPerRow = HEAD_DIM / kVec;
 
     const int seq = blockIdx.y;
@@ -122,20 +127,30 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k_ca
             const int key = idx / kChunksPerRow;
             const int d = (idx % kChunksPerRow) * kVec;
             const int pos = tile_start + key;
-            uint4 k_raw = {0u, 0u, 0u, 0u}, v_raw = {0u, 0u, 0u, 0u};  // zero bits = 0.0 in every T
+            uint4 k_raw = {0u, 0u, 0u, 0u}, v_raw = {0u, 0u, 0u, 0u};  // zero bits = 0.0 in every C
+            float ks = k_scale, vs = v_scale;  // fp8: the layer's; int8: the token's (below)
             if (pos < part_end) {
                 const long long physical_block = block_table[pos / block_size];
                 const long long slot = physical_block * block_size + pos % block_size;
                 const long long offset = (slot * num_kv_heads + kv_head) * HEAD_DIM + d;
                 k_raw = *reinterpret_cast<const uint4*>(k_cache + offset);
                 v_raw = *reinterpret_cast<const uint4*>(v_cache + offset);
+                if constexpr (Q == kKvInt8) {
+                    ks = k_scales[slot * num_kv_heads + kv_head];
+                    vs = v_scales[slot * num_kv_heads + kv_head];
+                }
             }
-            const T* k_vec = reinterpret_cast<const T*>(&k_raw);
-            const T* v_vec = reinterpret_cast<const T*>(&v_raw);
+            const C* k_vec = reinterpret_cast<const C*>(&k_raw);
+            const C* v_vec = reinterpret_cast<const C*>(&v_raw);
 #pragma unroll
             for (int e = 0; e < kVec; ++e) {
-                k_s[key * (HEAD_DIM + 1) + d + e] = load_float(k_vec[e]);
-                v_s[key * HEAD_DIM + d + e] = load_float(v_vec[e]);
+                if constexpr (Q == kKvNone) {
+                    k_s[key * (HEAD_DIM + 1) + d + e] = load_float(k_vec[e]);
+                    v_s[key * HEAD_DIM + d + e] = load_float(v_vec[e]);
+                } else {
+                    k_s[key * (HEAD_DIM + 1) + d + e] = kv_element<Q>(k_vec[e]) * ks;
+                    v_s[key * HEAD_DIM + d + e] = kv_element<Q>(v_vec[e]) * vs;
+                }
             }
         }
         __syncthreads();  // q_s, stats (first tile) and the K/V tile are complete
@@ -249,9 +264,10 @@ __device__ void paged_decode_reduce(T* __restrict__ out, const float* __restrict
              float* partial_sum, const int* query_start_loc, const int* seq_lens, const int* block_tables,    \
              int max_blocks_per_seq, int num_heads, int num_kv_heads, int block_size, float scale,            \
              int partition_size, int window, float soft_cap) {                                                \
-        paged_decode<T, HEAD_DIM>(q, k_cache, v_cache, out, partial_out, partial_max, partial_sum,            \
-                                  query_start_loc, seq_lens, block_tables, max_blocks_per_seq, num_heads,     \
-                                  num_kv_heads, block_size, scale, partition_size, window, soft_cap);         \
+        paged_decode<T, T, kKvNone, HEAD_DIM>(q, k_cache, v_cache, out, partial_out, partial_max, partial_sum, \
+                                              query_start_loc, seq_lens, block_tables, max_blocks_per_seq,      \
+                                              num_heads, num_kv_heads, block_size, scale, partition_size,       \
+                                              window, soft_cap, nullptr, nullptr, 1.0f, 1.0f);                  \
     }                                                                                                         \
     REFENGINE_EXPORT_KERNEL(NAME)                                                                             \
     extern "C" __global__ void __launch_bounds__(HEAD_DIM)                                                    \
@@ -278,3 +294,37 @@ DEFINE_PAGED_DECODE(paged_decode_bf16_hd64, paged_decode_reduce_bf16_hd64, __nv_
 DEFINE_PAGED_DECODE(paged_decode_bf16_hd96, paged_decode_reduce_bf16_hd96, __nv_bfloat16, 96)
 DEFINE_PAGED_DECODE(paged_decode_bf16_hd128, paged_decode_reduce_bf16_hd128, __nv_bfloat16, 128)
 DEFINE_PAGED_DECODE(paged_decode_bf16_hd256, paged_decode_reduce_bf16_hd256, __nv_bfloat16, 256)
+
+// Quantized caches: paged_decode_<dtype>_<int8|fp8e4m3|fp8e5m2>_hd<D>, the same launch (and the
+// same paged_decode_reduce_<dtype>_hd<D> after it) with four more arguments: k_scales, v_scales
+// float32 [num_blocks * block_size, num_kv_heads] (int8; any pointer for fp8) and k_scale,
+// v_scale (fp8: the layer's scales; int8: unused). The caches hold one byte per value.
+#define DEFINE_PAGED_DECODE_QUANT(NAME, T, C, Q, HEAD_DIM)                                                     \
+    extern "C" __global__ void NAME(                                                                          \
+        const T* q, const C* k_cache, const C* v_cache, T* out, float* partial_out, float* partial_max,       \
+        float* partial_sum, const int* query_start_loc, const int* seq_lens, const int* block_tables,         \
+        int max_blocks_per_seq, int num_heads, int num_kv_heads, int block_size, float scale,                 \
+        int partition_size, int window, float soft_cap, const float* k_scales, const float* v_scales,         \
+        float k_scale, float v_scale) {                                                                       \
+        paged_decode<T, C, Q, HEAD_DIM>(q, k_cache, v_cache, out, partial_out, partial_max, partial_sum,      \
+                                        query_start_loc, seq_lens, block_tables, max_blocks_per_seq,          \
+                                        num_heads, num_kv_heads, block_size, scale, partition_size, window,   \
+                                        soft_cap, k_scales, v_scales, k_scale, v_scale);                      \
+    }                                                                                                         \
+    REFENGINE_EXPORT_KERNEL(NAME)
+
+#define DEFINE_PAGED_DECODE_QUANTS(DT, T, HEAD_DIM)                                                              \
+    DEFINE_PAGED_DECODE_QUANT(paged_decode_##DT##_int8_hd##HEAD_DIM, T, signed char, kKvInt8, HEAD_DIM)         \
+    DEFINE_PAGED_DECODE_QUANT(paged_decode_##DT##_fp8e4m3_hd##HEAD_DIM, T, unsigned char, kKvFp8E4m3, HEAD_DIM) \
+    DEFINE_PAGED_DECODE_QUANT(paged_decode_##DT##_fp8e5m2_hd##HEAD_DIM, T, unsigned char, kKvFp8E5m2, HEAD_DIM)
+
+#define DEFINE_PAGED_DECODE_QUANT_DIMS(DT, T) \
+    DEFINE_PAGED_DECODE_QUANTS(DT, T, 32)     \
+    DEFINE_PAGED_DECODE_QUANTS(DT, T, 64)     \
+    DEFINE_PAGED_DECODE_QUANTS(DT, T, 96)     \
+    DEFINE_PAGED_DECODE_QUANTS(DT, T, 128)    \
+    DEFINE_PAGED_DECODE_QUANTS(DT, T, 256)
+
+DEFINE_PAGED_DECODE_QUANT_DIMS(f32, float)
+DEFINE_PAGED_DECODE_QUANT_DIMS(f16, __half)
+DEFINE_PAGED_DECODE_QUANT_DIMS(bf16, __nv_bfloat16)

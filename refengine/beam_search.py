@@ -11,9 +11,18 @@ The selection rule is transformers' (``GenerationMixin._beam_search``, transform
 5.x), so the beams equal ``generate(num_beams=W, do_sample=False, length_penalty=...,
 early_stopping=...)``. Each step, for each prompt:
 
-1. Candidates: every live beam extended by each of its ``K`` most likely next tokens,
-   ranked by cumulative log-probability (the sum of the raw log-softmax of each chosen
-   token), ``K = max(2, 1 + number of EOS ids) * W`` (no EOS ids with ``ignore_eos``).
+1. Candidates: every live beam extended by each of its ``K = W + E`` most likely next
+   tokens (``E`` EOS ids; none with ``ignore_eos``), ranked by cumulative log-probability
+   (the sum of the raw log-softmax of each chosen token). transformers ranks the top
+   ``max(2, 1 + E) * W`` of all beams' candidates together; the first ``W`` non-ending
+   candidates of that ranking and the ending ones among its first ``W`` are what rules 2-3
+   use, and each of those is among its own beam's top ``W + E`` (above it in its beam rank
+   at most ``W - 1`` non-ending candidates and ``E`` EOS ones), so the beams are the same
+   while each step asks the engine for ``W + E`` logprobs, not ``2W`` or more: within
+   the default ``max_logprobs=20`` up to width 19 with one EOS id (SmolLM2), 17 with
+   Llama 3's three. A width that needs more than ``max_logprobs`` is refused before the
+   search starts (:func:`beam_search`), naming both (vLLM asks for ``2W`` and its first
+   step's request fails on ``max_logprobs``; the remedy is the same: a larger ``max_logprobs``).
 2. A candidate *ends* when its token is an EOS id (unless ``ignore_eos``) or it has
    ``max_tokens`` generated tokens (or reached ``max_model_len``). An ending candidate
    ranked in the top ``W`` is scored ``cum_logprob / num_generated ** length_penalty``
@@ -133,11 +142,20 @@ def beam_search(llm, prompts: list[list[int]], params: BeamSearchParams) -> list
         params: the search parameters.
     Returns:
         Per prompt, ``beam_width`` beams best first.
+    Raises:
+        ValueError: ``beam_width`` plus the number of EOS ids (the logprobs each step
+            needs, module docstring rule 1) is more than the engine's ``max_logprobs``;
+            raised before any step runs, naming the width, the need and the limit.
     """
     engine = llm.llm_engine
     width, lp = params.beam_width, params.length_penalty
     eos = set() if params.ignore_eos else set(engine.eos_token_ids)
-    k = max(2, 1 + len(eos)) * width
+    k = width + len(eos)  # enough for transformers' rule (module docstring, rule 1)
+    limit = engine.config.max_logprobs
+    if k > limit:
+        raise ValueError(f"BeamSearchParams.beam_width={width} needs logprobs={k} per step (the width plus "
+                         f"{len(eos)} EOS id(s)), more than max_logprobs={limit}: use beam_width <= "
+                         f"{limit - len(eos)} or raise the engine option max_logprobs to at least {k}")
     step_params = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=k, ignore_eos=True)
     max_len = engine.config.max_model_len
     searches = [_Search(min(params.max_tokens, max_len - len(p)), [BeamSearchSequence(list(p), len(p))])
@@ -154,7 +172,9 @@ def beam_search(llm, prompts: list[list[int]], params: BeamSearchParams) -> list
             candidates.sort(key=lambda c: -c[0])  # stable: ties keep beam order, then token order
             last = step == s.max_new
             s.live = []
-            for rank, (cum, parent, tok) in enumerate(candidates[:k]):
+            for rank, (cum, parent, tok) in enumerate(candidates):
+                if rank >= width and len(s.live) == width:
+                    break  # later candidates can neither finish (rank >= W) nor live
                 child = BeamSearchSequence(parent.tokens + [tok], parent.num_prompt_tokens, cum)
                 if last or tok in eos:
                     if rank < width:

@@ -179,8 +179,9 @@ class EngineConfig:
         draft_model_config: the draft model's config (``method="draft_model"``), else None.
         draft_bytes_per_block: one block of the draft's KV cache (0 without a draft); the
             draft's pool has ``num_kv_blocks`` blocks too.
-        kv_cache_dtype: KV cache storage, "auto" (``dtype``) or "int8" (with float32 scales
-            per token and KV head; :class:`refengine.kv_cache.KVCache`); the draft's cache too.
+        kv_cache_dtype: KV cache storage, "auto" (``dtype``), "int8" (with float32 scales
+            per token and KV head) or "fp8_e4m3" / "fp8_e5m2" (a float scale per layer;
+            :class:`refengine.kv_cache.KVCache`); the draft's cache too.
         quantization: the target model's weights: None (float), "int8" (quantized at load),
             "awq" or "gptq" (the checkpoint's; :func:`refengine.quant.awq_gptq.resolve_quantization`).
     """

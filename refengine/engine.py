@@ -22,6 +22,7 @@ One step::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -39,15 +40,15 @@ from refengine.engine_args import EngineArgs
 from refengine.gguf_file import close_gguf_files, is_gguf, open_gguf
 from refengine.kv_cache import BlockManager, KVCache, cdiv
 from refengine.metrics import EngineMetrics, RequestMetrics
-from refengine.model_runner import ModelRunner, warm_up_cpu_kernels
+from refengine.model_runner import ModelRunner, activation_peak, gpu_kv_pool_blocks, warm_up_cpu_kernels
 from refengine.models import load_model
 from refengine.ops import get_layer_ops
 from refengine.runtime import setup_cpu_runtime
 from refengine.runtime.threads import configure_threads
-from refengine.sampler import Sampler
-from refengine.sampling_params import SamplingParams
+from refengine.sampler import Sampler, log_softmax, sanitize_logits
+from refengine.sampling_params import RequestOutputKind, SamplingParams
 from refengine.scheduler import Scheduler
-from refengine.sequence import CompletionOutput, RequestOutput, Sequence, SequenceStatus
+from refengine.sequence import CompletionOutput, Logprob, RequestOutput, Sequence, SequenceStatus
 from refengine.spec_decode import DraftModelProposer, SpecDecoder
 from refengine.stop import StopChecker
 from refengine.text import check_unicode
@@ -145,6 +146,7 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence]
     metrics: RequestMetrics
+    prompt_logprobs_sent: bool = False  # SamplingParams.prompt_logprobs go out in one output only
 
     @property
     def finished(self) -> bool:
@@ -206,7 +208,7 @@ class LLMEngine:
             draft_model = load_model(Path(spec_cfg.model), config.draft_model_config, attention, ops, xp=xp,
                                      dtype=config.dtype, max_model_len=config.max_model_len)
         if config.num_kv_blocks is None:  # on a GPU the pool is what the weights and activations leave
-            num_blocks = self._gpu_kv_blocks(config)
+            num_blocks = self._gpu_kv_blocks(config, draft_model)
             config = args.create_engine_config(model_dir, model_config, num_gpu_blocks=num_blocks)
         self.config = config
         mc = model_config
@@ -218,7 +220,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache)
         if config.layer_ops == "numba":  # compile (or load) every CPU kernel now, not during the first requests
             warm_up_cpu_kernels(self.model, self.kv_cache, config.max_num_batched_tokens, config.max_model_len)
-        self.sampler = Sampler(eos_token_id=sorted(self.eos_token_ids))
+        self.sampler = Sampler(eos_token_id=sorted(self.eos_token_ids), tokenizer=self.tokenizer,
+                               vocab_size=mc.vocab_size)  # the tokenizer: bad_words, structured outputs
         self.spec_decoder = None
         if spec_cfg is not None:
             draft = None
@@ -227,12 +230,14 @@ class LLMEngine:
                 draft_cache = KVCache(dc.num_hidden_layers, config.num_kv_blocks, config.block_size,
                                       dc.num_key_value_heads, dc.head_dim, dtype=config.dtype, xp=xp,
                                       kv_cache_dtype=config.kv_cache_dtype)
-                draft = DraftModelProposer(draft_model, draft_cache, self.sampler)
+                draft = DraftModelProposer(draft_model, draft_cache, self.sampler,
+                                           max_num_batched_tokens=config.max_num_batched_tokens)
             self.spec_decoder = SpecDecoder(spec_cfg, self.sampler, config.max_model_len, draft)
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager,
                                    StopChecker(self.eos_token_ids, config.max_model_len), speculator=self.spec_decoder)
         self.metrics = EngineMetrics(trace=config.trace)
         self.requests: dict[str, Request] = {}
+        self._token_texts: dict[int, str] = {}  # token id -> its text, for prompt logprobs
         self._last_stats_log = time.monotonic()
 
     @property
@@ -252,39 +257,42 @@ class LLMEngine:
         return self.config.attention_backend
 
     # --- set-up helpers ---------------------------------------------------------------
-    def _gpu_kv_blocks(self, config) -> int:
-        """KV blocks that fit in ``utilization`` of the GPU after weights and activations.
+    def _gpu_kv_blocks(self, config, draft_model=None) -> int:
+        """KV blocks that fit in ``utilization`` of the GPU after weights and activations
+        (:func:`refengine.model_runner.gpu_kv_pool_blocks`; a block costs the target's and
+        the draft's bytes).
 
         The activation peak is measured, as vLLM's ``profile_run`` does: one forward pass
         of ``max_num_batched_tokens`` tokens through a throw-away cache, reading how much
-        the CuPy memory pool had to hold.
+        the CuPy memory pool had to hold; with a draft model, its own pass too (its
+        catch-up runs up to as many rows), and the larger peak counts.
         """
         import cupy
 
         cfg, mc = config, config.model_config
-        per_block, utilization = cfg.bytes_per_block + cfg.draft_bytes_per_block, cfg.gpu_memory_utilization
         pool = cupy.get_default_memory_pool()
+        passes = [(self.model, mc, cfg.bytes_per_block)]
+        if draft_model is not None:
+            passes.append((draft_model, cfg.draft_model_config, cfg.draft_bytes_per_block))
+        peak = 0
+        for model, c, block_bytes in passes:
+            held_before = pool.total_bytes()
+            n = min(cfg.max_num_batched_tokens, c.max_position_embeddings - 1)
+            probe = Sequence("__profile__", None, [0] * n, SamplingParams(max_tokens=1))
+            scratch = KVCache(c.num_hidden_layers, cdiv(n, cfg.block_size), cfg.block_size, c.num_key_value_heads,
+                              c.head_dim, dtype=cfg.dtype, xp=cupy, kv_cache_dtype=cfg.kv_cache_dtype)
+            probe.block_table = list(range(scratch.num_blocks))
+            ModelRunner(model, scratch).execute([(probe, n)])
+            cupy.cuda.Device().synchronize()
+            peak = max(peak, activation_peak(held_before, pool.total_bytes(), scratch.num_blocks * block_bytes))
+            del scratch
+            pool.free_all_blocks()
         free, total = cupy.cuda.runtime.memGetInfo()
-        held_before = pool.total_bytes()
-        n = min(cfg.max_num_batched_tokens, mc.max_position_embeddings - 1)
-        probe = Sequence("__profile__", None, [0] * n, SamplingParams(max_tokens=1))
-        scratch = KVCache(mc.num_hidden_layers, cdiv(n, cfg.block_size), cfg.block_size, mc.num_key_value_heads,
-                          mc.head_dim, dtype=cfg.dtype, xp=cupy)
-        probe.block_table = list(range(scratch.num_blocks))
-        ModelRunner(self.model, scratch).execute([(probe, n)])
-        cupy.cuda.Device().synchronize()
-        activation_peak = pool.total_bytes() - held_before - scratch.num_blocks * per_block
-        del scratch
-        pool.free_all_blocks()
-        free, total = cupy.cuda.runtime.memGetInfo()
-        budget = total * utilization - (total - free) - max(activation_peak, 0)
-        if budget < per_block:
-            raise ValueError(f"no GPU memory left for the KV cache at gpu_memory_utilization={utilization} "
-                             f"(weights and activations take {(total - free) / 2**30:.2f} GiB of "
-                             f"{total / 2**30:.2f} GiB)")
-        logger.info("KV cache: %d blocks (%.2f GiB); activation peak %.2f GiB", budget // per_block,
-                    budget / 2**30, activation_peak / 2**30)
-        return int(budget // per_block)
+        blocks = gpu_kv_pool_blocks(total, free, peak, cfg.bytes_per_block, cfg.draft_bytes_per_block,
+                                    cfg.gpu_memory_utilization)
+        logger.info("KV cache: %d blocks (%.2f GiB); activation peak %.2f GiB", blocks,
+                    blocks * (cfg.bytes_per_block + cfg.draft_bytes_per_block) / 2**30, peak / 2**30)
+        return blocks
 
     # --- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
@@ -306,7 +314,8 @@ class LLMEngine:
                 ``max_model_len`` tokens or more (:class:`PromptTooLongError`); ``sampling_params``
                 that is not a ``SamplingParams``, asks for more ``logprobs`` than ``max_logprobs``, for
                 more completions ``n`` than ``max_num_seqs``, or names stop token ids
-                outside the vocabulary. Nothing is queued and no block is taken.
+                outside the vocabulary; a ``cache_salt`` that is not a str. Nothing is
+                queued and no block is taken.
         """
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams or None, got {type(sampling_params).__name__}")
@@ -318,13 +327,16 @@ class LLMEngine:
         if arrival_time is not None and not (isinstance(arrival_time, (int, float)) and math.isfinite(arrival_time)):
             raise ValueError(f"arrival_time={arrival_time!r} is invalid: must be None or finite seconds")
         self.check_sampling_params(params)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt={cache_salt!r} is invalid: must be None or a str")
         text, token_ids = self.prompt_token_ids(prompt)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError(f"stop strings {params.stop_strings!r} need a tokenizer; {self.model_dir} has no tokenizer.json")
         now = time.monotonic() if arrival_time is None else arrival_time
+        shared_prompt_logprobs = [None] if params.prompt_logprobs is not None else None  # one per request
         seqs = [Sequence(request_id, text, token_ids, params, index=i,
                          detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params)
-                         if self.tokenizer else None, cache_salt=cache_salt)
+                         if self.tokenizer else None, cache_salt=cache_salt, prompt_logprobs=shared_prompt_logprobs)
                 for i in range(params.n)]
         self.requests[request_id] = Request(request_id, text, token_ids, params, seqs,
                                             RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids)))
@@ -353,11 +365,17 @@ class LLMEngine:
 
         Raises:
             ValueError: more ``logprobs`` than ``max_logprobs``, more completions ``n`` than
-                ``max_num_seqs``, or stop token ids outside the vocabulary.
+                ``max_num_seqs``, or stop token ids outside the vocabulary; what the sampler
+                cannot apply (``Sampler.check_sampling_params``: logit_bias / allowed_token_ids
+                ids outside the vocabulary, bad_words or structured outputs without a
+                tokenizer, a grammar llguidance refuses).
         """
         cfg = self.config
         if params.logprobs is not None and params.logprobs > cfg.max_logprobs:
             raise ValueError(f"SamplingParams.logprobs={params.logprobs} is more than this engine's "
+                             f"max_logprobs={cfg.max_logprobs} (an engine option)")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > cfg.max_logprobs:
+            raise ValueError(f"SamplingParams.prompt_logprobs={params.prompt_logprobs} is more than this engine's "
                              f"max_logprobs={cfg.max_logprobs} (an engine option)")
         if params.n > cfg.scheduler_config.max_num_seqs:
             raise ValueError(f"SamplingParams.n={params.n} is more than max_num_seqs={cfg.scheduler_config.max_num_seqs}: "
@@ -367,8 +385,8 @@ class LLMEngine:
         if bad:
             raise ValueError(f"SamplingParams.stop_token_ids={params.stop_token_ids!r} is invalid: {bad[0]} is "
                              f"outside the vocabulary [0, {vocab})")
-
-
+        # logit_bias / allowed_token_ids ids, bad_words and structured outputs (the grammar compiled)
+        self.sampler.check_sampling_params(params)
 
     def _check_prompt(self, token_ids: list[int], generates: bool = True) -> None:
         """``generates``: the prompt must leave room for one generated token (False: a prompt
@@ -447,8 +465,9 @@ class LLMEngine:
         rng_seqs = [seq for seq, _ in sched.scheduled] if spec is not None else []
         rng_states = [seq.generator.bit_generator.state for seq in rng_seqs]
         try:
+            prompt_logits = []  # rows of sequences owed prompt logprobs (ModelRunner.execute)
             if spec is None:
-                logits, sample_seqs = self.runner.execute(sched.scheduled)
+                logits, sample_seqs = self.runner.execute(sched.scheduled, prompt_logits=prompt_logits)
                 rng_seqs, rng_states = sample_seqs, [seq.generator.bit_generator.state for seq in sample_seqs]
                 out = self.sampler(logits, sample_seqs) if sample_seqs else None
                 sampled = [(seq, int(out.token_ids[i]), out.logprobs[i] if out.logprobs is not None else None)
@@ -457,8 +476,11 @@ class LLMEngine:
             else:
                 proposals = spec.propose(sched.spec, sched.preempted)
                 logits, sample_seqs = self.runner.execute(
-                    sched.scheduled, spec_tokens={seq: p.token_ids for seq, p in proposals.items()})
+                    sched.scheduled, spec_tokens={seq: p.token_ids for seq, p in proposals.items()},
+                    prompt_logits=prompt_logits)
                 sampled, num_rejected = spec.sample(logits, sample_seqs, proposals)
+            new_prompt_logprobs = [(seq, first, self._prompt_logprob_entries(seq, first, rows))
+                                   for seq, first, rows in prompt_logits]
             num_outputs_before = [seq.num_output_tokens for seq in sample_seqs]
             # Only now, with every sampled token in hand, is the step applied (in one place, atomically).
             results = self.scheduler.postprocess(sched.scheduled, sampled, num_rejected)
@@ -466,6 +488,8 @@ class LLMEngine:
             for seq, state in zip(rng_seqs, rng_states):  # so a seeded request redraws the same tokens
                 seq.generator.bit_generator.state = state
             raise
+        for seq, first, entries in new_prompt_logprobs:  # list appends only: nothing here raises
+            seq.prompt_logprobs.extend(entries[len(seq.prompt_logprobs) - first:])
         num_new = [seq.num_output_tokens - n for seq, n in zip(sample_seqs, num_outputs_before)]
         # The step is applied; what follows only reports it, and finished requests leave first.
         advanced = {seq.request_id: self.requests[seq.request_id] for seq, _ in results}
@@ -476,7 +500,49 @@ class LLMEngine:
             self._record_step(t0, sched, num_decode, results, num_new, advanced, finished)
         except Exception:
             logger.exception("recording the metrics of a step failed; the step's results stand")
-        return [self._make_output(req) for req in advanced.values()]
+        outputs = [self._make_output(req) for req in advanced.values()]
+        return [out for out in outputs if out is not None]
+
+    def _prompt_logprob_entries(self, seq: Sequence, first: int, logits: np.ndarray) -> list[dict[int, Logprob]]:
+        """Prompt-logprob entries ``first .. first + r - 1`` of ``seq`` from the logits of
+        the rows before them (``logits [r, vocab]`` float32, raw: no temperature, penalty or
+        bias), as vLLM's ``prompt_logprobs``: per entry ``j``, ``{prompt token j: Logprob,
+        then the top k most likely (ties to the lower id)}``, k =
+        ``SamplingParams.prompt_logprobs``; ranks 1-based (the prompt token's: how many
+        tokens are more likely, plus one). Float32 log-softmax (NaN logits count as -inf).
+        Reads only; raises AssertionError if the entries would leave a gap (a bug).
+        """
+        assert first <= len(seq.prompt_logprobs), "prompt logprobs would skip positions"
+        lp = log_softmax(sanitize_logits(logits))
+        r, vocab = lp.shape
+        actual = np.asarray(seq.prompt_token_ids[first:first + r], dtype=np.int64)
+        actual_lp = lp[np.arange(r), actual]
+        ranks = (lp > actual_lp[:, None]).sum(axis=-1) + 1
+        k = min(seq.sampling_params.prompt_logprobs, vocab)
+        top = np.empty((r, 0), dtype=np.int64)
+        if k > 0:
+            top = np.argpartition(-lp, k - 1, axis=-1)[:, :k]
+            order = np.lexsort((top, -np.take_along_axis(lp, top, axis=-1)), axis=-1)  # most likely first
+            top = np.take_along_axis(top, order, axis=-1)
+        text = self._token_text
+        entries = []
+        for i in range(r):
+            entry = {int(actual[i]): Logprob(float(actual_lp[i]), int(ranks[i]), text(int(actual[i])))}
+            for rank, t in enumerate(top[i].tolist(), 1):
+                if t not in entry:
+                    entry[t] = Logprob(float(lp[i, t]), rank, text(t))
+            entries.append(entry)
+        return entries
+
+    def _token_text(self, token_id: int) -> str | None:
+        """One token's text (special tokens kept), cached; None without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        cache = self._token_texts
+        text = cache.get(token_id)
+        if text is None:
+            text = cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     def _record_step(self, t0: float, sched, num_decode: int, results, num_new: list[int], advanced: dict,
                      finished: list) -> None:
@@ -511,23 +577,41 @@ class LLMEngine:
             self._last_stats_log = now
             logger.info(EngineMetrics.format_log_line(self.metrics.stats_since_last_log()))
 
-    def _make_output(self, req: Request) -> RequestOutput:
+    def _make_output(self, req: Request) -> RequestOutput | None:
         """Format the request's state as a ``RequestOutput`` (changes nothing but the
-        streaming cursors: text and token deltas since the previous output)."""
+        streaming cursors: text and token deltas since the previous output), as its
+        ``SamplingParams.output_kind`` asks: CUMULATIVE copies the whole output so far,
+        DELTA only what is new (O(new tokens) per step, whatever the output's length),
+        FINAL_ONLY returns None until the request has finished (then everything)."""
+        kind = req.params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not req.finished:
+            return None  # the cursors stay put: the final output's deltas are the whole output
+        want_logprobs = req.params.logprobs is not None
+        prompt_logprobs = None  # sent once: in the first output made after the prompt is computed
+        if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent \
+                and not req.seqs[0].needs_prompt_logprobs:
+            prompt_logprobs, req.prompt_logprobs_sent = req.seqs[0].prompt_logprobs, True
         completions = []
         for seq in req.seqs:
             detok = seq.detokenizer
-            delta, text = (detok.get_delta(), detok.text) if detok is not None else ("", "")
-            new_ids = seq.output_token_ids[seq.num_reported_tokens:]
+            delta = detok.get_delta() if detok is not None else ""
+            start = seq.num_reported_tokens
+            new_ids = seq.output_token_ids[start:]
             seq.num_reported_tokens = seq.num_output_tokens
+            if kind is RequestOutputKind.DELTA:
+                text, token_ids = delta, new_ids
+                logprobs = seq.logprobs[start:] if want_logprobs else None
+            else:
+                text = detok.text if detok is not None else ""
+                token_ids = list(seq.output_token_ids)
+                logprobs = list(seq.logprobs) if want_logprobs else None
             completions.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=list(seq.output_token_ids), delta_token_ids=new_ids,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                logprobs=list(seq.logprobs) if seq.sampling_params.logprobs is not None else None,
+                index=seq.index, text=text, token_ids=token_ids, delta_token_ids=new_ids,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, logprobs=logprobs,
                 delta_text=delta))
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,
                              finished=req.finished, metrics=req.metrics,
-                             num_cached_tokens=req.seqs[0].num_cached_tokens)
+                             num_cached_tokens=req.seqs[0].num_cached_tokens, prompt_logprobs=prompt_logprobs)
 
     def _log_finished(self, req: Request) -> None:
         m = req.metrics
@@ -639,6 +723,11 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        # Only finished outputs are returned: the engine need not copy a growing output every
+        # step (vLLM's LLM does the same). A copy, so the caller's params are left as given.
+        sampling_params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                           if isinstance(p, SamplingParams) and p.output_kind is RequestOutputKind.CUMULATIVE
+                           else p for p in sampling_params]
         engine = self.llm_engine
         ids = []
         try:

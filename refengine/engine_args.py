@@ -39,9 +39,13 @@ DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bf
 # Which attention backends run on which device, and the layer operations that go with them.
 BACKENDS = {"numpy": "cpu", "numba": "cpu", "cuda-emulated": "cpu", "cuda": "cuda"}
 LAYER_OPS_FOR_BACKEND = {"numpy": "numpy", "numba": "numba", "cuda-emulated": "numpy", "cuda": "cuda"}
+#: ``quantization`` values whose products have CUDA kernels (refengine/ops/cuda.py): all of them.
+CUDA_QUANTIZATIONS = QUANTIZATIONS
 DEFAULT_BATCHED_TOKENS = 2048
 #: Attention backends that read an int8 KV cache (``kv_cache_dtype="int8"``).
-INT8_KV_BACKENDS = ("numpy", "numba")
+INT8_KV_BACKENDS = ("numpy", "numba", "cuda", "cuda-emulated")
+#: Attention backends that read an fp8 KV cache (``kv_cache_dtype="fp8_e4m3"`` / ``"fp8_e5m2"``).
+FP8_KV_BACKENDS = ("cuda", "cuda-emulated")
 
 
 def _option(help: str, *, metavar: str | None = None, choices=None, flag: str | None = None,
@@ -94,8 +98,8 @@ class EngineArgs:
         "weights and KV cache (auto: float32 on the CPU, bfloat16 on a GPU; a GGUF file's tensors as stored, "
         "an explicit dtype dequantizes them)", choices=("auto", *DTYPES)))
     quantization: str | None = field(default=None, metadata=_option(
-        "weight quantization (vLLM's name; CPU): int8 (per-output-channel symmetric, computed at load from a "
-        "float checkpoint), awq or gptq (4-bit checkpoints, detected from config.json's quantization_config, "
+        "weight quantization (vLLM's name; CPU and CUDA): int8 (per-output-channel symmetric, computed at load from a "
+        "float checkpoint or a GGUF file's dequantized blocks), awq or gptq (4-bit checkpoints, detected from config.json's quantization_config, "
         "which the value must match); default: as the checkpoint is", choices=QUANTIZATIONS))
     attention_backend: str | None = field(default=None, metadata=_option(
         "how attention (and the layer ops) are computed: numpy, numba (compiled CPU kernels) or cuda-emulated "
@@ -117,8 +121,10 @@ class EngineArgs:
         "KV pool size in blocks (default: from --kv-cache-memory on the CPU, --gpu-memory-utilization on a GPU)",
         minimum=1))
     kv_cache_dtype: str = field(default="auto", metadata=_option(
-        "KV cache storage (vLLM's name): auto (the dtype) or int8 (int8 values and a float32 scale per token "
-        "and KV head, LMDeploy's scheme: about 3.8x the blocks in the same memory; numpy and numba backends)",
+        "KV cache storage (vLLM's names): auto (the dtype); int8 (int8 values and a float32 scale per token "
+        "and KV head, LMDeploy's scheme: about 3.8x the float32 blocks in the same memory; every backend); "
+        "fp8_e4m3 or fp8_e5m2 (one fp8 byte per value, x / scale with a per-layer scale, vLLM's scheme: 2x the "
+        "16-bit blocks; cuda and cuda-emulated backends)",
         choices=KV_CACHE_DTYPES))
     kv_cache_memory: int = field(default=2 * 1024**3, metadata=_option(
         "bytes for the KV pool on the CPU (allocated lazily)", minimum=1))
@@ -255,9 +261,10 @@ class EngineArgs:
                              f"{[b for b, d in BACKENDS.items() if d == device]}")
         dtype = resolve_dtype(self.dtype, device)
         quantization = resolve_quantization(self.quantization, model_dir)
-        if quantization is not None and device != "cpu":
-            raise ValueError(f"quantization={quantization!r} runs on the CPU only (its kernels are numba and NumPy "
-                             f"ones), not on device={device!r}")
+        # device="cuda" runs int8 and int4 (AWQ, GPTQ) weights as stored: cuda/quant_matmul.cu
+        if quantization is not None and device != "cpu" and quantization not in CUDA_QUANTIZATIONS:
+            raise ValueError(f"quantization={quantization!r} runs on the CPU only, not on device={device!r}; "
+                             f"on {device!r} use one of {CUDA_QUANTIZATIONS}")
         kv_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, backend)
         per_block = KVCache.bytes_per_block(mc.num_hidden_layers, self.block_size, mc.num_key_value_heads,
                                             mc.head_dim, dtype.itemsize, kv_dtype)
@@ -476,15 +483,18 @@ def resolve_device(device: str) -> str:
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, backend: str) -> str:
     """``kv_cache_dtype`` (one of :data:`refengine.kv_cache.KV_CACHE_DTYPES`) checked against
-    the attention backend: "int8" runs on the CPU backends that dequantize it (numpy, numba).
+    the attention backend: "int8" runs on :data:`INT8_KV_BACKENDS`, "fp8_e4m3" / "fp8_e5m2"
+    on :data:`FP8_KV_BACKENDS` (the CUDA kernels).
 
     Raises:
-        ValueError: "int8" with a CUDA backend (cuda, cuda-emulated), naming what is supported.
+        ValueError: a quantized cache with a backend that cannot read it, naming the backends that can.
     """
-    if kv_cache_dtype == "int8" and backend not in INT8_KV_BACKENDS:
-        raise ValueError(f"kv_cache_dtype='int8' is not supported with attention_backend={backend!r}: the int8 KV "
-                         f"cache runs on the {' and '.join(INT8_KV_BACKENDS)} backends (CPU); with {backend!r} "
-                         "use kv_cache_dtype='auto'")
+    supported = {"int8": INT8_KV_BACKENDS, "fp8_e4m3": FP8_KV_BACKENDS, "fp8_e5m2": FP8_KV_BACKENDS}
+    backends = supported.get(kv_cache_dtype)
+    if backends is not None and backend not in backends:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported with attention_backend={backend!r}: "
+                         f"it runs on the {', '.join(backends)} backends; with {backend!r} use "
+                         f"kv_cache_dtype='auto'" + (" or 'int8'" if backend in INT8_KV_BACKENDS else ""))
     return kv_cache_dtype
 
 

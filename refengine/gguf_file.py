@@ -618,6 +618,11 @@ def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
                             f"the file ({cur.size} bytes)")
         data = np.frombuffer(buf, dtype=dtype, count=count, offset=start).reshape(numpy_shape)
         tensors.append(GGUFTensor(name, qtype, dims, n_elements, n_bytes, start, data))
+    if isinstance(buf, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
+        try:  # the header is parsed into copies: its pages of the map are no longer needed
+            buf.madvise(mmap.MADV_DONTNEED, 0, min(data_offset, cur.size))
+        except (OSError, ValueError):
+            pass
     return GGUFHeader(path, version, cur.order, fields, tensors, alignment, data_offset)
 
 
@@ -966,41 +971,63 @@ class GGUFFile:
         """GGUF tensor name -> its stored type name (``"Q4_1"``, ``"F32"`` ...)."""
         return {name: t.tensor_type.name for name, t in self._tensors.items()}
 
-    def weights(self, dequantize: bool = False) -> dict:
+    def weights(self, dequantize: bool = False, quantization: str | None = None) -> dict:
         """Every tensor under its HF name, shapes checked; for ``llama`` the q/k rows
         unpermuted, for ``gemma3`` 1 subtracted from the norms (float32), so the result is
         the HF checkpoint's (module docstring).
+
+        Memory: one tensor at a time. Each tensor's bytes are copied out of the memory map
+        (or decoded), then its pages of the map are dropped from this process
+        (``madvise(MADV_DONTNEED)``; the file stays in the page cache), so the load peaks at
+        the weights plus one tensor, not at the weights plus the whole file.
 
         Args:
             dequantize: float32 arrays for every tensor (today's ``convert-gguf`` output);
                 else matrices stay as stored (:class:`refengine.quant.gguf_blocks.GGUFWeight`,
                 F32 ones as float32 arrays) and vectors (norms) become float32 arrays.
+            quantization: ``"int8"``: every matrix becomes a per-channel
+                :class:`refengine.quant.int8.Int8Weight` of its float32 dequantization
+                (:meth:`Int8Weight.from_rows`, decoded a slab of rows at a time: the same
+                int8 values as quantizing the ``dequantize=True`` matrix); None: as above.
         Returns:
             HF name -> ``[out, in]`` matrix or ``[n]`` vector.
         Raises:
             ValueError: an unknown tensor, one past the layer count, a wrong shape, or a
-                missing one; the message names it.
+                missing one; the message names it; a ``quantization`` other than None or
+                ``"int8"``.
         """
         from gguf.quants import dequantize as gguf_dequantize
 
+        if quantization not in (None, "int8"):
+            raise ValueError(f"GGUF weights: quantization={quantization!r} is not None or 'int8'")
         out = {}
         for name, t in self._tensors.items():
             hf, shape, n_head = self._hf_name(name)
             stored = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest first
             if stored != shape:
                 raise ValueError(f"GGUF tensor {name!r} has shape {stored}, expected {shape}")
-            if dequantize or len(shape) == 1 or t.tensor_type.name == "F32":
+            if quantization == "int8" and len(shape) == 2:
+                from refengine.quant.gguf_blocks import GGUFWeight
+                from refengine.quant.int8 import Int8Weight
+
+                weight = GGUFWeight.from_raw(t.tensor_type, t.data, shape)  # a copy of the blocks
+                if n_head:
+                    weight = weight.take_rows(rotary_row_order(shape[0], n_head))  # rows move, bytes unchanged
+                out[hf] = Int8Weight.from_rows(weight.dequantize, shape, hf)
+            elif dequantize or len(shape) == 1 or t.tensor_type.name == "F32":
                 array = gguf_dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
                 if n_head:
                     array = unpermute_rotary(array, n_head)
                 if _NORM_OFFSET[self.arch] and name.endswith("norm.weight"):
                     array = array - np.float32(_NORM_OFFSET[self.arch])  # stays float32
                 out[hf] = np.array(array, dtype=np.float32, order="C")  # a copy, never a view of the map
+                del array
             else:
                 from refengine.quant.gguf_blocks import GGUFWeight
 
-                weight = GGUFWeight.from_raw(t.tensor_type, t.data, shape)
+                weight = GGUFWeight.from_raw(t.tensor_type, t.data, shape)  # planes: copies of the map's bytes
                 out[hf] = weight.take_rows(rotary_row_order(shape[0], n_head)) if n_head else weight
+            _release_pages(t.data)
         cfg = self.config
         layer_names = _LAYER_NAMES[self.arch].values()
         missing = [f"model.layers.{i}.{s}" for i in range(cfg["num_hidden_layers"]) for s in layer_names]
@@ -1046,6 +1073,29 @@ class GGUFFile:
         return f"model.layers.{layer}.{suffix}", shape, heads
 
 
+def _release_pages(data: np.ndarray) -> None:
+    """Drop the pages of the memory map from its start to the end of ``data`` (a view of it)
+    from this process's resident set, once they are copied out: ``madvise(MADV_DONTNEED)``
+    on a read-only file mapping only unmaps them (they stay in the page cache, and a later
+    read of the view faults them back in, unchanged). From the map's start, not from
+    ``data``'s: reading a tensor also maps the pages around the fault (the kernel's
+    fault-around, tens of KB), the tail of the tensor before it, which the load has already
+    copied. Does nothing for data that is not a view of an ``mmap`` or where ``madvise``
+    does not exist."""
+    base = data
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, memoryview):  # np.frombuffer keeps a memoryview of the map
+        base = base.obj
+    if not isinstance(base, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED") or not data.nbytes:
+        return
+    try:
+        origin = np.frombuffer(base, dtype=np.uint8, count=1).ctypes.data  # the map's first byte
+        base.madvise(mmap.MADV_DONTNEED, 0, data.ctypes.data - origin + data.nbytes)
+    except (OSError, ValueError):  # a closed map, or a platform that refuses: the pages just stay
+        pass
+
+
 @functools.lru_cache(maxsize=4)
 def _open_cached(path: str, mtime_ns: int, size: int) -> GGUFFile:
     return GGUFFile(path)
@@ -1061,5 +1111,6 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
 
 def close_gguf_files() -> None:
     """Drop the files :func:`open_gguf` shares, and so their memory maps: an engine calls it
-    once its weights are loaded (the weights hold copies of the blocks, not views of the map)."""
+    once its weights are loaded (the weights hold copies of the blocks, not views of the map;
+    :meth:`GGUFFile.weights` already released each tensor's pages as it copied them)."""
     _open_cached.cache_clear()

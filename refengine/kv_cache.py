@@ -49,10 +49,42 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: list[int], extra_key
     return h.digest()
 
 
+def cache_salt_key(cache_salt: str | None) -> bytes:
+    """The ``extra_keys`` of a sequence's first block for its ``cache_salt``: nothing for
+    None, else the salt's UTF-8 bytes after their length (8 bytes, little-endian), so ""
+    and None differ and no two salts (nor a salt and different token ids) give the same
+    hashed bytes.
+
+    Raises:
+        ValueError: ``cache_salt`` is neither None nor a str.
+    """
+    if cache_salt is None:
+        return b""
+    if not isinstance(cache_salt, str):
+        raise ValueError(f"cache_salt={cache_salt!r} is invalid: must be None or a str")
+    data = cache_salt.encode("utf-8", "surrogatepass")
+    return struct.pack("<Q", len(data)) + data
+
+
 #: ``kv_cache_dtype`` values (vLLM's names): "auto" stores K/V in the activation dtype;
-#: "int8" stores int8 values and a float32 scale per token and KV head (CPU backends).
-KV_CACHE_DTYPES = ("auto", "int8")
+#: "int8" stores int8 values and a float32 scale per token and KV head (LMDeploy's scheme);
+#: "fp8_e4m3" / "fp8_e5m2" store one fp8 byte per value and one float scale per layer (vLLM's).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
+FP8_KV_CACHE_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 INT8_MAX = 127
+
+
+class FP8Scale(NamedTuple):
+    """The per-layer scale of an fp8 KV cache (vLLM's ``k_scale`` / ``v_scale``): the cache
+    holds ``fp8(x / scale)`` and is read as ``float(fp8) * scale``.
+
+    Attributes:
+        kv_cache_dtype: "fp8_e4m3" or "fp8_e5m2" (the byte's format).
+        scale: a finite float > 0; 1.0 unless the checkpoint gives one (vLLM's default).
+    """
+
+    kv_cache_dtype: str
+    scale: float
 
 
 def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -85,7 +117,7 @@ class LayerKVCache(NamedTuple):
     Attributes:
         k, v: ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the cache dtype.
         k_scale, v_scale: ``[num_blocks, block_size, num_kv_heads]`` float32 per-token
-            scales with an int8 cache, else None.
+            scales with an int8 cache, an :class:`FP8Scale` with an fp8 one, else None.
         dtype: the dtype K/V are written in and queries read in (the activation dtype).
     """
 
@@ -107,28 +139,36 @@ class KVCache:
     With ``kv_cache_dtype="int8"`` the pools hold int8 values and ``k_scale[layer]``,
     ``v_scale[layer]`` (``[num_blocks, block_size, num_kv_heads]`` float32) the scale of each
     token's row per KV head (:func:`quantize_int8`); a block id indexes both, so whatever
-    moves or shares a block (prefix caching, preemption) carries its scales. With "auto"
-    the scale lists hold None.
+    moves or shares a block (prefix caching, preemption) carries its scales. With "fp8_e4m3"
+    / "fp8_e5m2" the pools hold uint8 fp8 codes and the scale lists one :class:`FP8Scale`
+    per layer (scale 1.0; ``k_scales`` / ``v_scales``: one float per layer from a checkpoint's
+    ``k_scale`` / ``v_scale`` tensors). With "auto" the scale lists hold None.
 
     Args:
         dtype: the activation dtype (and, with "auto", the pools' dtype).
         kv_cache_dtype: one of :data:`KV_CACHE_DTYPES`.
+        k_scales, v_scales: fp8 only: one scale per layer (finite float32 > 0), default 1.0 each.
     Raises:
-        ValueError: an unknown ``kv_cache_dtype``.
+        ValueError: an unknown ``kv_cache_dtype``, or bad ``k_scales`` / ``v_scales``.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype=np.float32, xp=np, kv_cache_dtype: str = "auto"):
+                 dtype=np.float32, xp=np, kv_cache_dtype: str = "auto", k_scales=None, v_scales=None):
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         zeros = huge_page_zeros if xp is np else xp.zeros
         quantized = kv_cache_dtype == "int8"
-        store = np.int8 if quantized else dtype
+        fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
+        store = np.int8 if quantized else np.uint8 if fp8 else dtype
         self.k = [zeros(shape, store) for _ in range(num_layers)]
         self.v = [zeros(shape, store) for _ in range(num_layers)]
-        self.k_scale = [zeros(shape[:3], np.float32) if quantized else None for _ in range(num_layers)]
-        self.v_scale = [zeros(shape[:3], np.float32) if quantized else None for _ in range(num_layers)]
+        if fp8:
+            self.k_scale = [FP8Scale(kv_cache_dtype, s) for s in _layer_scales(k_scales, num_layers, "k_scales")]
+            self.v_scale = [FP8Scale(kv_cache_dtype, s) for s in _layer_scales(v_scales, num_layers, "v_scales")]
+        else:
+            self.k_scale = [zeros(shape[:3], np.float32) if quantized else None for _ in range(num_layers)]
+            self.v_scale = [zeros(shape[:3], np.float32) if quantized else None for _ in range(num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = np.dtype(dtype)
@@ -142,9 +182,32 @@ class KVCache:
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int,
                         kv_cache_dtype: str = "auto") -> int:
         """Bytes one block takes across all layers, keys and values (``itemsize``: bytes per
-        activation value; with "int8", 1 byte per value plus a 4-byte scale per token and head)."""
-        row = head_dim + 4 if kv_cache_dtype == "int8" else head_dim * itemsize
+        activation value; with "int8", 1 byte per value plus a 4-byte scale per token and head;
+        with fp8, 1 byte per value: its scales are per layer, not per block)."""
+        if kv_cache_dtype == "int8":
+            row = head_dim + 4
+        elif kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+            row = head_dim
+        else:
+            row = head_dim * itemsize
         return 2 * num_layers * block_size * num_kv_heads * row
+
+
+def _layer_scales(scales, num_layers: int, what: str) -> list[float]:
+    """Per-layer fp8 scales: ``scales`` (one finite float > 0 per layer) or 1.0 each.
+
+    Raises:
+        ValueError: the wrong count, or a scale that is not a finite float > 0.
+    """
+    if scales is None:
+        return [1.0] * num_layers
+    scales = [float(s) for s in scales]
+    if len(scales) != num_layers:
+        raise ValueError(f"{what} has {len(scales)} entries for {num_layers} layers")
+    for i, s in enumerate(scales):
+        if not (np.isfinite(s) and s > 0 and np.isfinite(np.float32(s)) and np.float32(s) > 0):
+            raise ValueError(f"{what}[{i}]={s!r}: an fp8 KV scale must be a finite float32 > 0")
+    return scales
 
 
 class BlockManager:
@@ -212,7 +275,7 @@ class BlockManager:
         while len(hashes) <= i:
             j = len(hashes)
             parent = hashes[-1] if hashes else None
-            extra = seq.cache_salt.encode("utf-8") if seq.cache_salt is not None and j == 0 else b""
+            extra = cache_salt_key(seq.cache_salt) if j == 0 else b""
             hashes.append(hash_block_tokens(parent, seq.token_ids_slice(j * bs, (j + 1) * bs), extra))
         return hashes[i]
 

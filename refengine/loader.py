@@ -47,9 +47,18 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def load_weights(model_dir: str | Path, want: dict[str, tuple[int, ...]], tied_embeddings: bool,
-                 dtype=np.float32, repack=None) -> dict[str, np.ndarray]:
+                 dtype=np.float32, repack=None, quantization: str | None = None) -> dict[str, np.ndarray]:
     """Read every tensor of the checkpoint, check it against ``want`` (name -> shape,
     :func:`check_weights`), cast to ``dtype``.
+
+    Tensor by tensor: each is cast (or quantized) as it is read, so the load holds the
+    result plus one tensor as stored, not the whole checkpoint twice.
+
+    ``quantization="int8"``: each float matrix becomes a per-channel
+    :class:`refengine.quant.int8.Int8Weight` as it is read, quantized from the stored
+    values (:meth:`Int8Weight.quantize` computes in float64, so a bfloat16 or float16
+    tensor gives the int8 values its float32 cast would); the float matrix is never held
+    whole in float32 beside the others.
 
     ``repack``: for a quantized checkpoint (AWQ, GPTQ), a callable ``repack(weights, source)``
     that replaces each layer's packed tensors (``P.qweight``, ``P.qzeros``, ``P.scales``,
@@ -62,23 +71,50 @@ def load_weights(model_dir: str | Path, want: dict[str, tuple[int, ...]], tied_e
         HF name -> array of ``dtype`` (float32 on the CPU), or the repacked quantized weights.
     Raises:
         FileNotFoundError: no checkpoint files.
-        ValueError: a file is unreadable (e.g. truncated), ``repack`` fails, or
-            :func:`check_weights` fails.
+        ValueError: a file is unreadable (e.g. truncated), ``repack`` fails,
+            :func:`check_weights` fails, ``quantization`` is not None or ``"int8"``, or
+            ``"int8"`` meets a matrix holding NaN or inf.
     """
+    if quantization not in (None, "int8"):
+        raise ValueError(f"load_weights: quantization={quantization!r} is not None or 'int8'")
+    if quantization == "int8" and repack is not None:
+        raise ValueError("load_weights: quantization='int8' quantizes a float checkpoint, not a packed (repacked) one")
     model_dir = Path(model_dir)
     weights: dict[str, np.ndarray] = {}
     for path in checkpoint_files(model_dir):
-        try:
-            with safe_open(str(path), framework="numpy") as f:
-                for name in f.keys():
-                    weights[name] = f.get_tensor(name)
-        except Exception as e:  # safetensors raises its own error types for corrupt files
-            raise ValueError(f"cannot read {str(path)!r}: {e} (truncated or corrupt safetensors file?)") from e
+        for name, w in _read_tensors(path):
+            # cast (or quantize) as read; packed tensors (AWQ/GPTQ) keep their dtypes for the repack
+            weights[name] = w if repack is not None else _cast(w, dtype, name, quantization)
     if repack is not None:
         repack(weights, str(model_dir))
     check_weights(weights, want, str(model_dir), tied_embeddings)
     return {name: w if is_quantized(w) else np.ascontiguousarray(w.astype(dtype, copy=False))
             for name, w in weights.items()}
+
+
+def _read_tensors(path: Path):
+    """Yield ``(name, array)`` for each tensor of one safetensors file, one at a time.
+
+    Raises:
+        ValueError: the file is unreadable (truncated or corrupt), naming it.
+    """
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise ValueError(f"cannot read {str(path)!r}: {e} (truncated or corrupt safetensors file?)") from e
+
+
+def _cast(w: np.ndarray, dtype, name: str, quantization: str | None):
+    """One tensor as read -> ``dtype`` (C-contiguous), or an ``Int8Weight`` for a float matrix
+    under ``quantization="int8"``."""
+    if quantization == "int8" and w.ndim == 2 and (np.issubdtype(w.dtype, np.floating)
+                                                   or w.dtype == ml_dtypes.bfloat16):
+        from refengine.quant.int8 import Int8Weight
+
+        return Int8Weight.quantize(w, name)
+    return np.ascontiguousarray(w.astype(dtype, copy=False))
 
 
 def check_weights(weights: dict, want: dict[str, tuple[int, ...]], source: str, tied_embeddings: bool) -> None:

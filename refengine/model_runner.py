@@ -63,6 +63,36 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int,
     return ids, positions.astype(np.int64), meta, np.array(sample_rows, dtype=np.int64), sample_seqs
 
 
+def prompt_logprob_rows(scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int, np.ndarray]]:
+    """The flat-batch rows whose logits give prompt log-probabilities this step.
+
+    For a sequence with ``SamplingParams.prompt_logprobs`` (``seq.prompt_logprobs`` holds
+    entries ``0 .. m - 1``), the row at prompt position ``p`` predicts prompt token
+    ``p + 1``: its chunk's rows at positions ``m - 1 .. len(prompt) - 2`` are wanted, the
+    last prompt position being the sampling row. Positions already filled (a recompute after
+    preemption) or wanted from an earlier sequence of the batch that shares the list (the
+    request's other ``n`` completions) are skipped, so no entry is computed twice.
+
+    Returns:
+        ``(sequence, first entry index j, rows [r] int64)`` per sequence with rows this step;
+        row ``i`` gives entry ``j + i``.
+    """
+    out = []
+    planned: dict[int, int] = {}  # id(shared list) -> first entry not yet wanted in this batch
+    offset = 0
+    for seq, n in scheduled:
+        lps = seq.prompt_logprobs
+        if lps is not None and len(lps) < seq.num_prompt_tokens:
+            start = seq.num_computed_tokens
+            first = max(start, planned.get(id(lps), len(lps)) - 1)  # positions, each giving entry p + 1
+            end = min(start + n, seq.num_prompt_tokens - 1)
+            if first < end:
+                out.append((seq, first + 1, np.arange(offset + first - start, offset + end - start, dtype=np.int64)))
+                planned[id(lps)] = end + 1
+        offset += n
+    return out
+
+
 def is_blas_step(model, num_rows: int, longest_chunk: int = 0) -> bool:
     """Whether a CPU step of ``num_rows`` flat-batch rows, the longest sequence's chunk
     ``longest_chunk`` rows, has BLAS products (:func:`refengine.runtime.threads.adapt_threads`
@@ -71,6 +101,39 @@ def is_blas_step(model, num_rows: int, longest_chunk: int = 0) -> bool:
     computes that chunk with BLAS products (its ``blas_prefill_min_rows``)."""
     return (num_rows >= getattr(model.ops, "blas_min_rows", 0)
             or longest_chunk >= getattr(model.attention, "blas_prefill_min_rows", float("inf")))
+
+
+def activation_peak(held_before: int, held_after: int, scratch_bytes: int) -> int:
+    """Bytes a GPU profile pass needed beyond its scratch KV cache, at least 0: what the
+    memory pool held after the pass (``held_after``) less what it held before and less the
+    scratch cache's own bytes (the target's or the draft's, in the KV dtype it was made with)."""
+    return max(0, int(held_after) - int(held_before) - int(scratch_bytes))
+
+
+def gpu_kv_pool_blocks(total_bytes: int, free_bytes: int, activation_peak_bytes: int, bytes_per_block: int,
+                       draft_bytes_per_block: int, utilization: float) -> int:
+    """KV blocks that fit in ``utilization`` of a GPU (vLLM's ``determine_num_available_blocks``).
+
+    ``budget = total * utilization - (total - free) - activation_peak``: ``total - free`` is
+    what is held when memory is read (the target's and the draft's weights, both loaded
+    by then), ``activation_peak`` the larger of the target's and the draft's profile passes
+    (:func:`activation_peak`); one block costs the target's bytes plus the draft's (the
+    draft's pool has as many blocks, :mod:`refengine.spec_decode.draft_model`).
+
+    Returns:
+        ``budget // (bytes_per_block + draft_bytes_per_block)``.
+    Raises:
+        ValueError: not one block fits, naming ``gpu_memory_utilization`` and what is held.
+    """
+    per_block = int(bytes_per_block) + int(draft_bytes_per_block)
+    held = total_bytes - free_bytes
+    budget = total_bytes * utilization - held - max(0, activation_peak_bytes)
+    if budget < per_block:
+        raise ValueError(f"no GPU memory left for the KV cache at gpu_memory_utilization={utilization} "
+                         f"(weights and activations take {(held + max(0, activation_peak_bytes)) / 2**30:.2f} GiB "
+                         f"of {total_bytes / 2**30:.2f} GiB; one block takes {per_block} bytes for this model"
+                         + (" and its draft model)" if draft_bytes_per_block else ")"))
+    return int(budget // per_block)
 
 
 class ModelRunner:
@@ -82,13 +145,17 @@ class ModelRunner:
         self.xp = model.xp
 
     def execute(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False,
-                spec_tokens: dict[Sequence, list[int]] | None = None):
+                spec_tokens: dict[Sequence, list[int]] | None = None, prompt_logits: list | None = None):
         """Run the model over the scheduled chunks (their K/V land in the cache).
 
         Args:
             scheduled: ``(sequence, num_new_tokens)`` pairs whose blocks are allocated.
             all_logits: return logits for every row, not only the sampling ones.
             spec_tokens: proposed tokens per speculating sequence (see :func:`build_batch`).
+            prompt_logits: a list to receive the logits of the prompt rows that sequences
+                with ``prompt_logprobs`` want (:func:`prompt_logprob_rows`): appended as
+                ``(sequence, first entry index, logits [r, vocab] float32)``. The LM head
+                runs on those rows and the sampling rows only. None: no prompt rows.
         Returns:
             ``(logits, sample_seqs)``: ``logits [S, vocab]`` float32 NumPy for the sequences
             that sample this step, ``1 + k`` rows for one with ``k`` proposals (or
@@ -102,9 +169,18 @@ class ModelRunner:
             adapt_threads(blas_step=is_blas_step(self.model, ids.shape[0], longest),
                           library_blas=not getattr(self.model.ops, "spreads_blas", False))
         rows = np.arange(ids.shape[0]) if all_logits else sample_rows
+        extra = prompt_logprob_rows(scheduled) if prompt_logits is not None and not all_logits else []
+        if extra:  # the prompt rows after the sampling ones, split off below
+            rows = np.concatenate([rows, *(r for _, _, r in extra)])
         logits = self.model.forward(xp.asarray(ids), positions, self.kv_cache, meta, xp.asarray(rows))
         if xp is not np:
             logits = xp.asnumpy(logits)
+        if extra:
+            at = len(sample_rows)
+            for seq, first, r in extra:
+                prompt_logits.append((seq, first, logits[at:at + len(r)]))
+                at += len(r)
+            logits = logits[:len(sample_rows)]
         return logits, sample_seqs
 
 

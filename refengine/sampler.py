@@ -4,7 +4,12 @@ Pipeline (the order of vLLM's v0 sampler and of Hugging Face's ``generate`` warp
 
     raw logits ──▶ logprobs (log-softmax of the raw logits: vLLM's default "raw_logprobs")
         │
+        ├─ structured outputs: tokens the request's grammar does not allow next -> -inf
+        │                      (refengine/structured_output.py, llguidance's bitmask)
+        ├─ allowed_token_ids: every other token -> -inf
+        ├─ bad_words: the last token of a banned word whose other tokens end the output -> -inf
         ├─ min_tokens: EOS / stop_token_ids banned while the output is shorter than min_tokens
+        ├─ logit_bias: added to the logits (OpenAI's rule: before any penalty or warper)
         ├─ penalties: repetition (HF rule, prompt + output), then frequency and presence
         │             (OpenAI rule, output only)
         ├─ greedy rows (temperature 0): argmax, ties to the lowest id; no random draw
@@ -24,6 +29,13 @@ loops over rows to gather per-request parameters and to make the one draw per ro
 row's ``numpy.random.Generator``. One draw per sampled token means a seeded request gives
 the same tokens whatever its batch companions, its row, or a preemption and recompute.
 
+The masks come first, as vLLM's v1 sampler orders them (``vllm/v1/sample/sampler.py``:
+allowed token ids, bad words, min_tokens and logit_bias, then penalties, then the
+warpers); nothing after them can lift a -inf. Where the other masks would leave a
+grammar's row without any token (min_tokens banning the EOS a complete grammar needs,
+allowed_token_ids outside the grammar), the grammar wins: the row keeps the grammar's
+mask alone.
+
 Robustness: NaN logits count as -inf, +inf as the largest float32; the most likely token
 always survives every filter, so a row is never left without candidates. A row that is
 -inf everywhere (nothing to choose) yields token 0 rather than raising.
@@ -37,6 +49,7 @@ from typing import Iterable, Protocol, Sequence as SequenceT
 import numpy as np
 
 from refengine.sampling_params import SamplingParams
+from refengine.structured_output import StructuredOutputManager, banned_by_bad_words, bad_words_token_ids
 
 _F32_MAX = np.finfo(np.float32).max
 
@@ -247,6 +260,9 @@ class Sampler:
             ``stop_token_ids``) while a request has fewer than ``min_tokens`` outputs,
             unless it sets ``ignore_eos`` (then only the stop ids are banned). None: only
             ``stop_token_ids`` are banned.
+        tokenizer: the engine's tokenizer, for ``bad_words`` and structured outputs (None:
+            requests with them are refused by :meth:`check_sampling_params`).
+        vocab_size: the logits' width (default: the tokenizer's size).
 
     Call: ``sampler(logits, seqs) -> SamplerOutput``
         logits: ``[B, V]`` float (cast to float32), row ``i`` belongs to ``seqs[i]``; not
@@ -259,13 +275,54 @@ class Sampler:
     tiny temperature); SamplingParams has already rejected out-of-range settings.
     """
 
-    def __init__(self, eos_token_id: int | Iterable[int] | None = None):
+    def __init__(self, eos_token_id: int | Iterable[int] | None = None, tokenizer=None,
+                 vocab_size: int | None = None):
         if eos_token_id is None:
             self.eos_token_ids: list[int] = []
         elif isinstance(eos_token_id, (int, np.integer)):
             self.eos_token_ids = [int(eos_token_id)]
         else:
             self.eos_token_ids = [int(t) for t in eos_token_id]
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size if vocab_size is not None else (
+            tokenizer.vocab_size if tokenizer is not None else None)
+        # llguidance's side (its tokenizer is built on the first structured request)
+        self.structured = (StructuredOutputManager(tokenizer, self.vocab_size, self.eos_token_ids)
+                           if tokenizer is not None else None)
+
+    def check_sampling_params(self, params: SamplingParams) -> None:
+        """Whether this sampler can apply ``params`` (the engine's ``check_sampling_params``).
+
+        Fills ``params``' bad-words token sequences (kept on it for the steps).
+
+        Raises:
+            ValueError: logit_bias or allowed_token_ids naming an id outside the vocabulary
+                ``[0, vocab_size)``; bad_words or structured outputs without a tokenizer;
+                a grammar llguidance refuses with this tokenizer (its message).
+        """
+        V = self.vocab_size
+        if V is not None:
+            for name, ids in (("logit_bias", list(params.logit_bias or ())),
+                              ("allowed_token_ids", params.allowed_token_ids or [])):
+                bad = [t for t in ids if t >= V]
+                if bad:
+                    shown = getattr(params, name)
+                    shown = shown if len(repr(shown)) <= 200 else f"<{len(shown)} entries>"
+                    raise ValueError(f"SamplingParams.{name}={shown!r} is invalid: token id {bad[0]} is "
+                                     f"outside the vocabulary [0, {V})")
+        for name in ("bad_words", "structured_outputs"):
+            if getattr(params, name) is not None and self.tokenizer is None:
+                raise ValueError(f"SamplingParams.{name}={getattr(params, name)!r} is invalid: it needs a "
+                                 "tokenizer and this model has none (no tokenizer.json)")
+        if params.bad_words is not None:
+            self._bad_words(params)
+        if params.structured_outputs is not None:
+            self.structured.check(params.structured_outputs)
+
+    def _bad_words(self, params: SamplingParams) -> list[list[int]]:
+        if params._bad_words_token_ids is None:
+            params._bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+        return params._bad_words_token_ids
 
     @np.errstate(all="ignore")
     def __call__(self, logits: np.ndarray, seqs: SequenceT[SequenceLike]) -> SamplerOutput:
@@ -275,7 +332,7 @@ class Sampler:
         want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_lp = log_softmax(x[want_lp]) if want_lp else None
 
-        x = self._process(x, seqs)
+        x = self._process(x, seqs, seqs)
         token_ids = np.empty(len(seqs), dtype=np.int64)
         greedy = np.array([p.greedy for p in params], dtype=bool)
         if greedy.any():
@@ -292,12 +349,18 @@ class Sampler:
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
     @np.errstate(all="ignore")
-    def process_logits(self, logits: np.ndarray, seqs: SequenceT[SequenceLike]) -> np.ndarray:
-        """The ``[B, V]`` float32 logits each row's token is taken from: min_tokens ban and
-        penalties for every row; then, for rows with temperature > 0, temperature, top-k,
-        top-p and min-p (removed tokens are -inf). Greedy rows take the argmax of theirs.
-        Consumes no random draws; for tests and debugging."""
-        return self._process(self._check(logits, seqs), seqs)
+    def process_logits(self, logits: np.ndarray, seqs: SequenceT[SequenceLike],
+                       owners: SequenceT | None = None) -> np.ndarray:
+        """The ``[B, V]`` float32 logits each row's token is taken from: the masks
+        (grammar, allowed_token_ids, bad_words, min_tokens), logit_bias and penalties for
+        every row; then, for rows with temperature > 0, temperature, top-k, top-p and
+        min-p (removed tokens are -inf). Greedy rows take the argmax of theirs.
+
+        ``owners``: per row, the sequence whose grammar matcher masks it (speculative
+        verification passes views of a sequence ``j`` proposals ahead, whose histories
+        the matcher follows); None (the default): no grammar mask. ``__call__`` uses
+        each row's own sequence. Consumes no random draws."""
+        return self._process(self._check(logits, seqs), seqs, owners)
 
     @staticmethod
     def _check(logits: np.ndarray, seqs) -> np.ndarray:
@@ -306,8 +369,15 @@ class Sampler:
             raise ValueError(f"logits must be [B, V] with B == len(seqs) == {len(seqs)}, got shape {logits.shape}")
         return sanitize_logits(logits)
 
-    def _process(self, x: np.ndarray, seqs) -> np.ndarray:
+    def _process(self, x: np.ndarray, seqs, owners=None) -> np.ndarray:
+        grammar_rows, grammar_only = self._apply_grammar(x, seqs, owners)
+        x = self._apply_token_masks(x, seqs)
         x = self._ban_stop_tokens_before_min_tokens(x, seqs)
+        x = self._apply_logit_bias(x, seqs)
+        if grammar_rows:  # the grammar wins over masks that would leave its row empty
+            empty = ~np.isfinite(x[grammar_rows].max(axis=-1))
+            for j in np.flatnonzero(empty):
+                x[grammar_rows[j]] = grammar_only[j]
         x = self._apply_penalties(x, seqs)
         rows = np.array([i for i, s in enumerate(seqs) if not s.sampling_params.greedy], dtype=np.int64)
         if rows.size:
@@ -315,6 +385,51 @@ class Sampler:
         return x
 
     # --- steps ---------------------------------------------------------------------------
+    def _apply_grammar(self, x: np.ndarray, seqs, owners) -> tuple[list[int], np.ndarray | None]:
+        """Structured outputs: -inf where each row's grammar refuses the token (in place).
+        Returns the rows masked and a copy of them as masked (for the fallback above)."""
+        if owners is None or self.structured is None:
+            return [], None
+        rows = [i for i, s in enumerate(seqs) if s.sampling_params.structured_outputs is not None
+                and owners[i] is not None]
+        if not rows:
+            return [], None
+        allowed = self.structured.allowed([owners[i] for i in rows],
+                                          [seqs[i].sampling_params.structured_outputs for i in rows],
+                                          [seqs[i].output_token_ids for i in rows])
+        V = x.shape[1]
+        if allowed.shape[1] < V:  # logits wider than the grammar's vocabulary: the rest refused
+            allowed = np.pad(allowed, ((0, 0), (0, V - allowed.shape[1])))
+        masked = np.where(allowed[:, :V], x[rows], np.float32(-np.inf))
+        x[rows] = masked
+        return rows, masked
+
+    def _apply_token_masks(self, x: np.ndarray, seqs) -> np.ndarray:
+        """allowed_token_ids (others -inf) and bad_words (in place)."""
+        V = x.shape[1]
+        for i, s in enumerate(seqs):
+            p = s.sampling_params
+            if p.allowed_token_ids is not None:
+                keep = np.zeros(V, dtype=bool)
+                keep[[t for t in p.allowed_token_ids if t < V]] = True
+                x[i, ~keep] = -np.inf
+            if p.bad_words is not None and self.tokenizer is not None:
+                banned = [t for t in banned_by_bad_words(self._bad_words(p), s.output_token_ids) if t < V]
+                x[i, banned] = -np.inf
+        return x
+
+    @staticmethod
+    def _apply_logit_bias(x: np.ndarray, seqs) -> np.ndarray:
+        """OpenAI's logit_bias: ``logit += bias`` for each listed token (in place)."""
+        V = x.shape[1]
+        for i, s in enumerate(seqs):
+            bias = s.sampling_params.logit_bias
+            if bias:
+                ids = np.fromiter((t for t in bias if t < V), dtype=np.int64)
+                vals = np.fromiter((b for t, b in bias.items() if t < V), dtype=np.float32)
+                x[i, ids] += vals
+        return x
+
     def _ban_stop_tokens_before_min_tokens(self, x: np.ndarray, seqs) -> np.ndarray:
         V = x.shape[1]
         for i, s in enumerate(seqs):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -13,6 +14,24 @@ from refengine.text import check_unicode
 # Seeds are those of NumPy's generators, which take non-negative integers; 64 bits is the
 # range vLLM (torch) accepts.
 MAX_SEED = 2**64 - 1
+# OpenAI's limits on logit_bias: at most 300 entries, each bias in [-100, 100].
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_LOGIT_BIAS = 100.0
+
+
+class RequestOutputKind(enum.Enum):
+    """What each ``RequestOutput`` of a request carries (vLLM's ``RequestOutputKind``).
+
+    CUMULATIVE: every output holds the whole text, token ids and logprobs so far (plus
+    ``delta_text`` / ``delta_token_ids``); a step copies O(output length) per request.
+    DELTA: each output holds only what is new since the previous one (a step costs
+    O(new tokens)); the concatenation of the outputs is the completion.
+    FINAL_ONLY: one output, when the request finishes, holding everything.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -44,7 +63,25 @@ class SamplingParams:
         ignore_eos: keep generating past EOS.
         logprobs: number of top log-probabilities to return per sampled token (None: none);
             the engine refuses more than its ``max_logprobs`` (20 by default).
+        prompt_logprobs: number of top log-probabilities to return per prompt token (None:
+            none; 0: only the prompt token's own), from the raw model distribution (before
+            temperature and penalties), as vLLM's: ``RequestOutput.prompt_logprobs``. The
+            engine refuses more than its ``max_logprobs``.
         skip_special_tokens: leave special tokens out of the decoded text.
+        output_kind: a :class:`RequestOutputKind`: whole outputs each step (the default),
+            only what is new, or only the final output.
+        logit_bias: ``{token_id: bias}`` added to the logits before any other processing
+            but the masks below (OpenAI's field); ids >= 0 (the engine checks them against
+            the vocabulary), biases in [-100, 100], at most 300 entries.
+        allowed_token_ids: a non-empty list of ids; every other token's logit is -inf
+            (vLLM's field; the engine checks the ids against the vocabulary).
+        bad_words: a list of non-empty strings never to generate: the last token of each
+            word's tokens (as written and after a space) is -inf while the output ends with
+            the tokens before it (vLLM's field; needs a tokenizer).
+        structured_outputs: a :class:`refengine.structured_output.StructuredOutputsParams`
+            (JSON schema, regex, choice, grammar or any JSON object) the output must
+            match; the request ends (EOS) when it is complete (vLLM's field, earlier
+            ``guided_decoding``). Needs llguidance and a tokenizer.
 
     Raises:
         ValueError: a field of the wrong type (bools are not counts, NaN is not a number),
@@ -69,7 +106,17 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: "StructuredOutputsParams | None" = None
+    prompt_logprobs: int | None = None
     _stop: list[str] = field(init=False, repr=False, default_factory=list)
+    # stop_token_ids as a set: the stop check runs per generated token
+    _stop_token_id_set: frozenset = field(init=False, repr=False, compare=False, default=frozenset())
+    # bad_words as token sequences, filled by the engine's sampler with its tokenizer
+    _bad_words_token_ids: list[list[int]] | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         def bad(name: str, value, allowed: str) -> ValueError:
@@ -110,9 +157,14 @@ class SamplingParams:
             raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             raise bad("logprobs", self.logprobs, "None or an integer >= 0 (at most the engine's max_logprobs)")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise bad("prompt_logprobs", self.prompt_logprobs,
+                      "None or an integer >= 0 (at most the engine's max_logprobs)")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise bad(name, getattr(self, name), "True or False")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", self.output_kind, "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
         # Containers: a str, list or tuple; anything else (an int, a set, bytes) is a mistake
         # that would otherwise surface far from here.
         if self.stop is None:
@@ -132,11 +184,53 @@ class SamplingParams:
         self.stop_token_ids = [int(t) if is_int(t) else t for t in self.stop_token_ids or []]
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of integers >= 0")
+        self._stop_token_id_set = frozenset(self.stop_token_ids)
+        self._check_logits_processing(bad, is_int, is_real)
+
+    def _check_logits_processing(self, bad, is_int, is_real) -> None:
+        """logit_bias, allowed_token_ids, bad_words, structured_outputs (normalised: ids to
+        ints, biases to floats)."""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", self.logit_bias, "None or a dict {token_id: bias}")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+                raise bad("logit_bias", f"<{len(self.logit_bias)} entries>",
+                          f"at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+            for t, b in self.logit_bias.items():
+                if not is_int(t) or t < 0:
+                    raise bad("logit_bias", self.logit_bias, f"keyed by token ids >= 0, got key {t!r}")
+                if not is_real(b) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+                    raise bad("logit_bias", self.logit_bias,
+                              f"biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {b!r} for token {t}")
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                raise bad("allowed_token_ids", self.allowed_token_ids, "None or a non-empty list of token ids >= 0")
+            if any(not is_int(t) or t < 0 for t in self.allowed_token_ids):
+                raise bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids >= 0")
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or any(
+                    not isinstance(w, str) or not w.strip() for w in self.bad_words):
+                raise bad("bad_words", self.bad_words, "None or a list of non-empty strings")
+            for w in self.bad_words:
+                check_unicode(w, f"SamplingParams.bad_words={w!r}")
+            self.bad_words = list(self.bad_words)
+        if self.structured_outputs is not None:
+            from refengine.structured_output import StructuredOutputsParams
+
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", self.structured_outputs, "None or a StructuredOutputsParams")
 
     @property
     def stop_strings(self) -> list[str]:
         """``stop`` normalised to a list."""
         return self._stop
+
+    @property
+    def stop_token_id_set(self) -> frozenset[int]:
+        """``stop_token_ids`` as a set (the per-token stop check)."""
+        return self._stop_token_id_set
 
     @property
     def greedy(self) -> bool:

@@ -19,9 +19,12 @@ generated (minus whatever of it is still cached), and continues exactly where it
 
 With speculative decoding (:mod:`refengine.spec_decode`), a decoding sequence may also get
 ``k`` speculative tokens to verify: ``1 + k`` query tokens, ``k`` as many as the proposer
-has, the token budget and the free blocks allow (no preemption for them). Its
-``num_computed_tokens`` then advances only past the accepted ones, and the blocks reserved
-for rejected ones that it no longer needs go back to the pool.
+has and as what is left of the token budget and the free blocks once every running
+sequence has its own tokens (step 1), oldest first, before any admission. Proposals
+never preempt and never take a later running sequence's decode slot; a step that
+preempted has none. Its ``num_computed_tokens`` then advances only past the accepted ones
+(never past the sequence's end, when a stop rule cut the accepted run short), and the
+blocks reserved for rejected ones that it no longer needs go back to the pool.
 
 After the model has run, :meth:`Scheduler.postprocess` is the one place where a step's
 results are applied: computed tokens advance (blocks they fill become cached), sampled
@@ -129,22 +132,18 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 break  # seq preempted itself; everything after it is gone too
             bm.allocate(seq, n)
-            # --- speculative decoding: a decoding sequence may verify k proposals too ---
-            if self.speculator is not None and n == seq.num_uncomputed_tokens == 1:
-                k = self._num_spec_tokens(seq, budget - n, num_running)
-                if k:
-                    out.spec[seq] = k
-                    n += k
-            # --- end speculative decoding ---
             out.scheduled.append((seq, n))
             budget -= n
             i += 1
 
         if out.preempted:
-            return out
+            return out  # the pool is short: no proposals, no admissions
+        if self.speculator is not None:
+            budget = self._schedule_spec_tokens(out, budget, num_running)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            cached = bm.find_cached_prefix(seq)  # waiting sequences hold no blocks
+            # waiting sequences hold no blocks; one still owed prompt logprobs computes every row (as vLLM's)
+            cached = [] if seq.needs_prompt_logprobs else bm.find_cached_prefix(seq)
             num_cached = len(cached) * bm.block_size
             n = len(seq) - num_cached
             if n > budget:
@@ -166,9 +165,29 @@ class Scheduler:
             budget -= n
         return out
 
+    def _schedule_spec_tokens(self, out: SchedulerOutput, budget: int, num_running: int) -> int:
+        """Speculative decoding: give decoding sequences proposal slots from what every
+        running sequence's own tokens left, oldest first. Returns the budget left.
+
+        Runs after the running loop, so a proposal never takes the budget or the block a
+        later running sequence needs for its decode token, and never preempts.
+        """
+        for idx, (seq, n) in enumerate(out.scheduled):
+            if budget <= 0:
+                break
+            if n != 1 or seq.num_uncomputed_tokens != 1:
+                continue  # prefill chunks never speculate
+            k = self._num_spec_tokens(seq, budget, num_running)
+            if k:
+                out.spec[seq] = k
+                out.scheduled[idx] = (seq, 1 + k)
+                budget -= k
+        return budget
+
     def _num_spec_tokens(self, seq: Sequence, budget: int, num_running: int) -> int:
-        """Speculative tokens for decoding ``seq``: what the proposer wants, within ``budget``
-        and the free blocks (reserved here; never preempting for them)."""
+        """Speculative tokens for decoding ``seq`` (its decode slot already allocated): what
+        the proposer wants, within ``budget`` and the free blocks (reserved here; never
+        preempting for them)."""
         k = min(self.speculator.num_spec_tokens(seq, num_running), budget)
         while k > 0 and not self.block_manager.can_allocate(seq, 1 + k):
             k -= 1
@@ -232,7 +251,9 @@ class Scheduler:
             raise
         rejected = num_rejected or {}
         for seq, n in scheduled:
-            seq.num_computed_tokens += n - rejected.get(seq, 0)
+            # a stop inside an accepted run drops the tokens after it: their K/V is not the
+            # sequence's, and a block past its end must not be hashed into the prefix cache
+            seq.num_computed_tokens = min(seq.num_computed_tokens + n - rejected.get(seq, 0), len(seq))
             self.block_manager.cache_full_blocks(seq)
         self._release_rejected_slots(rejected)
         results = []

@@ -10,6 +10,28 @@ import numpy as np
 from refengine.sampling_params import SamplingParams
 
 
+@dataclass
+class Logprob:
+    """One token's log-probability in one position's distribution (vLLM's ``Logprob``).
+
+    Attributes:
+        logprob: natural-log probability, float (``-inf`` for a token the model rules out).
+        rank: 1-based rank in that distribution (1: the most likely; tokens with a larger
+            log-probability, plus one).
+        decoded_token: the token's text on its own (``tokenizer.decode([id])``, special
+            tokens kept); None without a tokenizer.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One prompt position's entry of ``prompt_logprobs``: {token id: Logprob}, the actual prompt
+# token first, then the top k (None for position 0, which nothing predicts).
+PromptLogprobs = list["dict[int, Logprob] | None"]
+
+
 class SequenceStatus(enum.Enum):
     """WAITING (queued or preempted), RUNNING (has KV blocks), FINISHED."""
 
@@ -39,13 +61,19 @@ class Sequence:
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, index: int = 0, detokenizer=None,
-                 cache_salt: str | None = None):
+                 cache_salt: str | None = None, prompt_logprobs: PromptLogprobs | None = None):
         self.request_id = request_id
         self.index = index  # which of the n completions of the request
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] = []  # per output token, when asked
+        # SamplingParams.prompt_logprobs: entry j is position j's {token_id: Logprob} (entry 0
+        # None); one list shared by the request's n sequences, filled once whichever computes
+        # a position first (refengine.model_runner.prompt_logprob_rows). None: not asked.
+        if prompt_logprobs is None and sampling_params.prompt_logprobs is not None:
+            prompt_logprobs = [None]
+        self.prompt_logprobs = prompt_logprobs
         self.num_reported_tokens = 0  # output tokens already sent in a RequestOutput (for delta_token_ids)
         self.sampling_params = sampling_params
         self.status = SequenceStatus.WAITING
@@ -90,6 +118,12 @@ class Sequence:
         return len(self) - self.num_computed_tokens
 
     @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt log-probabilities were asked for and some positions still lack
+        them (such a sequence takes no prefix-cache hits: its rows must be computed)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
@@ -118,6 +152,10 @@ class Sequence:
 class CompletionOutput:
     """One completion of a request (vLLM's ``CompletionOutput``).
 
+    With ``SamplingParams.output_kind`` DELTA, ``text``, ``token_ids`` and ``logprobs``
+    hold only what is new since the request's previous output (the deltas concatenate to
+    the completion); otherwise (CUMULATIVE, FINAL_ONLY) everything so far.
+
     Attributes:
         index: which of the ``n`` completions.
         text: decoded text so far (stop string cut unless included).
@@ -127,6 +165,7 @@ class CompletionOutput:
         logprobs: per generated token, ``{token_id: logprob}`` for the sampled token and
             the top ``SamplingParams.logprobs`` tokens; None unless asked.
         delta_text: text added since the previous output of this request (streaming).
+        delta_token_ids: token ids added since the previous output of this request.
     """
 
     index: int
@@ -153,3 +192,7 @@ class RequestOutput:
     finished: bool
     metrics: object | None = None
     num_cached_tokens: int | None = None  # prompt tokens taken from the prefix cache at admission
+    # SamplingParams.prompt_logprobs: one entry per prompt token (the first None), each
+    # {token_id: Logprob} of the prompt token and the top k; sent once, in the request's first
+    # output after its prompt is computed (the final one for FINAL_ONLY), else None.
+    prompt_logprobs: PromptLogprobs | None = None

@@ -82,7 +82,7 @@ class StopChecker:
         decision = None
         if may_stop and not params.ignore_eos and token in self.eos_token_ids:
             decision = StopDecision("stop")
-        elif may_stop and token in params.stop_token_ids:
+        elif may_stop and token in params.stop_token_id_set:
             decision = StopDecision("stop", token)
         if detok is not None and (decision is None or params.include_stop_str_in_output):
             new_text = detok.add_token(token)

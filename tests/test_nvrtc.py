@@ -120,8 +120,11 @@ def test_nvrtc_compiles_every_kernel_for_sm90(compiled):
     lib = build_emulation_library([cuda_source_dir() / name for name in sources])
     emulated = lib.refengine_emu_list_kernels().decode().split()
     # production: reshape_and_cache (3) + layers (4 x 3 dtypes) + per head dim 3 SIMT prefill,
-    # 2 tensor-core prefill, 3 decode and 3 merge kernels
-    expected = {KERNEL_SOURCES: 15 + 11 * len(SUPPORTED_HEAD_DIMS), SELF_TEST_SOURCES: 3}[sources]
+    # 2 tensor-core prefill, 3 decode and 3 merge kernels; quantized KV caches (int8, fp8e4m3,
+    # fp8e5m2 x 3 dtypes): 9 reshape_and_cache + per head dim 9 SIMT prefill and 9 decode kernels;
+    # quantized weights (quant_matmul.cu): int8 and int4 GEMV and GEMM x 3 activation dtypes (12)
+    expected = {KERNEL_SOURCES: 15 + 11 * len(SUPPORTED_HEAD_DIMS) + 9 + 18 * len(SUPPORTED_HEAD_DIMS) + 12,
+                SELF_TEST_SOURCES: 3}[sources]
     assert len(emulated) == expected
     assert sorted(_entries(log)) == sorted(emulated)
 
@@ -137,7 +140,10 @@ def test_nvrtc_builds_every_attention_kernel_at_every_head_dim(compiled):
     missing = [f"{family}_{tag}_hd{d}" for d in SUPPORTED_HEAD_DIMS
                for family, tags in (("flash_prefill", ("f32", "f16", "bf16")), ("flash_prefill_mma", ("f16", "bf16")),
                                     ("paged_decode", ("f32", "f16", "bf16")),
-                                    ("paged_decode_reduce", ("f32", "f16", "bf16")))
+                                    ("paged_decode_reduce", ("f32", "f16", "bf16")),
+                                    *((family, tuple(f"{dt}_{kv}" for dt in ("f32", "f16", "bf16")))
+                                      for family in ("flash_prefill", "paged_decode")
+                                      for kv in ("int8", "fp8e4m3", "fp8e5m2")))
                for tag in tags if f"{family}_{tag}_hd{d}" not in entries]
     assert not missing, missing
 

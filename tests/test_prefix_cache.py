@@ -57,7 +57,7 @@ def test_hash_chain_is_sha256_over_parent_tokens_and_salt():
     # the same tokens after a different parent, or with a salt, are different content
     assert hash_block_tokens(hash_block_tokens(None, [0, 0, 0, 0]), [14, 15, 16, 17]) != h1
     salted = seq("b", range(10, 20), salt="tenant-1")
-    assert bm.block_hash_of(salted, 0) == sha(bytes(32), [10, 11, 12, 13], b"tenant-1")
+    assert bm.block_hash_of(salted, 0) == sha(bytes(32), [10, 11, 12, 13], struct.pack("<Q", 8) + b"tenant-1")
     assert bm.block_hash_of(salted, 1) == sha(bm.block_hash_of(salted, 0), [14, 15, 16, 17])
     # generated tokens continue the chain across the prompt/output boundary
     g = seq("c", range(10, 16))

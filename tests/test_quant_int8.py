@@ -182,19 +182,22 @@ def test_bad_quantization_values(tiny_llama_dir, tmp_path):
             LLM(tiny_llama_dir, quantization=method, log_stats=False)
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
-    with pytest.raises(ValueError, match="does not apply to the GGUF file"):
-        resolve_quantization("int8", gguf)
+    for method in ("awq", "gptq"):  # a GGUF file's blocks are not an AWQ/GPTQ checkpoint
+        with pytest.raises(ValueError, match=f"quantization='{method}' does not apply to the GGUF file"):
+            resolve_quantization(method, gguf)
+    assert resolve_quantization("int8", gguf) == "int8"  # requantized from its blocks at load
+    assert resolve_quantization(None, gguf) is None
     assert resolve_quantization(None, tiny_llama_dir) is None
     assert resolve_quantization("int8", tiny_llama_dir) == "int8"
 
 
-def test_quantization_needs_the_cpu(tiny_llama_dir, monkeypatch):
+def test_quantization_is_accepted_on_cuda(tiny_llama_dir, monkeypatch):
+    """int8 runs on device="cuda" through cuda/quant_matmul.cu (tests/test_cuda_quant.py)."""
     import refengine.engine_args as ea
 
     monkeypatch.setattr(ea, "resolve_device", lambda device: "cuda")
-    args = EngineArgs(model=str(tiny_llama_dir), device="cuda", quantization="int8")
-    with pytest.raises(ValueError, match="quantization='int8' runs on the CPU only"):
-        args.create_engine_config(*args.model_config())
+    args = EngineArgs(model=str(tiny_llama_dir), device="cuda", quantization="int8", num_kv_blocks=8)
+    assert args.create_engine_config(*args.model_config()).quantization == "int8"
 
 
 def test_cli_flag(tiny_llama_dir):
@@ -205,3 +208,102 @@ def test_cli_flag(tiny_llama_dir):
     assert re.search(r"quantization='awq' but the checkpoint", res.output), res.output
     res = CliRunner().invoke(main, ["generate", "hi", "--model", str(tiny_llama_dir), "--quantization", "nf4"])
     assert res.exit_code == 2 and "nf4" in res.output
+
+
+# --- quantized as loaded, and from a GGUF file ------------------------------------------------
+
+def test_from_rows_is_quantize_asked_a_slab_at_a_time(monkeypatch):
+    import refengine.quant.int8 as int8
+
+    monkeypatch.setattr(int8, "_CHUNK_ROWS", 16)
+    w = _matrix(np.random.default_rng(3), (37, 53))
+    asked = []
+
+    def rows(start, stop):
+        asked.append((start, stop))
+        return w[start:stop]
+
+    got, want = Int8Weight.from_rows(rows, w.shape, "x"), Int8Weight.quantize(w)
+    assert asked == [(0, 16), (16, 32), (32, 37)]  # never the whole matrix at once
+    np.testing.assert_array_equal(got.q, want.q)
+    np.testing.assert_array_equal(got.scales, want.scales)
+    with pytest.raises(ValueError, match=r"x: rows 0:16 came as shape \(16, 52\), not \(16, 53\)"):
+        Int8Weight.from_rows(lambda a, b: w[a:b, :52], w.shape, "x")
+
+
+def test_load_weights_quantizes_each_tensor_as_read(tmp_path):
+    """``load_weights(quantization="int8")`` gives what quantizing the float32 load gives,
+    from a bfloat16 checkpoint too (the float64 quantization of a bfloat16 value is that of
+    its exact float32 cast); vectors stay float32."""
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    from refengine.loader import load_weights
+
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((6, 40)).astype(ml_dtypes.bfloat16)
+    norm = rng.standard_normal(40).astype(ml_dtypes.bfloat16)
+    save_file({"a.weight": w, "n.weight": norm}, str(tmp_path / "model.safetensors"))
+    want = {"a.weight": (6, 40), "n.weight": (40,)}
+    got = load_weights(tmp_path, want, tied_embeddings=False, quantization="int8")
+    ref = Int8Weight.quantize(w.astype(np.float32))
+    assert isinstance(got["a.weight"], Int8Weight)
+    np.testing.assert_array_equal(got["a.weight"].q, ref.q)
+    np.testing.assert_array_equal(got["a.weight"].scales, ref.scales)
+    assert got["n.weight"].dtype == np.float32
+    np.testing.assert_array_equal(got["n.weight"], norm.astype(np.float32))
+    with pytest.raises(ValueError, match="quantization='int4' is not None or 'int8'"):
+        load_weights(tmp_path, want, tied_embeddings=False, quantization="int4")
+    bad = np.ones((6, 40), np.float32)
+    bad[2, 2] = np.inf
+    save_file({"a.weight": bad, "n.weight": norm.astype(np.float32)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="a.weight: cannot quantize to int8: the matrix holds NaN or inf"):
+        load_weights(tmp_path, want, tied_embeddings=False, quantization="int8")
+
+
+def test_int8_of_the_gguf_is_int8_of_its_float32_directory(gguf_path, smollm2_dir):
+    """``quantization="int8"`` of the GGUF file dequantizes each tensor from its blocks and
+    quantizes it per channel. weights/SmolLM2-135M-Instruct is that file's float32
+    dequantization (``convert-gguf``; tests/test_convert.py), so the int8 weights must be
+    bit for bit those of the directory's int8 load. Given equal weights, the logits differ
+    at most by the float32 summation order of the BLAS row blocks, which follow the thread
+    count each step picks (adapted to the machine's load): hence 1e-4 of the largest
+    logit, a hundred times below the int8 rounding error the test above allows (0.05)."""
+    pytest.importorskip("numba")
+    a = LLM(gguf_path, quantization="int8", log_stats=False)
+    b = LLM(smollm2_dir, quantization="int8", log_stats=False)
+    ma, mb = a.llm_engine.model, b.llm_engine.model
+    assert a.llm_engine.config.quantization == "int8"
+    pairs = [(ma.embed, mb.embed)] + [(getattr(la, n), getattr(lb, n)) for la, lb in zip(ma.layers, mb.layers)
+                                      for n in ("qkv", "o", "gate_up", "down")]
+    for wa, wb in pairs:
+        assert isinstance(wa, Int8Weight) and isinstance(wb, Int8Weight)
+        np.testing.assert_array_equal(wa.q, wb.q)
+        np.testing.assert_array_equal(wa.scales, wb.scales)
+    np.testing.assert_array_equal(ma.norm, mb.norm)
+    ids = a.get_tokenizer().encode("The history of the printing press begins in the fifteenth century.")
+    want, got = b.prompt_logits(ids), a.prompt_logits(ids)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_tile_path_rows_do_not_depend_on_the_batch(threads, monkeypatch):
+    """From INT8_BLAS_MIN_ROWS rows each thread multiplies all of ``x`` by its own tiles:
+    whatever the thread count and the rows beside it, a row's result is the exact product's
+    up to float32 rounding (not bit for bit: OpenBLAS's summation changes with the number
+    of rows, one thread too, as before this path; the dot kernels below the switch are the
+    batch-independent ones, test_dot_kernel_results_do_not_depend_on_the_batch)."""
+    pytest.importorskip("numba")
+    from refengine.quant import numba_int
+    from refengine.runtime import blas
+
+    rng = np.random.default_rng(7)
+    w = Int8Weight.quantize(_matrix(rng, (960, 576)))
+    x = rng.standard_normal((200, 576)).astype(np.float32)
+    monkeypatch.setattr(blas, "_threads", threads)
+    assert numba_int._balanced_tiles(960, 576, 2) == 480  # two equal tiles, one per thread
+    full = w.numba_linear(x)
+    part = w.numba_linear(x[:numba_int.INT8_BLAS_MIN_ROWS + 3])
+    want = x.astype(np.float64) @ w.dequantize().astype(np.float64).T
+    np.testing.assert_allclose(part, want[:numba_int.INT8_BLAS_MIN_ROWS + 3], rtol=0, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_allclose(full, want, rtol=0, atol=1e-5 * np.abs(want).max())

@@ -323,7 +323,7 @@ ERROR_CASES = [
     ("wrong type", None, {"prompt": [1], "temperature": "hot"}, "/v1/completions", 400, "temperature", ["number"]),
     ("missing prompt", None, {"max_tokens": 3}, "/v1/completions", 400, "prompt", ["prompt"]),
     ("logprobs above limit", None, {"prompt": [1], "logprobs": 21}, "/v1/completions", 400, "logprobs", ["20"]),
-    ("echo", None, {"prompt": [1], "echo": True}, "/v1/completions", 400, "echo", ["echo"]),
+    ("suffix", None, {"prompt": [1], "suffix": "x"}, "/v1/completions", 400, "suffix", ["suffix"]),  # echo works now
     ("bad json", None, b'{"prompt": [1', "/v1/completions", 400, None, ["JSON"]),
     ("oversized body", None, {"prompt": [7] * 40000}, "/v1/completions", 413, None, ["65536"]),
     ("oversized chunked body", None, lambda: (b"[7, 7, 7, 7]" for _ in range(8000)), "/v1/completions", 413, None,
@@ -365,7 +365,8 @@ def test_openai_client_sees_the_error_object(tiny):
 
 def test_dashboard_queries_only_exposed_metrics(tiny):
     good_request(httpx.Client(base_url=tiny.url, timeout=TIMEOUT))
-    exposed = set(re.findall(r"^(refengine:\w+)", httpx.get(f"{tiny.url}/metrics", timeout=TIMEOUT).text, re.M))
+    text = httpx.get(f"{tiny.url}/metrics", timeout=TIMEOUT, headers={"Authorization": f"Bearer {KEY}"}).text
+    exposed = set(re.findall(r"^(refengine:\w+)", text, re.M))
     dashboard = json.loads((ROOT / "monitoring" / "grafana" / "refengine.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     queried = {name for e in exprs for name in re.findall(r"refengine:\w+", e)}

@@ -217,7 +217,8 @@ def test_speculative_tokens_fit_the_budget_and_the_free_blocks_without_preemptin
     a, b = make_seq("a", 3), make_seq("b", 3)
     prefill(sched, a, b)
     out = sched.schedule()
-    assert out.spec == {a: 5} and [n for _, n in out.scheduled] == [6]  # b waits for the next step's budget
+    # every running sequence gets its decode token first; proposals take what is left
+    assert out.spec == {a: 4} and [(s.request_id, n) for s, n in out.scheduled] == [("a", 5), ("b", 1)]
     sched = make_sched(k=5, num_blocks=3, block_size=4)
     a = make_seq("a", 7)
     prefill(sched, a)  # 7 + 1 tokens in 2 blocks, 1 block free

@@ -20,7 +20,10 @@ The contract (the "attention contract" of the design notes):
   ``k_scale``/``v_scale [num_blocks, block_size, num_kv_heads]`` float32 beside them, one
   scale per token and KV head (:func:`refengine.kv_cache.quantize_int8`); ``write_kv``
   quantizes and ``forward`` reads ``q * scale``, prefill and decode alike. The scales are
-  keyword arguments, None for unquantized caches.
+  keyword arguments, None for unquantized caches. fp8 caches (``"fp8_e4m3"`` / ``"fp8_e5m2"``,
+  the CUDA backends and the NumPy twin) hold uint8 codes, and ``k_scale``/``v_scale`` are
+  :class:`refengine.kv_cache.FP8Scale` (format and the layer's float scale): stored
+  ``fp8(x / scale)``, read ``fp8 * scale``.
 
 Every backend implements :class:`AttentionBackend`: ``prepare`` once per step, then per
 layer ``write_kv`` and ``forward``.

@@ -32,8 +32,17 @@ wholly before the window of a query tile's first row, decode reads and partition
 last W keys) and ``logits_soft_cap`` c (scores ``c * tanh(s / c)``, Gemma 2). The kernels take
 them as ``int window`` and ``float soft_cap``, 0 meaning off.
 
+Quantized caches (``kv_cache_dtype`` "int8", "fp8_e4m3", "fp8_e5m2"; :mod:`refengine.kv_cache`):
+``reshape_and_cache_<dt>_<kv>`` quantizes as it writes (int8: a float32 scale per token and KV
+head, LMDeploy's scheme; fp8: ``fp8(x / scale)`` with the layer's :class:`FP8Scale`, vLLM's),
+and ``flash_prefill_<dt>_<kv>_hd<D>`` / ``paged_decode_<dt>_<kv>_hd<D>`` dequantize into their
+float32 shared-memory tiles, so prefill and decode read the same float32 values as the twin
+(:func:`refengine.attention.numpy_ref.gather_context`). The tensor-core prefill has no
+quantized variant: it feeds 16-bit tiles to ``ldmatrix``, and dequantized values rounded to
+16 bits would differ from what decode reads; quantized caches take the SIMT prefill.
+
 Not done yet: a deeper (multi-stage, TMA) pipeline and Hopper ``wgmma`` in the prefill
-kernel, a tensor-core decode for large groups, FP8 KV cache.
+kernel, a tensor-core decode for large groups, a tensor-core prefill over quantized caches.
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ from refengine.attention import AttentionMetadata
 from refengine.kernels import plans
 from refengine.kernels.build import EmulatedKernels, KernelModule, cupy_kernels
 from refengine.kernels.plans import DEFAULT_PARTITION_SIZE, DECODE_KEY_TILE, PREFILL_KERNELS, SUPPORTED_HEAD_DIMS
+from refengine.kv_cache import FP8Scale
 
 
 class _KernelAttention:
@@ -91,30 +101,36 @@ class _KernelAttention:
 
         Args:
             k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, C-contiguous,
-                written in place.
-            k, v: ``[T, num_kv_heads, head_dim]`` in the cache dtype.
+                written in place: float32/float16/bfloat16, or int8 (with ``k_scale, v_scale
+                [num_blocks, block_size, num_kv_heads]`` float32, written too), or uint8 fp8
+                codes (with ``k_scale, v_scale`` :class:`FP8Scale`).
+            k, v: ``[T, num_kv_heads, head_dim]`` in the cache dtype (a quantized cache: in the
+                activation dtype, float32/float16/bfloat16).
             meta: ``slot_mapping [T]`` int32; a negative slot is skipped.
         Raises:
-            ValueError: shapes disagree or the cache is not C-contiguous.
-            TypeError: dtypes differ or are not float32/float16/bfloat16.
-            NotImplementedError: ``k_scale``/``v_scale`` (a quantized cache: not in the CUDA kernels yet).
+            ValueError: shapes disagree, the cache is not C-contiguous, or only one scale is given.
+            TypeError: dtypes differ or are not float32/float16/bfloat16; scales that do not
+                fit the cache dtype.
         """
-        _no_scales(k_scale, v_scale)
         _check_cache(k_cache, v_cache)
+        quant = self._kv_quant(k_cache, k_scale, v_scale)
         num_tokens = k.shape[0]
         row = k_cache.shape[2:]
         if tuple(k.shape[1:]) != tuple(row) or k.shape != v.shape:
             raise ValueError(f"k/v {tuple(k.shape)}/{tuple(v.shape)} do not match cache rows {tuple(row)}")
-        if k.dtype != k_cache.dtype or v.dtype != k_cache.dtype:
+        if quant is not None:
+            if k.dtype != v.dtype:
+                raise TypeError(f"k/v dtypes {k.dtype}/{v.dtype} differ")
+        elif k.dtype != k_cache.dtype or v.dtype != k_cache.dtype:
             raise TypeError(f"k/v dtype {k.dtype}/{v.dtype} differs from the cache dtype {k_cache.dtype}")
         if len(meta.slot_mapping) != num_tokens:
             raise ValueError(f"slot_mapping has {len(meta.slot_mapping)} entries for {num_tokens} tokens")
         if num_tokens == 0:
             return
-        plans.dtype_tag(k_cache.dtype)  # raises TypeError before anything is copied
+        plans.dtype_tag(k.dtype)  # raises TypeError before anything is copied
         kern = self.kernels
         kern.launch(plans.reshape_and_cache_launch(kern.contiguous(k), kern.contiguous(v), k_cache, v_cache,
-                                                   self._device_metadata(meta).slot_mapping))
+                                                   self._device_metadata(meta).slot_mapping, quant))
 
     def forward(self, q: Any, k_cache: Any, v_cache: Any, meta: AttentionMetadata, scale: float, *,
                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
@@ -134,18 +150,20 @@ class _KernelAttention:
             scale: softmax scale, usually ``1 / sqrt(head_dim)``.
             sliding_window: keys per query, itself included (an int >= 1), or None for all.
             logits_soft_cap: ``c`` of ``c * tanh(scale * q.k / c)`` (a finite float > 0), or None.
+            k_scale, v_scale: a quantized cache's scales, as for :meth:`write_kv` (None: the
+                cache is in q's dtype). Quantized caches take the SIMT prefill.
         Returns:
             ``[T, num_heads, head_dim]`` in q's dtype.
         Raises:
             ValueError: inconsistent shapes, head_dim not in :data:`SUPPORTED_HEAD_DIMS`,
-                num_heads not a multiple of num_kv_heads, a cache not 16-byte aligned, or a bad
-                ``sliding_window`` / ``logits_soft_cap``.
-            TypeError: unsupported or mismatched dtypes.
-            NotImplementedError: ``k_scale``/``v_scale`` (a quantized cache).
+                num_heads not a multiple of num_kv_heads, a cache not 16-byte aligned, a bad
+                ``sliding_window`` / ``logits_soft_cap``, or only one scale.
+            TypeError: unsupported or mismatched dtypes, scales that do not fit the cache, or
+                ``prefill_kernel="mma"`` with a quantized cache.
         """
         _check_options(sliding_window, logits_soft_cap)
-        _no_scales(k_scale, v_scale)
         _check_cache(k_cache, v_cache)
+        quant = self._kv_quant(k_cache, k_scale, v_scale)
         if q.ndim != 3:
             raise ValueError(f"q must be [T, num_heads, head_dim], got shape {tuple(q.shape)}")
         num_tokens, num_heads, head_dim = (int(s) for s in q.shape)
@@ -156,7 +174,7 @@ class _KernelAttention:
             raise ValueError(f"head_dim {head_dim} has no compiled kernel; supported: {SUPPORTED_HEAD_DIMS}")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-        if q.dtype != k_cache.dtype:
+        if quant is None and q.dtype != k_cache.dtype:
             raise TypeError(f"q dtype {q.dtype} differs from the cache dtype {k_cache.dtype}")
         tag = plans.dtype_tag(q.dtype)
         kern = self.kernels
@@ -180,17 +198,55 @@ class _KernelAttention:
             else:  # not read: the kernel writes `out` directly
                 partials = (kern.empty((1,), np.float32),) * 3
             for launch in plans.paged_decode_launches(q, k_cache, v_cache, out, partials, placed, scale,
-                                                      self.decode_partition_size, **options):
+                                                      self.decode_partition_size, **options, kv_quant=quant):
                 kern.launch(launch)
             return out
 
-        kern.launch(plans.flash_prefill_launch(q, k_cache, v_cache, out, placed, scale, self._use_mma(tag),
-                                               **options))
+        kern.launch(plans.flash_prefill_launch(q, k_cache, v_cache, out, placed, scale,
+                                               self._use_mma(tag, quant is not None), **options, kv_quant=quant))
         return out
 
-    def _use_mma(self, tag: str) -> bool:
-        """Tensor-core prefill for 16-bit storage (``prefill_kernel="auto"`` or ``"mma"``)."""
+    def _kv_quant(self, k_cache: Any, k_scale: Any, v_scale: Any) -> plans.KvQuantArgs | None:
+        """The kernels' scale arguments for a quantized cache (None for an unquantized one).
+
+        int8 caches take ``[num_blocks, block_size, num_kv_heads]`` float32 C-contiguous scale
+        arrays; uint8 (fp8) caches an :class:`FP8Scale` each, of one format.
+
+        Raises:
+            ValueError: one scale without the other, or scale arrays of the wrong shape.
+            TypeError: scales that do not fit the cache's dtype.
+        """
+        if k_scale is None and v_scale is None:
+            return None
+        if k_scale is None or v_scale is None:
+            raise ValueError("k_scale and v_scale: give both or neither")
+        cache = np.dtype(k_cache.dtype)
+        if isinstance(k_scale, FP8Scale) or isinstance(v_scale, FP8Scale):
+            if not (isinstance(k_scale, FP8Scale) and isinstance(v_scale, FP8Scale)
+                    and k_scale.kv_cache_dtype == v_scale.kv_cache_dtype
+                    and k_scale.kv_cache_dtype in plans.KV_QUANT_TAGS and cache == np.uint8):
+                raise TypeError(f"fp8 KV caches are uint8 with two FP8Scale of one format; got a {cache} cache "
+                                f"and {k_scale!r}, {v_scale!r}")
+            unused = self.kernels.empty((1,), np.float32)  # the int8 scale arrays: not read
+            return plans.KvQuantArgs(k_scale.kv_cache_dtype, unused, unused, k_scale.scale, v_scale.scale)
+        if cache != np.int8:
+            raise TypeError(f"per-token scale arrays go with int8 KV caches, not {cache} ones")
+        want = tuple(int(s) for s in k_cache.shape[:3])
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if tuple(s.shape) != want or s.dtype != np.float32 or not s.flags.c_contiguous:
+                raise ValueError(f"{name} must be C-contiguous float32 of shape {want}, got {s.dtype} "
+                                 f"{tuple(s.shape)}")
+        return plans.KvQuantArgs("int8", k_scale, v_scale)
+
+    def _use_mma(self, tag: str, quantized: bool = False) -> bool:
+        """Tensor-core prefill for 16-bit storage (``prefill_kernel="auto"`` or ``"mma"``);
+        never for a quantized cache (see the module docstring)."""
         if self.prefill_kernel == "simt":
+            return False
+        if quantized:
+            if self.prefill_kernel == "mma":
+                raise TypeError("prefill_kernel='mma' reads unquantized caches only; a quantized KV cache "
+                                "(kv_cache_dtype int8/fp8) takes prefill_kernel='auto' or 'simt'")
             return False
         if tag == "f32":
             if self.prefill_kernel == "mma":
@@ -219,12 +275,6 @@ def _check_options(sliding_window: Any, logits_soft_cap: Any) -> None:
         # flush the kernels' cap to 0, i.e. off
         if not (math.isfinite(cap32) and cap32 >= float(np.finfo(np.float32).tiny)):
             raise ValueError(f"logits_soft_cap {logits_soft_cap!r} is not a finite normal positive float32")
-
-
-def _no_scales(k_scale: Any, v_scale: Any) -> None:
-    if k_scale is not None or v_scale is not None:
-        raise NotImplementedError("the CUDA kernels read unquantized caches only (kv_cache_dtype='auto'); "
-                                  "kv_cache_dtype='int8' runs on the numpy and numba backends")
 
 
 def _check_cache(k_cache: Any, v_cache: Any) -> None:

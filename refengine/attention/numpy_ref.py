@@ -23,6 +23,10 @@ keys) and ``logits_soft_cap`` c (scores ``c * tanh(s / c)`` before the softmax, 
 int8 caches (``kv_cache_dtype="int8"``): ``write_kv`` quantizes each token's row per KV
 head (:func:`refengine.kv_cache.quantize_int8`, LMDeploy's scheme) and both paths read
 ``q * scale`` through :func:`gather_context`, so prefill and decode see the same values.
+fp8 caches (``kv_cache_dtype="fp8_e4m3"`` / ``"fp8_e5m2"``, vLLM's scheme): uint8 codes and
+one :class:`refengine.kv_cache.FP8Scale` per layer; ``write_kv`` stores
+``float_to_fp8(x / scale)`` and both paths read ``fp8_to_float(code) * scale``. The two
+conversions below are the CUDA kernels' (``cuda/common.cuh``) twins, bit for bit.
 
 Grouped-query attention is handled by viewing the query heads as
 ``[num_kv_heads, group, ...]`` so each KV head is read once for its whole group.
@@ -40,10 +44,79 @@ from __future__ import annotations
 import numpy as np
 
 from refengine.attention import AttentionMetadata
-from refengine.kv_cache import dequantize_int8, quantize_int8
+from refengine.kv_cache import FP8Scale, dequantize_int8, quantize_int8
 
 Q_TILE = 128
 K_TILE = 256
+
+# fp8 formats: mantissa bits, exponent bias, largest finite value (OCP FP8; PyTorch's
+# float8_e4m3fn and float8_e5m2, ml_dtypes' likewise).
+FP8_FORMATS = {"fp8_e4m3": (3, 7, 448.0), "fp8_e5m2": (2, 15, 57344.0)}
+
+
+def float_to_fp8(x: np.ndarray, kv_cache_dtype: str) -> np.ndarray:
+    """float32 -> fp8 codes, round to nearest even, saturating (vLLM's ``__NV_SATFINITE``).
+
+    ``|x|`` above the format's largest finite value (infinities included) becomes ``+-max``;
+    NaN becomes ``sign | 0x7F`` (E4M3's NaN; a NaN in E5M2 too). Computed on the float32 bits
+    exactly as ``float_to_fp8`` in ``cuda/common.cuh``; ml_dtypes' ``float8_e4m3fn`` /
+    ``float8_e5m2`` agree on every value in range (they overflow to NaN / inf instead).
+
+    Args:
+        x: float32 array, any shape.
+        kv_cache_dtype: "fp8_e4m3" or "fp8_e5m2".
+    Returns:
+        uint8 codes, ``x``'s shape.
+    Raises:
+        ValueError: another ``kv_cache_dtype``.
+    """
+    mant, bias, fmax = _fp8_format(kv_cache_dtype)
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    sign = ((bits >> 24) & 0x80).astype(np.uint8)
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    a = np.minimum((bits & 0x7FFFFFFF).view(np.float32), np.float32(fmax))  # saturate (monotonic rounding)
+    a = np.where(nan, np.float32(0), a)
+    step = np.float32(2.0 ** (1 - bias - mant))  # the subnormal step; smallest normal = step * 2^mant
+    sub = np.rint(a * np.float32(1 / step)).astype(np.uint32)  # exact scaling, half to even
+    drop = 23 - mant
+    u = a.view(np.uint32)
+    u = u + np.uint32((1 << (drop - 1)) - 1) + ((u >> drop) & 1)  # round the mantissa, half to even
+    normal = (u >> drop) - np.uint32((127 - bias) << mant)
+    code = np.where(a < step * np.float32(2 ** mant), sub, normal).astype(np.uint8)
+    return np.where(nan, np.uint8(0x7F), code) | sign
+
+
+def fp8_to_float(code: np.ndarray, kv_cache_dtype: str) -> np.ndarray:
+    """fp8 codes (uint8, any shape) -> float32, exactly (``fp8_to_float`` in ``cuda/common.cuh``).
+
+    E4M3: ``S.1111.111`` is NaN, no infinities; E5M2: exponent 31 is infinity (mantissa 0)
+    or NaN. Raises ValueError for another ``kv_cache_dtype``.
+    """
+    return _fp8_table(kv_cache_dtype)[np.asarray(code, dtype=np.uint8)]
+
+
+def _fp8_format(kv_cache_dtype: str) -> tuple[int, int, float]:
+    if kv_cache_dtype not in FP8_FORMATS:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not an fp8 format {tuple(FP8_FORMATS)}")
+    return FP8_FORMATS[kv_cache_dtype]
+
+
+_FP8_TABLES: dict[str, np.ndarray] = {}
+
+
+def _fp8_table(kv_cache_dtype: str) -> np.ndarray:
+    """The 256 values of a format, float32, built from the bit fields."""
+    if kv_cache_dtype not in _FP8_TABLES:
+        mant, bias, _ = _fp8_format(kv_cache_dtype)
+        code = np.arange(256, dtype=np.int64)
+        e, m = (code & 0x7F) >> mant, code & ((1 << mant) - 1)
+        value = np.where(e == 0, m * 2.0 ** (1 - bias - mant), (1 + m / 2 ** mant) * 2.0 ** (e - bias))
+        if kv_cache_dtype == "fp8_e4m3":
+            value = np.where((code & 0x7F) == 0x7F, np.nan, value)
+        else:
+            value = np.where(e == 31, np.where(m == 0, np.inf, np.nan), value)
+        _FP8_TABLES[kv_cache_dtype] = np.where(code & 0x80, -value, value).astype(np.float32)
+    return _FP8_TABLES[kv_cache_dtype]
 
 
 class NumpyAttention:
@@ -60,12 +133,17 @@ class NumpyAttention:
         """Store ``k, v [T, num_kv_heads, head_dim]`` at ``meta.slot_mapping [T]`` in place.
 
         With int8 caches, ``k_scale, v_scale [num_blocks, block_size, num_kv_heads]`` float32
-        receive each row's scale and the caches its int8 values (:func:`quantize_int8`).
+        receive each row's scale and the caches its int8 values (:func:`quantize_int8`); with
+        fp8 caches (uint8, ``k_scale, v_scale`` :class:`FP8Scale`) the caches receive
+        ``float_to_fp8(x / scale)``.
         """
         block_size = k_cache.shape[1]
         blocks = meta.slot_mapping // block_size
         offsets = meta.slot_mapping % block_size
-        if k_scale is not None:
+        if isinstance(k_scale, FP8Scale):
+            k = float_to_fp8(k.astype(np.float32) / np.float32(k_scale.scale), k_scale.kv_cache_dtype)
+            v = float_to_fp8(v.astype(np.float32) / np.float32(v_scale.scale), v_scale.kv_cache_dtype)
+        elif k_scale is not None:
             k, ks = quantize_int8(k)
             v, vs = quantize_int8(v)
             k_scale[blocks, offsets] = ks
@@ -81,7 +159,8 @@ class NumpyAttention:
         Args:
             q: ``[T, num_heads, head_dim]`` float32.
             k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, float32, or
-                int8 with ``k_scale, v_scale [num_blocks, block_size, num_kv_heads]`` float32.
+                int8 with ``k_scale, v_scale [num_blocks, block_size, num_kv_heads]`` float32,
+                or uint8 fp8 codes with ``k_scale, v_scale`` :class:`FP8Scale`.
             meta: where each sequence's queries and keys live.
             scale: softmax scale, usually ``1 / sqrt(head_dim)``.
             sliding_window: keys per query (itself included), None for all of them.
@@ -111,17 +190,21 @@ def gather_context(k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.nda
     Args:
         block_table: ``[max_blocks]`` int32, ``-1`` past the sequence's last block.
         seq_len: context length in tokens.
-        k_scale, v_scale: ``[num_blocks, block_size, num_kv_heads]`` float32 for int8 caches.
+        k_scale, v_scale: ``[num_blocks, block_size, num_kv_heads]`` float32 for int8 caches,
+            :class:`FP8Scale` for fp8 ones.
     Returns:
         ``k, v [seq_len, num_kv_heads, head_dim]`` (copies, in the cache dtype; float32
-        ``q * scale`` for int8 caches).
+        ``q * scale`` for int8 caches, ``fp8_to_float(code) * scale`` for fp8 ones).
     """
     block_size = k_cache.shape[1]
     num_blocks = -(-seq_len // block_size)
     blocks = block_table[:num_blocks]
     k = k_cache[blocks].reshape(num_blocks * block_size, *k_cache.shape[2:])[:seq_len]
     v = v_cache[blocks].reshape(num_blocks * block_size, *v_cache.shape[2:])[:seq_len]
-    if k_scale is not None:
+    if isinstance(k_scale, FP8Scale):
+        k = fp8_to_float(k, k_scale.kv_cache_dtype) * np.float32(k_scale.scale)
+        v = fp8_to_float(v, v_scale.kv_cache_dtype) * np.float32(v_scale.scale)
+    elif k_scale is not None:
         k = dequantize_int8(k, k_scale[blocks].reshape(num_blocks * block_size, -1)[:seq_len])
         v = dequantize_int8(v, v_scale[blocks].reshape(num_blocks * block_size, -1)[:seq_len])
     return k, v
@@ -205,7 +288,8 @@ def paged_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_
         block_tables: ``[B, max_blocks]`` int32 (``-1`` padding).
         seq_lens: ``[B]`` int32 context lengths (including the query token).
         scale: softmax scale.
-        k_scale, v_scale: ``[num_blocks, block_size, num_kv_heads]`` float32 for int8 caches.
+        k_scale, v_scale: ``[num_blocks, block_size, num_kv_heads]`` float32 for int8 caches,
+            :class:`FP8Scale` for fp8 ones.
         sliding_window: ``W``: only the last ``W`` keys are read; None for all.
         logits_soft_cap: ``c`` of :func:`soft_cap`, or None.
     Returns:

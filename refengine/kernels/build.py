@@ -44,7 +44,8 @@ def emulator_build_dir() -> Path:
     return build_cache_dir() / "cuda-emulated"
 
 
-KERNEL_SOURCES = ("reshape_and_cache.cu", "flash_prefill.cu", "flash_prefill_mma.cu", "paged_decode.cu", "layers.cu")
+KERNEL_SOURCES = ("reshape_and_cache.cu", "flash_prefill.cu", "flash_prefill_mma.cu", "paged_decode.cu", "layers.cu",
+                  "quant_matmul.cu")
 SELF_TEST_SOURCES = ("mma_check.cu",)  # mma / ldmatrix / cp.async layout checks
 EMULATION_SUPPORT = ("cuda_emu.h", "common.cuh", "mma.cuh", "cp_async.cuh", "emu_runtime.cpp")
 
@@ -55,6 +56,7 @@ class KernelModule(Protocol):
     """A loaded kernel module and the arrays its launches take (NumPy or CuPy)."""
 
     name: str
+    xp: Any  # the array module (``cupy`` or ``numpy``) of the arrays it takes
 
     def launch(self, launch: Launch) -> None:
         """Run one launch (asynchronously on a GPU)."""
@@ -125,6 +127,7 @@ class CupyKernels:
 
     def __init__(self, cupy: Any, sources: Sequence[str] = KERNEL_SOURCES) -> None:
         self._cp = cupy
+        self.xp = cupy  # the array module of this module's arrays (placing quantized weights)
         cuda_path = cupy.cuda.get_cuda_path() if hasattr(cupy.cuda, "get_cuda_path") else None
         code, options = nvrtc_program(Path(cuda_path) / "include" if cuda_path else None, sources)
         self._module = cupy.RawModule(code=code, options=options)
@@ -315,6 +318,7 @@ class EmulatedKernels:
     """
 
     name = "cuda-emulated"
+    xp = np  # the array module of this module's arrays
 
     def __init__(self, sources: Sequence[os.PathLike | str] | None = None, schedule: str = "reverse",
                  seed: int = 0) -> None:

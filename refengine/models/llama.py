@@ -210,7 +210,8 @@ class LlamaForCausalLM:
         """``input_ids [T]`` -> ``[T, hidden]`` float32 rows of the embedding (dequantized
         row by row when it is stored quantized)."""
         if is_quantized(self.embed):
-            return self.embed.select_rows(np.asarray(input_ids))
+            # gathered on the host (T rows), then placed where the activations live
+            return self.xp.asarray(self.embed.select_rows(np.asarray(input_ids)))
         return self.embed[input_ids].astype(self.xp.float32)
 
     def final_logits(self, h):
@@ -253,7 +254,7 @@ class LlamaForCausalLM:
         float32, after ``o_proj``: q/k/v, RoPE, the cache write, attention over the cache."""
         q, k, v = self.qkv_projection(layer, x)
         q, k = self.ops.rope(q, k, positions, layer.rope)
-        scales = {"k_scale": kv.k_scale, "v_scale": kv.v_scale}  # None unless the cache is int8
+        scales = {"k_scale": kv.k_scale, "v_scale": kv.v_scale}  # None unless the cache is int8 or fp8
         self.attention.write_kv(kv.k, kv.v, k.astype(kv.dtype, copy=False), v.astype(kv.dtype, copy=False), meta,
                                 **scales)
         o = self.attention.forward(q.astype(kv.dtype, copy=False), kv.k, kv.v, meta, self.scale,

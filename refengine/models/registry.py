@@ -63,12 +63,14 @@ def load_model(model_dir: str | Path, config: ModelConfig, attention, ops, xp=np
     """
     cls = MODEL_REGISTRY[config.architecture]
     method = resolve_quantization(quantization, model_dir)
+    int8 = "int8" if method == "int8" else None  # quantized tensor by tensor as the load reads them
     if is_gguf(model_dir):
-        weights = open_gguf(model_dir).weights(dequantize=dequantize_gguf)
+        weights = open_gguf(model_dir).weights(dequantize=dequantize_gguf, quantization=int8)
         check_weights(weights, cls.checkpoint_shapes(config), str(model_dir), config.tie_word_embeddings)
     else:
         repack = checkpoint_quantization(model_dir).repack if method in CHECKPOINT_METHODS else None
-        weights = load_weights(model_dir, cls.checkpoint_shapes(config), config.tie_word_embeddings, repack=repack)
+        weights = load_weights(model_dir, cls.checkpoint_shapes(config), config.tie_word_embeddings, repack=repack,
+                               quantization=int8)
     if method == "int8":
-        quantize_weights(weights)  # every float matrix; norms and biases stay float32
+        quantize_weights(weights)  # (already done as loaded; a no-op on quantized matrices)
     return cls(config, weights, attention, ops, xp=xp, dtype=dtype, max_model_len=max_model_len)

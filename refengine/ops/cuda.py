@@ -1,7 +1,8 @@
-"""Layer operations as CUDA kernels (``cuda/layers.cu``), on CuPy arrays (or NumPy arrays
-on the CPU emulator).
+"""Layer operations as CUDA kernels (``cuda/layers.cu``, and ``cuda/quant_matmul.cu`` for
+weights kept quantized), on CuPy arrays (or NumPy arrays on the CPU emulator).
 
-The NumPy versions in :mod:`refengine.layers` are their reference.
+The NumPy versions in :mod:`refengine.layers` are their reference; the NumPy twin of the
+quantized products is :func:`refengine.quant.reference_linear`.
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ from typing import Any
 import numpy as np
 
 from refengine.kernels.build import KernelModule, cupy_kernels
-from refengine.kernels.plans import LAYER_THREADS, RMS_NORM_SHARED_BYTES, Launch, dtype_tag
+from refengine.kernels.plans import LAYER_THREADS, RMS_NORM_SHARED_BYTES, Launch, dtype_tag, quant_linear_launch
 from refengine.ops.numpy_ops import blas_weight, linear_f32
+from refengine.quant import QuantizedWeight, StackedWeight, is_quantized
+from refengine.quant.int4 import Int4Weight
+from refengine.quant.int8 import Int8Weight
 
 
 @dataclass
@@ -29,9 +33,32 @@ class DevicePositions:
     device: Any
 
 
+@dataclass
+class DeviceQuantized:
+    """A :class:`refengine.quant.QuantizedWeight`'s arrays placed for ``cuda/quant_matmul.cu``
+    (the host bytes as they are).
+
+    Attributes:
+        format: ``"int8"`` (arrays ``(q int8 [out, in], scales float32 [out])``) or ``"int4"``
+            (``(packed uint8 [out, in/2], scales float32 [out, G], zeros uint8 [out, G])``).
+        shape: ``(out_features, in_features)``.
+        arrays: as above, on the device.
+        group_size: int4 columns per group (0 for int8).
+        perm: int4 act-order permutation on the device (int64 ``[in]``), or None.
+    """
+
+    format: str
+    shape: tuple[int, int]
+    arrays: tuple
+    group_size: int = 0
+    perm: Any = None
+
+
 class CudaLayerOps:
     """RMSNorm, RoPE, SiLU-and-mul and GELU(tanh)-and-mul through the kernels of
-    ``cuda/layers.cu``; the matrix product through cuBLAS (CuPy's ``@``, float32 accumulation).
+    ``cuda/layers.cu``; the matrix product through cuBLAS (CuPy's ``@``, float32 accumulation),
+    or, for a weight kept quantized (int8, int4: ``quantization="int8"``, AWQ, GPTQ), through
+    the kernels of ``cuda/quant_matmul.cu`` (:meth:`linear`).
 
     Args:
         kernels: the launcher of the compiled module; default the current device's CuPy
@@ -48,6 +75,9 @@ class CudaLayerOps:
         # id(rope) -> (rope, its [max_positions, head_dim] cos|sin table): one per RoPE object,
         # as layers may carry different ones (Gemma 3's local and global bases)
         self._cos_sin: dict[int, tuple[Any, Any]] = {}
+        # id(weight) -> (weight, its placed form): a quantized weight is copied to the device
+        # once, at its first product (the model keeps the host object; its code is unchanged)
+        self._placed: dict[int, tuple[QuantizedWeight, Any]] = {}
 
     def device_positions(self, positions: np.ndarray) -> DevicePositions:
         """``positions [T]`` (host ints) copied to the device as int32, once per step."""
@@ -58,7 +88,66 @@ class CudaLayerOps:
         return blas_weight(matrix)
 
     def linear(self, x, w):
+        """``x [T, in] @ w`` -> float32 ``[T, out]``: a float ``w [in, out]`` (from :meth:`weight`)
+        through cuBLAS; a :class:`refengine.quant.QuantizedWeight` ``[out, in]`` through
+        :meth:`quantized_linear` (placed on the device at its first use)."""
+        if is_quantized(w):
+            return self.quantized_linear(x, self.place_quantized(w))
         return linear_f32(x, w)
+
+    def place_quantized(self, w: QuantizedWeight) -> Any:
+        """``w``'s arrays on the device, copied once per weight object: a :class:`DeviceQuantized`,
+        or for a :class:`refengine.quant.StackedWeight` a list of its parts' placed forms (float
+        parts as ``[in, out]`` float32 arrays for cuBLAS).
+
+        Raises:
+            TypeError: a format without CUDA kernels (GGUF blocks: ``device="cuda"`` dequantizes
+                GGUF files at load).
+        """
+        cached = self._placed.get(id(w))  # the entry keeps w alive: its id is not reused
+        if cached is None:
+            cached = self._placed[id(w)] = (w, self._place(w))
+        return cached[1]
+
+    def _place(self, w: Any) -> Any:
+        xp = self.kernels.xp
+        if isinstance(w, Int8Weight):
+            return DeviceQuantized("int8", w.shape, (xp.asarray(w.q), xp.asarray(w.scales)))
+        if isinstance(w, Int4Weight):
+            return DeviceQuantized("int4", w.shape, (xp.asarray(w.packed), xp.asarray(w.scales), xp.asarray(w.zeros)),
+                                   w.group_size, None if w.perm is None else xp.asarray(w.perm))
+        if isinstance(w, StackedWeight):
+            return [self._place(p) if is_quantized(p) else xp.asarray(blas_weight(np.asarray(p, dtype=np.float32)))
+                    for p in w.parts]
+        raise TypeError(f"no CUDA kernels for {w.format} weights (the CUDA path runs int8 and int4)")
+
+    def quantized_linear(self, x: Any, placed: Any) -> Any:
+        """``x [T, in] @ w'.T`` -> float32 ``[T, out]`` for a weight placed by :meth:`place_quantized`
+        (``quant_matmul.cu``: a GEMV for up to 8 rows, a tiled GEMM beyond; float32 accumulation).
+
+        Args:
+            x: float32, float16 or bfloat16 ``[T, in]`` (any layout; made C-contiguous). An
+                act-order int4 weight reads ``x[:, perm]`` (one gather of ``T x in`` values).
+        Raises:
+            ValueError: x's shape does not match the weight. TypeError: an unsupported x dtype.
+        """
+        kern = self.kernels
+        if isinstance(placed, list):  # a stack: each part's product, side by side
+            outs = [self.quantized_linear(x, p) if isinstance(p, DeviceQuantized) else linear_f32(x, p)
+                    for p in placed]
+            return kern.xp.concatenate(outs, axis=1)
+        out_features, in_features = placed.shape
+        if x.ndim != 2 or int(x.shape[1]) != in_features:
+            raise ValueError(f"a [{out_features}, {in_features}] weight multiplies x [T, {in_features}], "
+                             f"got {tuple(x.shape)}")
+        if placed.perm is not None:  # stored column j is input feature perm[j]
+            x = x[:, placed.perm]  # a gather by a device index array (NumPy and CuPy alike)
+        x = kern.contiguous(x)
+        out = kern.empty((int(x.shape[0]), out_features), np.float32)
+        if x.shape[0] and out_features:
+            kern.launch(quant_linear_launch(placed.format, out, x, placed.arrays, out_features, in_features,
+                                            placed.group_size))
+        return out
 
     def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
         """``x / sqrt(mean(x**2, -1) + eps) * weight`` with float32 statistics (HF LlamaRMSNorm).

@@ -256,22 +256,24 @@ def resolve_quantization(quantization: str | None, model_path: str | Path) -> st
     checked against the checkpoint.
 
     * None: as the checkpoint is: ``"awq"`` / ``"gptq"`` when ``config.json`` says so, else None (float);
-    * ``"int8"``: a float checkpoint, quantized at load (:mod:`refengine.quant.int8`);
+    * ``"int8"``: a float checkpoint, or a GGUF file's tensors dequantized from their blocks,
+      quantized at load (:mod:`refengine.quant.int8`);
     * ``"awq"`` / ``"gptq"``: must be what the checkpoint is.
 
     Raises:
         ValueError: an unknown value; ``"awq"``/``"gptq"`` for a checkpoint that is not
-            quantized so; ``"int8"`` for an AWQ/GPTQ checkpoint or a GGUF file (already
-            quantized); any value for a GGUF file; an unsupported ``quantization_config``.
+            quantized so, or for a GGUF file; ``"int8"`` for an AWQ/GPTQ checkpoint; an
+            unsupported ``quantization_config``.
     """
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization={quantization!r} is not one of {', '.join(map(repr, QUANTIZATIONS))}")
     path = Path(model_path)
-    if path.is_file():  # a GGUF file: its tensors keep their own block types
-        if quantization is not None:
+    if path.is_file():  # a GGUF file: its tensors keep their own block types, or become int8
+        if quantization not in (None, "int8"):
             raise ValueError(f"quantization={quantization!r} does not apply to the GGUF file {str(path)!r}: "
-                             "its tensors keep the block types they are stored in")
-        return None
+                             "its tensors keep the block types they are stored in (or pass quantization='int8' "
+                             "to requantize them per channel)")
+        return quantization
     ckpt = checkpoint_quantization(path)
     found = ckpt.method if ckpt is not None else None
     if quantization is None or quantization == found:

@@ -71,11 +71,29 @@ class Int8Weight(QuantizedWeight):
         w = np.asarray(w)
         if w.ndim != 2:
             raise ValueError(f"{name}: int8 quantizes matrices, got shape {w.shape}")
-        out_features = w.shape[0]
-        q = np.empty(w.shape, dtype=np.int8)
+        return cls.from_rows(lambda start, stop: w[start:stop], w.shape, name)
+
+    @classmethod
+    def from_rows(cls, rows, shape: tuple[int, int], name: str = "weight") -> "Int8Weight":
+        """Quantize a matrix of ``shape`` ``[out, in]`` given as its rows: ``rows(start, stop)``
+        returns rows ``start:stop`` as a float array ``[stop - start, in]``, asked for
+        :data:`_CHUNK_ROWS` at a time, so a matrix stored otherwise (GGUF blocks) is never
+        decoded whole. Same values as :meth:`quantize` of the whole matrix (each row is
+        quantized on its own).
+
+        Raises:
+            ValueError: a chunk that is not ``[n, in]``, or holds NaN or inf (``name`` in the message).
+        """
+        out_features, in_features = int(shape[0]), int(shape[1])
+        q = np.empty((out_features, in_features), dtype=np.int8)
         scales = np.empty(out_features, dtype=np.float32)
         for start in range(0, out_features, _CHUNK_ROWS):
-            block = w[start:start + _CHUNK_ROWS].astype(np.float64)
+            stop = min(start + _CHUNK_ROWS, out_features)
+            block = np.asarray(rows(start, stop))
+            if block.shape != (stop - start, in_features):
+                raise ValueError(f"{name}: rows {start}:{stop} came as shape {block.shape}, "
+                                 f"not {(stop - start, in_features)}")
+            block = block.astype(np.float64)
             amax = np.abs(block).max(axis=1) if block.shape[1] else np.zeros(block.shape[0])
             if not np.isfinite(amax).all():
                 raise ValueError(f"{name}: cannot quantize to int8: the matrix holds NaN or inf")

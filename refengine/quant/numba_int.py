@@ -19,7 +19,9 @@ Two paths, picked by the number of rows ``T``:
 * **Many rows (prefill), dequantized tiles on BLAS**: from :data:`INT8_BLAS_MIN_ROWS` /
   :data:`INT4_BLAS_MIN_ROWS` rows the product is bound by arithmetic, where BLAS's GEMM
   beats any dot kernel: tiles of :data:`TILE_BYTES` of weight rows are dequantized to float32
-  (in parallel) and multiplied by ``x @ tile.T`` (:func:`refengine.runtime.blas.matmul`).
+  and multiplied by ``x @ tile.T``. int8: each of refengine's BLAS threads dequantizes and
+  multiplies its own tiles (:func:`int8_linear`); int4: tiles dequantized in parallel, then
+  :func:`refengine.runtime.blas.matmul`.
   The thresholds were measured on the SmolLM2-135M shapes, dot kernel against the tile
   path (``docs/quantization.md``).
 
@@ -144,25 +146,39 @@ def _int8_dot(x, q, scales, out, block):  # pragma: no cover - compiled
         _int8_rows(x, q, scales, out, blk * block, min(blk * block + block, n))
 
 
-@njit(cache=True, fastmath=_FMA)
-def _int8_dequant_rows(q, scales, out, j0, j1, r0, r1):  # pragma: no cover - compiled
-    """``out[r - j0] = q[r] * scales[r]`` (float32) for ``r0 <= r < r1`` (inside ``j0 .. j1``)."""
+@njit(cache=True, fastmath=_FMA, nogil=True)
+def _int8_dequant_rows(q, scales, out, j0, j1):  # pragma: no cover - compiled
+    """``out[r - j0] = q[r] * scales[r]`` (float32) for ``j0 <= r < j1``; without the GIL,
+    so each BLAS thread dequantizes its own tile while the others multiply theirs."""
     k_dim = q.shape[1]
-    for r in range(r0, r1):
+    for r in range(j0, j1):
         s = scales[r]
         for i in range(k_dim):
             out[r - j0, i] = np.float32(q[r, i]) * s
 
 
-@parallel_kernel()
-def _int8_dequant(q, scales, out, j0, j1, per):  # pragma: no cover - compiled
-    """Rows ``j0 .. j1 - 1`` dequantized into ``out [j1 - j0, K]``, ``per`` rows a task."""
-    for c in prange((j1 - j0 + per - 1) // per):
-        _int8_dequant_rows(q, scales, out, j0, j1, j0 + c * per, min(j1, j0 + (c + 1) * per))
+def _balanced_tiles(n: int, k_dim: int, threads: int) -> int:
+    """Weight rows per tile on the int8 BLAS path: about :data:`TILE_BYTES` of float32 or
+    less, the tile count a multiple of ``threads`` so each thread gets the same rows (960
+    rows on two threads: two tiles of 480, not one of 896 beside one of 64), a multiple of 16."""
+    count = max(1, -(-n * k_dim * 4 // TILE_BYTES))
+    count = -(-count // threads) * threads
+    per = -(-n // count)
+    return max(16, -(-per // 16) * 16)
 
 
 def int8_linear(x: np.ndarray, q: np.ndarray, scales: np.ndarray, blas_min_rows: int | None = None) -> np.ndarray:
     """``x [T, K] @ (q * scales[:, None]).T`` -> float32 ``[T, N]``.
+
+    The tile path (from ``blas_min_rows`` rows): the weight rows cut into tiles
+    (:func:`_balanced_tiles`), dealt round-robin to refengine's BLAS threads
+    (:func:`refengine.runtime.blas.get_threads`, the calling thread one of them); each
+    thread dequantizes its tile into its own buffer (:func:`_int8_dequant_rows`, no GIL)
+    and multiplies all of ``x`` by it with single-threaded BLAS straight into its columns
+    of the output. Every weight is dequantized once per call, as
+    :func:`refengine.quant.numba_gguf.tiled_blas_linear` does for GGUF blocks. The result
+    is ``x @ w'.T`` up to BLAS's float32 rounding, which depends on the number of rows
+    (OpenBLAS's blocking), as before: batch-independent rows are the dot kernels' property.
 
     Args:
         x: float32 ``[T, K]`` (made C-contiguous float32 if it is not).
@@ -178,13 +194,26 @@ def int8_linear(x: np.ndarray, q: np.ndarray, scales: np.ndarray, blas_min_rows:
     if rows < threshold:
         _int8_dot(x, q, scales, out, _block_rows(n))
         return out
-    step = _tile_rows(q.shape[1])
-    tile = np.empty((min(step, n), q.shape[1]), dtype=np.float32)
-    per = max(1, -(-step // (4 * get_num_threads())))
-    for j0 in range(0, n, step):
-        j1 = min(n, j0 + step)
-        _int8_dequant(q, scales, tile, j0, j1, per)
-        out[:, j0:j1] = blas.matmul(x, tile[:j1 - j0].T)
+    k_dim = q.shape[1]
+    step = _balanced_tiles(n, k_dim, blas.get_threads())
+    starts = list(range(0, n, step))
+    threads = max(1, min(blas.get_threads(), len(starts)))
+
+    def work(part: int) -> None:
+        tile = np.empty((min(step, n), k_dim), dtype=np.float32)
+        for j0 in starts[part::threads]:
+            j1 = min(n, j0 + step)
+            _int8_dequant_rows(q, scales, tile, j0, j1)
+            np.matmul(x, tile[:j1 - j0].T, out=out[:, j0:j1])
+
+    if threads == 1:
+        work(0)
+        return out
+    pool = blas._workers(threads - 1)
+    futures = [pool.submit(work, part) for part in range(1, threads)]
+    work(0)
+    for f in futures:
+        f.result()
     return out
 
 

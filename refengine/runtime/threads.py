@@ -5,7 +5,10 @@ per step; :func:`refengine.runtime.setup_cpu_runtime` calls :func:`use_wait_poli
 before. docs/cpu_runtime.md walks through the choices; in short:
 
 * **Thread count**: the cores this process may run on (``os.sched_getaffinity``, so
-  ``taskset``, cpusets and containers count), minus the cores other processes keep busy.
+  ``taskset``, cpusets and containers count), capped by the cgroup's CPU quota rounded up
+  (:func:`cgroup_cpu_quota`: a container limited to 2 CPUs on a 64-core host runs 2
+  threads, not 64 that the kernel would throttle in turn), minus the cores other
+  processes keep busy.
   A parallel kernel waits for its slowest thread, and a thread sharing its core with
   another process waits for a time slice at each of a decode step's many parallel
   launches. So :func:`adapt_threads` reads, at most every :data:`ADAPT_INTERVAL_S`, how
@@ -41,6 +44,7 @@ before. docs/cpu_runtime.md walks through the choices; in short:
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -67,12 +71,105 @@ _blas = None  # threadpoolctl's handle on the BLAS libraries
 _last_sample: tuple[float, float, float] | None = None  # (wall s, busy s of our cores, own CPU s)
 
 
+#: Where the cgroup file systems are mounted, and this process's cgroup membership (Linux).
+CGROUP_ROOT = "/sys/fs/cgroup"
+PROC_SELF_CGROUP = "/proc/self/cgroup"
+
+
 def usable_cores() -> int:
-    """Cores this process may run on (its CPU affinity mask), at least 1."""
+    """Cores this process may use, at least 1: its CPU affinity mask, at most the cgroup
+    CPU quota rounded up (:func:`cgroup_cpu_quota`; a quota of 1.5 CPUs allows 2 threads)."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+        cores = os.cpu_count() or 1
+    quota = cgroup_cpu_quota(CGROUP_ROOT, PROC_SELF_CGROUP)
+    if quota is not None:
+        cores = min(cores, math.ceil(quota))
+    return max(1, cores)
+
+
+def cpu_quota_from_files(cpu_max: str | None = None, cfs_quota_us: str | None = None,
+                         cfs_period_us: str | None = None) -> float | None:
+    """The CPU limit one cgroup's files set, in CPUs (quota / period), or None (no limit).
+
+    Args:
+        cpu_max: cgroup v2 ``cpu.max`` contents, ``"$MAX $PERIOD"`` (``max``: unlimited).
+        cfs_quota_us, cfs_period_us: cgroup v1 ``cpu.cfs_quota_us`` (``-1``: unlimited)
+            and ``cpu.cfs_period_us`` contents, used when ``cpu_max`` is None.
+    Unreadable contents count as no limit. Source: the kernel's
+    Documentation/admin-guide/cgroup-v2.rst ("cpu.max") and scheduler/sched-bwc.rst.
+    """
+    try:
+        if cpu_max is not None:
+            fields = cpu_max.split()
+            if not fields or fields[0] == "max":
+                return None
+            quota, period = int(fields[0]), int(fields[1]) if len(fields) > 1 else 100_000
+        elif cfs_quota_us is not None and cfs_period_us is not None:
+            quota, period = int(cfs_quota_us.strip()), int(cfs_period_us.strip())
+        else:
+            return None
+    except ValueError:
+        return None
+    if quota <= 0 or period <= 0:
+        return None
+    return quota / period
+
+
+def cgroup_cpu_quota(root: str = CGROUP_ROOT, proc_self_cgroup: str = PROC_SELF_CGROUP) -> float | None:
+    """This process's CPU quota in CPUs (e.g. 2.0, 1.5), or None when no cgroup limits it.
+
+    Reads the process's cgroup from ``proc_self_cgroup`` (lines ``ID:CONTROLLERS:PATH``:
+    ``0::PATH`` for v2; the one listing ``cpu`` for v1) and walks from that cgroup up to
+    ``root``, reading v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``
+    in ``root/PATH`` (v1: ``root/<controllers>/PATH``, e.g. ``cpu,cpuacct``); the tightest
+    limit on the way holds (a parent's quota binds its children). Inside a container the
+    path is usually ``/`` (its own cgroup namespace). Missing or unreadable files: no limit.
+
+    Args:
+        root: the cgroup mount point (tests pass a directory of fake files).
+        proc_self_cgroup: the membership file.
+    """
+    try:
+        with open(proc_self_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    places = []  # (the process's cgroup directory, the mount it walks up to, v2?)
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        mount = root if controllers == "" else os.path.join(root, controllers)
+        if controllers == "" or "cpu" in controllers.split(","):
+            places.append((os.path.join(mount, path.lstrip("/")), mount, controllers == ""))
+    if not places:
+        places = [(root, root, True)]
+    limits = []
+    for start, mount, v2 in places:
+        d, stop = os.path.normpath(start), os.path.normpath(mount)
+        while True:
+            if v2:
+                quota = cpu_quota_from_files(cpu_max=_read(os.path.join(d, "cpu.max")))
+            else:
+                quota = cpu_quota_from_files(cfs_quota_us=_read(os.path.join(d, "cpu.cfs_quota_us")),
+                                             cfs_period_us=_read(os.path.join(d, "cpu.cfs_period_us")))
+            if quota is not None:
+                limits.append(quota)
+            if len(d) <= len(stop):
+                break
+            d = os.path.dirname(d)
+    return min(limits) if limits else None
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
 
 
 def configure_threads(num_threads: int | None = None, library_blas: bool = True) -> int:

@@ -9,13 +9,21 @@ Errors are OpenAI's body ``{"error": {"message", "type", "param", "code"}}``:
 
 ====  =====================================================================================
 400   an invalid field, a prompt too long for ``max_model_len`` (the message gives both
-      numbers), an unsupported OpenAI field, malformed JSON
-401   ``/v1/*`` without the right ``Authorization: Bearer KEY`` (when a key is set)
+      numbers), an unsupported OpenAI field, malformed JSON, more ``stop`` strings or
+      ``stop_token_ids`` than :class:`ServerLimits` allows
+401   any route but ``/health`` (and ``/metrics`` with ``metrics_auth=False``) without the
+      right ``Authorization: Bearer KEY``, when a key is set
 404   an unknown model name or path
 413   a body over ``ServerLimits.max_body_bytes``
-503   the engine's waiting queue is at ``ServerLimits.max_waiting_requests`` (retry later)
-500   only for the server's own faults (an engine step that raised)
+503   the engine's waiting queue is at ``ServerLimits.max_waiting_requests`` (retry later),
+      or the engine loop has stopped (``/health`` answers 503 too)
+500   only for the server's own faults (an engine step that raised): the message is
+      "internal error" and a request id; the traceback is logged under that id
 ====  =====================================================================================
+
+Text is tokenized (and chat templates rendered) in a worker thread, after a size check
+(``ServerLimits.max_chars_per_token``): a multi-megabyte prompt neither blocks the event
+loop nor costs a tokenizer pass before it is refused.
 
 A client that disconnects, streaming or not, has its request aborted; its KV blocks are
 free after at most the engine step that was running. Each request logs one access line
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import re
@@ -40,9 +49,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from refengine.engine import PromptTooLongError
-from refengine.sampling_params import SamplingParams
-from refengine.sequence import CompletionOutput
-from refengine.server.engine_loop import AsyncEngine, EngineStepError, Overloaded, RequestStream
+from refengine.sampling_params import RequestOutputKind, SamplingParams
+from refengine.sequence import CompletionOutput, Logprob
+from refengine.server.engine_loop import (AsyncEngine, EngineDeadError, EngineStepError, MergedOutput, Overloaded,
+                                          RequestStream)
 from refengine.server.protocol import (ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest,
                                        ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, CompletionChoice,
                                        CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
@@ -65,11 +75,27 @@ class ServerLimits:
             engine's ``max_logprobs``, ``LLMEngine.check_sampling_params``.)
         max_waiting_requests: sequences allowed to wait for a first schedule; new
             requests get 503 while the queue is at this bound.
+        max_stop_strings: most ``stop`` strings per request (OpenAI allows 4, vLLM has no
+            bound; each is searched for after every token).
+        max_stop_string_chars: longest ``stop`` string, characters.
+        max_stop_token_ids: most ``stop_token_ids`` per request.
+        max_chars_per_token: a text prompt (or chat messages' text) over ``max_model_len *
+            max_chars_per_token`` characters is refused before it is tokenized: it could fit
+            only if its tokens averaged more characters than that (real vocabularies' longest
+            tokens, runs of spaces, are a few dozen).
+        max_tokenize_chars: the same bound for ``/tokenize``, whose text need not fit
+            ``max_model_len`` (counting the tokens of a long text is what it is for;
+            ``refengine bench serve`` tokenizes its 40 kB corpus there).
     """
 
     max_body_bytes: int = 4 * 1024 * 1024
     max_n: int = 16
     max_waiting_requests: int = 1024
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 256
+    max_chars_per_token: int = 32
+    max_tokenize_chars: int = 1024 * 1024
 
 
 class APIError(Exception):
@@ -85,6 +111,13 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
                405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
 
 
+def internal_error(request_id: str | None = None) -> APIError:
+    """The 500 a client sees for the server's own fault: no internal detail, only an id to
+    find the logged traceback by."""
+    request_id = request_id or f"req-{uuid.uuid4().hex}"
+    return APIError(500, f"internal error (request id {request_id})", type="server_error", code="internal_error")
+
+
 def error_response(status: int, message: str, type: str | None = None, param: str | None = None,
                    code: str | None = None, headers: dict | None = None) -> JSONResponse:
     body = ErrorResponse(error=ErrorInfo(message=message, type=type or ERROR_TYPES.get(status, "server_error"),
@@ -94,12 +127,14 @@ def error_response(status: int, message: str, type: str | None = None, param: st
 
 class EventStreamResponse(StreamingResponse):
     """Server-sent events that call ``on_close`` however the response ends: also when the
-    client leaves before the body generator has started (its ``finally`` would not run)."""
+    client leaves before the body generator has started (its ``finally`` would not run).
+    ``Cache-Control: no-cache`` and ``X-Accel-Buffering: no`` tell caches and reverse
+    proxies (nginx) to pass each event on as it comes."""
 
     media_type = "text/event-stream"
 
     def __init__(self, content, on_close):
-        super().__init__(content)
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.on_close = on_close
 
     async def __call__(self, scope, receive, send):
@@ -191,13 +226,14 @@ class BodyLimitMiddleware:
 
 
 class APIKeyMiddleware:
-    """401 for ``/v1/*`` requests without ``Authorization: Bearer <key>``."""
+    """401 for requests without ``Authorization: Bearer <key>``: every path but those in
+    ``open_paths`` (``/health``, so that a load balancer's probe needs no key)."""
 
-    def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+    def __init__(self, app, api_key: str, open_paths: frozenset = frozenset({"/health"})):
+        self.app, self.expected, self.open_paths = app, f"Bearer {api_key}".encode(), open_paths
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):  # constant time
                 return await error_response(401, "missing or incorrect API key (Authorization: Bearer KEY)",
@@ -249,6 +285,7 @@ class ChoicePart:
     logprobs: list[dict[int, float]] | None  # of token_ids; None unless asked
     text_offset: int = 0  # characters of the choice's text sent before this part
     first: bool = True  # the choice's first part
+    prompt_logprobs: list | None = None  # the request's RequestOutput.prompt_logprobs (echo), on a first part
 
 
 class OpenAIServing:
@@ -287,13 +324,68 @@ class OpenAIServing:
         # which the engine checks itself: it must refuse before n sequences are queued.
         if req.n is not None and req.n > self.limits.max_n:
             raise APIError(400, f"n={req.n} is above the server's limit of {self.limits.max_n}", param="n")
+        self.check_stops(req.stop, req.stop_token_ids)
+        if req.cache_salt is not None and not req.cache_salt:
+            raise APIError(400, "cache_salt must be a non-empty string when given", param="cache_salt")
 
-    def engine_prompts(self, prompts: list, param: str) -> list[list[int]]:
+    def check_stops(self, stop, stop_token_ids) -> None:
+        """The server's bounds on stop conditions (:class:`ServerLimits`); each is checked
+        after every generated token."""
+        lim = self.limits
+        strings = [stop] if isinstance(stop, str) else stop or []
+        if len(strings) > lim.max_stop_strings:
+            raise APIError(400, f"{len(strings)} stop strings is above the server's limit of {lim.max_stop_strings}",
+                           param="stop")
+        long = [x for x in strings if len(x) > lim.max_stop_string_chars]
+        if long:
+            raise APIError(400, f"a stop string of {len(long[0])} characters is above the server's limit of "
+                                f"{lim.max_stop_string_chars}", param="stop")
+        if stop_token_ids is not None and len(stop_token_ids) > lim.max_stop_token_ids:
+            raise APIError(400, f"{len(stop_token_ids)} stop_token_ids is above the server's limit of "
+                                f"{lim.max_stop_token_ids}", param="stop_token_ids")
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.max_model_len * self.limits.max_chars_per_token
+
+    def check_text_size(self, num_chars: int, param: str, for_tokenize: bool = False) -> None:
+        """Refuse text too long to fit ``max_model_len`` before tokenizing it (see
+        ``ServerLimits.max_chars_per_token``; ``for_tokenize``: ``max_tokenize_chars``)."""
+        if for_tokenize:
+            limit, why = self.limits.max_tokenize_chars, "the server's /tokenize limit"
+        else:
+            limit = self.max_prompt_chars
+            why = f"max_model_len {self.max_model_len} x {self.limits.max_chars_per_token} characters per token"
+        if num_chars > limit:
+            raise APIError(400, f"the text has {num_chars} characters; this server tokenizes at most {limit} ({why})",
+                           param=param, code="context_length_exceeded")
+
+    def check_messages(self, messages: list, param: str = "messages", for_tokenize: bool = False) -> None:
+        """400 for no messages, a non-assistant message without content, or text over the
+        size limit."""
+        if not messages:
+            raise APIError(400, "messages must hold at least one message", param=param)
+        for i, m in enumerate(messages):
+            if m.content is None and m.role != "assistant":
+                raise APIError(400, f"messages[{i}] (role '{m.role}') has no content", param=param)
+        self.check_text_size(sum(len(m.text()) + len(m.name or "") for m in messages), param, for_tokenize)
+
+    async def engine_prompts(self, prompts: list, param: str) -> list[list[int]]:
         """Each prompt's token ids as the engine reads and checks them
         (``LLMEngine.prompt_token_ids``: text tokenized with the special tokens the engine
-        adds; empty, out-of-vocabulary and too-long prompts refused with a 400 on ``param``)."""
-        try:
+        adds; empty, out-of-vocabulary and too-long prompts refused with a 400 on ``param``).
+        Text is size-checked first, then tokenized in a worker thread (off the event loop)."""
+        for p in prompts:
+            if isinstance(p, str):
+                self.check_text_size(len(p), param)
+
+        def run():
             return [self.engine.prompt_token_ids(p)[1] for p in prompts]
+
+        try:
+            if any(isinstance(p, str) for p in prompts):
+                return await asyncio.to_thread(run)
+            return run()
         except ValueError as e:
             raise bad_request(e, param) from None
 
@@ -326,27 +418,46 @@ class OpenAIServing:
             params = req.sampling_params(max_tokens, logprobs)
             self.engine.check_sampling_params(params)
         except ValueError as e:
+            fields = req.structured_outputs_fields()  # the grammar's errors name the field the request used
+            if fields:
+                renames = {**(renames or {}), "structured_outputs": fields[0]}
             raise bad_request(e, renames=renames) from None
-        return params
+        # only what is new each step: a long output costs O(new tokens) per step, not O(length)
+        return dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
 
-    async def submit(self, request_id: str, prompts: list[list[int]], params) -> RequestStream:
+    async def submit(self, request_id: str, prompts: list[list[int]], params, cache_salt: str | None = None
+                     ) -> RequestStream:
         if len(prompts) * params.n > self.limits.max_waiting_requests:  # would be refused forever
             raise APIError(400, f"{len(prompts)} prompts x n={params.n} sequences is above the server's limit of "
                                 f"{self.limits.max_waiting_requests} per request", param="prompt")
         try:
-            return await self.loop.submit(request_id, prompts, params)
+            return await self.loop.submit(request_id, prompts, params, cache_salt=cache_salt)
         except Overloaded as e:
             raise APIError(503, str(e), type="server_error", code="overloaded") from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e), type="server_error", code="engine_dead") from None
+        except EngineStepError:  # logged by the engine loop
+            raise internal_error(request_id) from None
         except ValueError as e:  # what only add_request checks (e.g. stop strings without a tokenizer)
             raise bad_request(e, "prompt") from None
 
     # --- prompts ------------------------------------------------------------------------
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """The rendered and tokenized chat (in a worker thread: templates and tokenizers
+        take time on long inputs; :meth:`check_messages` has bounded their size)."""
         tok = self.require_tokenizer("chat")
         try:  # the template writes its own special tokens
-            return tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+            return await asyncio.to_thread(tok.apply_chat_template, messages,
+                                           add_generation_prompt=add_generation_prompt, tokenize=True)
         except Exception as e:  # a template's raise_exception (e.g. role order) is the input's fault
             raise APIError(400, f"the chat template failed on these messages: {e}", param="messages") from None
+
+    def echo_text(self, prompt, token_ids: list[int]) -> str:
+        """The text ``echo`` puts first: a text prompt as given; a token-id prompt decoded
+        (special tokens kept), as vLLM's; "" without a tokenizer."""
+        if isinstance(prompt, str):
+            return prompt
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False) if self.tokenizer is not None else ""
 
     # --- logprobs -----------------------------------------------------------------------
     def token_text(self, token_id: int) -> str:
@@ -354,15 +465,22 @@ class OpenAIServing:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], offset: int = 0
+    def completion_logprobs(self, token_ids: list[int], logprobs: list[dict | None], offset: int = 0
                             ) -> CompletionLogprobs:
-        """OpenAI's legacy object; ``top_logprobs`` holds the sampled token and the top k."""
+        """OpenAI's legacy object; ``top_logprobs`` holds the token and the top k. An entry
+        maps ids to floats (sampled tokens) or to ``Logprob`` (prompt tokens, echo); an entry
+        None (the first prompt token, which nothing predicts) gives null ``token_logprobs``
+        and ``top_logprobs``, as vLLM's. ``text_offset``: where each token's text starts,
+        from ``offset`` on (the token texts laid end to end)."""
+        def value(lp) -> float:
+            return max(lp.logprob if isinstance(lp, Logprob) else lp, MIN_LOGPROB)
+
         out = CompletionLogprobs()
         for tid, lps in zip(token_ids, logprobs):
             text = self.token_text(tid)
             out.tokens.append(text)
-            out.token_logprobs.append(max(lps[tid], MIN_LOGPROB))
-            out.top_logprobs.append({self.token_text(t): max(lp, MIN_LOGPROB) for t, lp in lps.items()})
+            out.token_logprobs.append(None if lps is None else value(lps[tid]))
+            out.top_logprobs.append(None if lps is None else {self.token_text(t): value(lp) for t, lp in lps.items()})
             out.text_offset.append(offset)
             offset += len(text)
         return out
@@ -383,18 +501,24 @@ class OpenAIServing:
 
     # --- running a request ----------------------------------------------------------------
     async def collect(self, stream: RequestStream, request: Request, record: AccessRecord) -> dict:
-        """Final output per prompt index; aborts the request if the client goes away.
+        """Final output per prompt index (the stream's DELTA outputs merged, O(output) in
+        all); aborts the request if the client goes away.
 
         Raises:
-            APIError: 499 when the client disconnected (nobody reads it; it is logged).
+            APIError: 499 when the client disconnected (nobody reads it; it is logged); 500
+                (internal error + the request id) when the engine failed on it; 503 when
+                the engine loop stopped.
         """
-        finals = {}
+        merged: dict[int, MergedOutput] = {}
 
         async def consume():
             async for tag, out in stream:
                 if record.first_token is None:
                     record.first_token = time.monotonic()
-                finals[tag] = out
+                if tag in merged:
+                    merged[tag].add(out)
+                else:
+                    merged[tag] = MergedOutput(out, stream.delta)
 
         consumer = asyncio.ensure_future(consume())
         watcher = asyncio.ensure_future(wait_for_disconnect(request))
@@ -406,16 +530,22 @@ class OpenAIServing:
             stream.close()
         if not consumer.done() or consumer.cancelled():
             raise APIError(499, "the client closed the connection")
+        if isinstance(consumer.exception(), EngineDeadError):
+            raise APIError(503, str(consumer.exception()), type="server_error", code="engine_dead")
         if isinstance(consumer.exception(), EngineStepError):
-            raise APIError(500, str(consumer.exception()), type="server_error")
+            raise internal_error(record.request_id)
         consumer.result()
-        return finals
+        return {tag: m.take() for tag, m in merged.items()}
 
     @staticmethod
     def usage(prompts: list[list[int]], finals: dict) -> UsageInfo:
+        """Token counts of final (whole) outputs."""
+        return OpenAIServing.usage_of(prompts, sum(len(o.token_ids) for out in finals.values() for o in out.outputs))
+
+    @staticmethod
+    def usage_of(prompts: list[list[int]], num_output_tokens: int) -> UsageInfo:
         p = sum(len(x) for x in prompts)
-        c = sum(len(o.token_ids) for out in finals.values() for o in out.outputs)
-        return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+        return UsageInfo(prompt_tokens=p, completion_tokens=num_output_tokens, total_tokens=p + num_output_tokens)
 
     async def generate(self, req, request: Request, request_id: str, prompts: list[list[int]], params, *,
                        choice, response, chunk, head=()):
@@ -434,12 +564,13 @@ class OpenAIServing:
         """
         record = access_record(request)
         record.request_id, record.prompt_tokens = request_id, sum(len(p) for p in prompts)
-        stream = await self.submit(request_id, prompts, params)
+        stream = await self.submit(request_id, prompts, params, cache_salt=req.cache_salt)
         if req.stream:
             events = self.events(stream, prompts, params.n, record, choice, chunk, head, req.include_usage)
             return EventStreamResponse(events, on_close=stream.close)
         finals = await self.collect(stream, request, record)
-        parts = [ChoicePart(tag, tag * params.n + c.index, c, c.text, c.token_ids, c.logprobs)
+        parts = [ChoicePart(tag, tag * params.n + c.index, c, c.text, c.token_ids, c.logprobs,
+                            prompt_logprobs=out.prompt_logprobs)
                  for tag, out in sorted(finals.items()) for c in out.outputs]
         usage = self.usage(prompts, finals)
         record.output_tokens = usage.completion_tokens
@@ -449,12 +580,14 @@ class OpenAIServing:
                      choice, chunk, head, include_usage: bool):
         """The server-sent events of :meth:`generate`: ``head``, one chunk per choice that
         advanced (its new text, token ids and logprobs), the usage chunk if asked, ``[DONE]``."""
-        finals, sent_text, finished = {}, {}, set()
+        num_tokens, sent_text, finished = 0, {}, set()
+        prompt_logprobs = {}  # tag -> RequestOutput.prompt_logprobs (sent once, for every choice's first part)
         try:
             for event in head:
                 yield sse(event)
             async for tag, out in stream:
-                finals[tag] = out
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[tag] = out.prompt_logprobs
                 for c in out.outputs:
                     index = tag * n + c.index
                     if index in finished or not (c.delta_token_ids or c.delta_text or c.finish_reason):
@@ -462,20 +595,26 @@ class OpenAIServing:
                     if record.first_token is None:
                         record.first_token = time.monotonic()
                     new = c.delta_token_ids
+                    num_tokens += len(new)
+                    # (DELTA outputs: token_ids is new and this takes all; CUMULATIVE: the tail)
                     logprobs = None if c.logprobs is None else c.logprobs[len(c.token_ids) - len(new):]
                     part = ChoicePart(tag, index, c, c.delta_text, new, logprobs,
-                                      text_offset=sent_text.get(index, 0), first=index not in sent_text)
+                                      text_offset=sent_text.get(index, 0), first=index not in sent_text,
+                                      prompt_logprobs=prompt_logprobs.get(tag))
                     sent_text[index] = part.text_offset + len(c.delta_text)
                     if c.finish_reason is not None:
                         finished.add(index)
                     yield sse(chunk([choice(part, True)], None))
             if include_usage:
-                yield sse(chunk([], self.usage(prompts, finals)))
-        except EngineStepError as e:
-            yield sse(ErrorResponse(error=ErrorInfo(message=str(e), type="server_error")))
+                yield sse(chunk([], self.usage_of(prompts, num_tokens)))
+        except EngineDeadError as e:
+            yield sse(ErrorResponse(error=ErrorInfo(message=str(e), type="server_error", code="engine_dead")))
+        except EngineStepError:  # the traceback is logged by the engine loop
+            e = internal_error(record.request_id)
+            yield sse(ErrorResponse(error=ErrorInfo(message=e.message, type=e.type, code=e.code)))
         finally:
             stream.close()
-            record.output_tokens = self.usage(prompts, finals).completion_tokens  # also when cut short
+            record.output_tokens = num_tokens  # also when cut short
         yield sse("[DONE]")
 
     # --- /v1/completions ------------------------------------------------------------------
@@ -484,22 +623,42 @@ class OpenAIServing:
         prompt = req.prompt
         if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
             prompt = [prompt]  # one prompt ([] is an empty one, which the engine refuses)
-        prompts = self.engine_prompts(prompt, "prompt")
-        max_tokens = self.max_tokens(prompts, req.max_tokens, "max_tokens" in req.model_fields_set,
+        prompts = await self.engine_prompts(prompt, "prompt")
+        # echo with max_tokens 0 (OpenAI's way to score a prompt, lm-eval's loglikelihood):
+        # the engine runs one token, as vLLM's does, and the answer leaves it out
+        echo_only = bool(req.echo) and req.max_tokens == 0
+        max_tokens = self.max_tokens(prompts, 1 if echo_only else req.max_tokens, "max_tokens" in req.model_fields_set,
                                      default=16, param="max_tokens")
         params = self.sampling_params(req, max_tokens, req.logprobs)
+        if req.echo and req.logprobs is not None:  # the prompt's logprobs too, as many top ones (checked as logprobs)
+            params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
+        echoed = [self.echo_text(p, ids) for p, ids in zip(prompt, prompts)] if req.echo else None
         request_id = f"cmpl-{uuid.uuid4().hex}"
 
         def choice(part: ChoicePart, streamed: bool) -> CompletionChoice:
+            text, token_ids, logprobs, offset = part.text, list(part.token_ids), part.logprobs, part.text_offset
+            finish_reason, stop_reason = part.output.finish_reason, part.output.stop_reason
+            ids = token_ids
+            if echo_only:  # nothing generated is returned
+                text, token_ids, ids, logprobs = "", [], [], []
+                finish_reason, stop_reason = ("length", None) if finish_reason is not None else (None, None)
+            if req.echo and part.first:  # the prompt first: its text, tokens and logprobs (the first None)
+                text = echoed[part.tag] + text
+                ids = prompts[part.tag] + ids
+                if req.logprobs is not None:
+                    logprobs = list(part.prompt_logprobs) + list(logprobs)
+            elif req.echo:
+                offset += len(echoed[part.tag])
             return CompletionChoice(
-                index=part.index, text=part.text, finish_reason=part.output.finish_reason,
-                stop_reason=part.output.stop_reason,
-                logprobs=self.completion_logprobs(part.token_ids, part.logprobs, offset=part.text_offset)
+                index=part.index, text=text, finish_reason=finish_reason, stop_reason=stop_reason,
+                logprobs=self.completion_logprobs(ids, logprobs, offset=offset)
                 if req.logprobs is not None else None,
                 prompt_token_ids=prompts[part.tag] if req.return_token_ids and part.first else None,
-                token_ids=list(part.token_ids) if req.return_token_ids else None)
+                token_ids=token_ids if req.return_token_ids else None)
 
         def body(choices, usage) -> CompletionResponse:  # streamed chunks have the same shape
+            if echo_only and usage is not None:  # the one token run is not returned: not counted
+                usage = self.usage_of(prompts, 0)
             return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
 
         return await self.generate(req, request, request_id, prompts, params, choice=choice, response=body,
@@ -508,8 +667,9 @@ class OpenAIServing:
     # --- /v1/chat/completions -------------------------------------------------------------
     async def create_chat_completion(self, req: ChatCompletionRequest, request: Request):
         self.check_request(req)
-        [prompt] = self.engine_prompts([self.chat_prompt(req.template_messages(), req.add_generation_prompt)],
-                                       "messages")
+        self.check_messages(req.messages)
+        chat_ids = await self.chat_prompt(req.template_messages(), req.add_generation_prompt)
+        [prompt] = await self.engine_prompts([chat_ids], "messages")
         if req.max_completion_tokens is not None:
             requested, param = req.max_completion_tokens, "max_completion_tokens"
         else:
@@ -545,18 +705,23 @@ class OpenAIServing:
 
     # --- the small endpoints --------------------------------------------------------------
     def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.model_name, root=str(self.engine.model_dir),
+        # root: the served name, not the model's path on this machine
+        return ModelList(data=[ModelCard(id=self.model_name, root=self.model_name,
                                          max_model_len=self.max_model_len)])
 
-    def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        """Size-checked, then tokenized (or the chat rendered) in a worker thread."""
         self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
-            ids = self.chat_prompt([{"role": m.role, "content": m.text()} for m in req.messages],
-                                   req.add_generation_prompt)
+            self.check_messages(req.messages, for_tokenize=True)
+            ids = await self.chat_prompt([{"role": m.role, "content": m.text()} for m in req.messages],
+                                         req.add_generation_prompt)
         else:
-            ids = self.require_tokenizer("tokenize").encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            tok = self.require_tokenizer("tokenize")
+            self.check_text_size(len(req.prompt), "prompt", for_tokenize=True)
+            ids = await asyncio.to_thread(tok.encode, req.prompt, add_special_tokens=req.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids)
 
     def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
@@ -575,7 +740,7 @@ class OpenAIServing:
 
 
 def create_app(engine, *, served_model_name: str, api_key: str | None = None,
-               limits: ServerLimits | None = None, log_requests: bool = True) -> FastAPI:
+               limits: ServerLimits | None = None, log_requests: bool = True, metrics_auth: bool = True) -> FastAPI:
     """The FastAPI app serving ``engine`` (an ``LLMEngine`` nothing else may use meanwhile).
 
     The engine loop starts with the app (its lifespan) and stops with it; run the app with
@@ -584,10 +749,18 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None,
     Args:
         engine: the ``LLMEngine``.
         served_model_name: the name ``/v1/models`` lists and requests' ``model`` must match.
-        api_key: when set, ``/v1/*`` requests need ``Authorization: Bearer <api_key>``.
+        api_key: when set, every route but ``/health`` needs ``Authorization: Bearer <api_key>``
+            (``/docs`` and ``/openapi.json`` too).
         limits: see :class:`ServerLimits`.
         log_requests: write one access line per request.
+        metrics_auth: with ``api_key``, ``/metrics`` needs the key too (False: open, for a
+            scraper that cannot send one; its figures are counts and latencies, no text).
+
+    Raises:
+        ValueError: ``api_key`` is the empty string (a key nobody could mean).
     """
+    if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
+        raise ValueError(f"api_key={api_key!r} is invalid: give a non-empty key, or None for no authentication")
     limits = limits or ServerLimits()
     engine_loop = AsyncEngine(engine, max_waiting_requests=limits.max_waiting_requests)
     serving = OpenAIServing(engine_loop, served_model_name, limits)
@@ -600,12 +773,13 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None,
         finally:
             await engine_loop.stop()
 
-    app = FastAPI(title="refengine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="refengine", lifespan=lifespan)  # /docs, /redoc and /openapi.json: FastAPI's
     app.state.engine_loop = engine_loop
     app.state.serving = serving
     # added last = outermost: the access log sees the 401s and 413s too
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key,
+                           open_paths=frozenset({"/health"} if metrics_auth else {"/health", "/metrics"}))
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes)
     app.add_middleware(AccessLogMiddleware, enabled=log_requests)
 
@@ -629,37 +803,53 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None,
 
     @app.exception_handler(Exception)
     async def on_crash(request, e: Exception):
-        logger.exception("unhandled error on %s", request.url.path)
-        return error_response(500, f"internal server error: {type(e).__name__}", "server_error")
+        record = getattr(request.state, "access", None)
+        err = internal_error(record.request_id if record is not None and record.request_id != "-" else None)
+        if record is not None:
+            record.request_id = err.message.rsplit(" ", 1)[-1].rstrip(")")  # the access line names it too
+        logger.error("unhandled error on %s: %s", request.url.path, err.message, exc_info=e)
+        return error_response(500, err.message, err.type, code=err.code)
 
-    @app.get("/health")
+    # What /openapi.json documents (runtime ignores it): every error is OpenAI's error body.
+    errors = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)}
+
+    def documented(model, stream_model=None) -> dict:
+        ok = {"model": model}
+        if stream_model is not None:
+            ok["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
+            ok["description"] = f"{model.__name__}, or with stream=true server-sent {stream_model.__name__} events"
+        return {**errors, 200: ok}
+
+    @app.get("/health", response_class=Response,  # an empty 200, not JSON: what the schema says too
+             responses={200: {"description": "the engine loop runs (empty body)"}, 503: {"model": ErrorResponse}})
     async def health():
-        """200 while the engine loop runs, else 503."""
+        """200 while the engine loop runs; 503 once it has stopped (shut down, or died
+        after an error: see ``AsyncEngine.max_consecutive_step_failures``)."""
         if not engine_loop.is_running:
             return error_response(503, "the engine loop is not running", "server_error")
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses={401: {"model": ErrorResponse}, 200: {"content": {"text/plain": {}}}})
     async def metrics():
         return Response(engine.metrics.exposition(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=documented(ModelList))
     async def models():
         return serving.models()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=documented(CompletionResponse, CompletionResponse))
     async def completions(req: CompletionRequest, request: Request):
         return await serving.create_completion(req, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=documented(ChatCompletionResponse, ChatCompletionChunk))
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         return await serving.create_chat_completion(req, request)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=documented(TokenizeResponse))
     async def tokenize(req: TokenizeRequest):
-        return serving.tokenize(req)
+        return await serving.tokenize(req)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=documented(DetokenizeResponse))
     async def detokenize(req: DetokenizeRequest):
         return serving.detokenize(req)
 

@@ -4,6 +4,11 @@
 
 Engine flags are ``refengine generate``'s (vLLM's names, from :mod:`refengine.cli_options`).
 FastAPI and uvicorn come from the ``serve`` extra and are imported only when the command runs.
+
+uvicorn runs with bounds (see docs/serving.md, "Limits and a reverse proxy"): at most
+``--limit-concurrency`` connections and tasks (503 above), idle keep-alive connections
+closed after ``--timeout-keep-alive`` seconds, the h11 HTTP parser (so that
+``--max-header-bytes`` bounds a request's head), and the app's ``--max-body-bytes``.
 """
 
 from __future__ import annotations
@@ -27,15 +32,23 @@ def fail(message: str):
 @click.option("--served-model-name", default=None,
               help="the model name clients send (default: the model directory's name)")
 @click.option("--api-key", default=None, envvar="REFENGINE_API_KEY", show_default="none",
-              help="require 'Authorization: Bearer KEY' on /v1/* (or $REFENGINE_API_KEY)")
+              help="require 'Authorization: Bearer KEY' on every route but /health (or $REFENGINE_API_KEY)")
+@click.option("--disable-metrics-auth", is_flag=True, show_default="off",
+              help="with --api-key, leave /metrics open (for a scraper that cannot send the key)")
 @click.option("--max-waiting-requests", type=click.IntRange(min=1), default=1024, show_default=True,
               help="answer 503 while this many sequences wait to be scheduled")
 @click.option("--max-n", type=click.IntRange(min=1), default=16, show_default=True, help="largest n per request")
 @click.option("--max-body-bytes", type=click.IntRange(min=1), default=4 * 1024 * 1024, show_default=True,
               help="largest request body in bytes (413 above)")
+@click.option("--limit-concurrency", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="most concurrent connections and tasks; uvicorn answers 503 above")
+@click.option("--timeout-keep-alive", type=click.IntRange(min=1), default=5, show_default=True,
+              help="seconds an idle keep-alive connection stays open")
+@click.option("--max-header-bytes", type=click.IntRange(min=1024), default=64 * 1024, show_default=True,
+              help="largest request line + headers (h11's max_incomplete_event_size; 400 above)")
 @click.option("--disable-log-requests", is_flag=True, show_default="off", help="no access line per request")
-def serve(host, port, served_model_name, api_key, max_waiting_requests, max_n, max_body_bytes,
-          disable_log_requests, **kw):
+def serve(host, port, served_model_name, api_key, disable_metrics_auth, max_waiting_requests, max_n,
+          max_body_bytes, limit_concurrency, timeout_keep_alive, max_header_bytes, disable_log_requests, **kw):
     """Serve the model over HTTP with OpenAI's API (completions, chat, models, tokenize, metrics)."""
     try:
         import uvicorn
@@ -43,6 +56,8 @@ def serve(host, port, served_model_name, api_key, max_waiting_requests, max_n, m
         from refengine.server.api import ServerLimits, create_app
     except ImportError as e:
         fail(f"refengine serve needs the 'serve' extra (pip install 'refengine[serve]'): {e}")
+    if api_key is not None and not api_key.strip():  # before the weights load
+        fail("--api-key (or $REFENGINE_API_KEY) is empty: give a key, or leave it unset to serve without one")
     root = click.get_current_context().find_root()
     if root.get_parameter_source("log_level") == click.core.ParameterSource.DEFAULT:
         logging.getLogger("refengine").setLevel(logging.INFO)  # access lines and engine stats by default
@@ -53,7 +68,16 @@ def serve(host, port, served_model_name, api_key, max_waiting_requests, max_n, m
     name = served_model_name or engine.model_dir.name
     limits = ServerLimits(max_body_bytes=max_body_bytes, max_n=max_n, max_waiting_requests=max_waiting_requests)
     app = create_app(engine, served_model_name=name, api_key=api_key, limits=limits,
-                     log_requests=not disable_log_requests)
+                     log_requests=not disable_log_requests, metrics_auth=not disable_metrics_auth)
     click.echo(f"serving '{name}' (max_model_len {engine.config.max_model_len}) on http://{host}:{port}/v1",
                err=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    uvicorn.run(app, **uvicorn_options(host, port, limit_concurrency, timeout_keep_alive, max_header_bytes))
+
+
+def uvicorn_options(host: str, port: int, limit_concurrency: int, timeout_keep_alive: int,
+                    max_header_bytes: int) -> dict:
+    """``uvicorn.run``'s keyword arguments: the address and the connection bounds (h11,
+    whose ``h11_max_incomplete_event_size`` bounds the request head; httptools has no such knob)."""
+    return dict(host=host, port=port, log_level="warning", access_log=False, http="h11",
+                limit_concurrency=limit_concurrency, timeout_keep_alive=timeout_keep_alive,
+                h11_max_incomplete_event_size=max_header_bytes)

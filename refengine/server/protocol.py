@@ -2,12 +2,15 @@
 
 Field names are OpenAI's (``/v1/completions``, ``/v1/chat/completions``) plus vLLM's
 extras (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``,
-``return_token_ids``; ``stop_reason`` on choices). ``null`` for an optional sampling
+``stop_token_ids`` (duplicates dropped), ``include_stop_str_in_output``, ``skip_special_tokens``,
+``return_token_ids``, ``cache_salt``, ``allowed_token_ids``, ``bad_words``, ``guided_json``,
+``guided_regex``, ``guided_choice``, ``guided_grammar``, ``structured_outputs``;
+``stop_reason`` on choices); OpenAI's ``echo`` (the prompt's text, and with ``logprobs`` its
+tokens' log-probabilities, before the completion's), ``logit_bias`` and ``response_format`` (``text``,
+``json_object``, ``json_schema``) on both endpoints. ``null`` for an optional sampling
 field means its default. Unknown request fields are ignored, as OpenAI's clients send
 fields a server may not know; OpenAI fields whose meaning refengine does not implement
-(``echo``, ``suffix``, ``logit_bias``, ``best_of`` > 1, ``tools``, a non-text
-``response_format``) are refused with 400 by :meth:`unsupported`.
+(``suffix``, ``best_of`` > 1, ``tools``) are refused with 400 by :meth:`unsupported`.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from refengine.sampling_params import SamplingParams
 
@@ -62,12 +65,92 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     return_token_ids: bool | None = None
+    # vLLM's: with prefix caching, only requests with the same salt share KV blocks
+    cache_salt: StrictStr | None = None
+    # logits processing (vLLM's extras beside OpenAI's logit_bias)
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[str] | None = None
+    # structured outputs: OpenAI's response_format, vLLM's guided_* and structured_outputs
+    response_format: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, message) for a field set to something refengine does not implement."""
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
         return None
+
+    def structured_outputs_fields(self) -> list[str]:
+        """The request fields that ask for a structured output (``response_format`` of
+        type ``text`` does not)."""
+        rf = self.response_format
+        return [name for name in ("response_format", "guided_json", "guided_regex", "guided_choice",
+                                  "guided_grammar", "structured_outputs")
+                if getattr(self, name) is not None and not (name == "response_format" and isinstance(rf, dict)
+                                                             and rf.get("type", "text") == "text")]
+
+    def structured_outputs_params(self):
+        """The ``StructuredOutputsParams`` this request asks for, or None.
+
+        ``response_format``: ``{"type": "text"}`` (none), ``{"type": "json_object"}``, or
+        ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`` (the
+        schema is enforced whatever ``strict`` says). vLLM's ``guided_json``,
+        ``guided_regex``, ``guided_choice``, ``guided_grammar``, and ``structured_outputs``
+        (``{"json" | "regex" | "choice" | "grammar" | "json_object": ...}``).
+
+        Raises:
+            ValueError: more than one of these fields, a malformed ``response_format``, or
+                a schema / regex / grammar llguidance refuses (its message).
+        """
+        from refengine.structured_output import StructuredOutputsParams
+
+        rf = self.response_format
+        used = self.structured_outputs_fields()
+        if not used:
+            return None
+        if len(used) > 1:
+            raise ValueError(f"give at most one of {', '.join(used)}: each asks for a structured output")
+        if used[0] == "response_format":
+            kind = rf.get("type")
+            if kind == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if kind != "json_schema":
+                raise ValueError(f"response_format type {kind!r} is not supported: "
+                                 "use 'text', 'json_object' or 'json_schema'")
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise ValueError("response_format of type 'json_schema' needs 'json_schema': "
+                                 "{'name': ..., 'schema': {...}} with the schema an object")
+            return StructuredOutputsParams(json=spec["schema"])
+        if used[0] == "structured_outputs":
+            so = self.structured_outputs
+            known = {"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace",
+                     "whitespace_pattern"}
+            extra = sorted(set(so) - known)
+            if extra:
+                raise ValueError(f"structured_outputs has unknown keys {extra}: known are {sorted(known)}")
+            return StructuredOutputsParams(**so)
+        name = used[0].removeprefix("guided_")
+        return StructuredOutputsParams(**{name: getattr(self, used[0])})
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """``logit_bias`` with its JSON string keys as token ids.
+
+        Raises:
+            ValueError: a key that is not a decimal integer.
+        """
+        if self.logit_bias is None:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                out[int(key)] = bias
+            except ValueError:
+                raise ValueError(f"SamplingParams.logit_bias={{{key!r}: {bias}}} is invalid: keys must be "
+                                 "token ids (decimal integers)") from None
+        return out
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's ``SamplingParams`` for this request (unset fields: vLLM's defaults).
@@ -79,9 +162,11 @@ class _SamplingRequest(_Request):
             "n": self.n, "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
             "top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
-            "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos, "stop_token_ids": self.stop_token_ids,
+            "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos, "stop_token_ids": None if self.stop_token_ids is None else list(dict.fromkeys(self.stop_token_ids)),
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens, "stop": self.stop,
+            "logit_bias": self.logit_bias_ids(), "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": self.bad_words, "structured_outputs": self.structured_outputs_params(),
         }
         kwargs = {k: v for k, v in given.items() if v is not None}
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
@@ -104,8 +189,6 @@ class CompletionRequest(_SamplingRequest):
     best_of: int | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.echo:
-            return "echo", "echo is not supported"
         if self.suffix:
             return "suffix", "suffix is not supported"
         if self.best_of is not None and self.best_of != (self.n or 1):
@@ -143,13 +226,10 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
-    response_format: dict | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.tools:
             return "tools", "tools are not supported"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format", "response_format other than text is not supported"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs=true"
         return super().unsupported()
@@ -197,11 +277,12 @@ class UsageInfo(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """OpenAI's legacy logprobs object: one entry per generated token."""
+    """OpenAI's legacy logprobs object: one entry per token (with ``echo``, the prompt's
+    first: its first token's ``token_logprobs`` and ``top_logprobs`` are null)."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 

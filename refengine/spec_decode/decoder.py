@@ -3,9 +3,10 @@ and the verification of a step's logits.
 
 One step with speculation (``engine.py``, ``scheduler.py``)::
 
-    scheduler.schedule()   asks num_spec_tokens(seq) for each decoding sequence and gives it
-                           1 + k query tokens (k within the token budget and the free blocks,
-                           never preempting for them; KV slots reserved)
+    scheduler.schedule()   once every running sequence has its own tokens, asks
+                           num_spec_tokens(seq) for each decoding sequence and gives it
+                           1 + k query tokens (k within what the token budget and the free
+                           blocks have left, never preempting; KV slots reserved)
     propose(sched)         the k proposals of each such sequence (n-gram lookup or draft model)
     runner.execute()       one target pass; logits at all 1 + k rows of those sequences
     sample()               plain sequences: the sampler; speculating ones: verification
@@ -150,7 +151,10 @@ class SpecDecoder:
             rows = np.concatenate([np.arange(starts[i], starts[i] + sizes[i]) for i in spec])
             views = [HistoryView(sample_seqs[i], proposals[sample_seqs[i]].token_ids[:j])
                      for i in spec for j in range(sizes[i])]
-            processed = self.sampler.process_logits(logits[rows], views)
+            # owners: each row's grammar (structured outputs) is its sequence's matcher
+            # after the row's proposals; a rejected proposal is rolled back at the next use
+            processed = self.sampler.process_logits(logits[rows], views,
+                                                    owners=[sample_seqs[i] for i in spec for _ in range(sizes[i])])
         offset = 0
         for i in spec:
             seq, prop = sample_seqs[i], proposals[sample_seqs[i]]

@@ -17,8 +17,13 @@ a step therefore catches up on whatever the draft has not seen (the whole prompt
 first time, then the last token, or two after a fully accepted run) and the draft only
 ever runs for sequences that speculate.
 
-**Proposals.** Pass 1 runs every catch-up chunk as one flat batch and takes the logits of
-each last row; passes 2..k feed one proposed token per sequence. Each distribution is
+**Proposals.** Pass 1 runs the catch-up chunks and takes the logits of each last row;
+passes 2..k feed one proposed token per sequence. Every draft forward keeps to the
+engine's ``max_num_batched_tokens`` rows, as the target's steps do (a first proposal after
+a long prompt or a preemption catches up in chunks over several forwards, a sequence at
+most once per forward), and sizes the CPU thread pools for its own rows first
+(:func:`refengine.runtime.threads.adapt_threads`, as :class:`refengine.model_runner.ModelRunner`
+does for the target), not for whatever the last target step was. Each distribution is
 processed as the sampler would at that position (penalties see the earlier proposals)
 and a greedy request proposes its argmax, a sampled one draws from it with its own
 generator; the processed draft distributions are returned for the rejection sampler.
@@ -33,6 +38,8 @@ import numpy as np
 
 from refengine.attention import paged_metadata
 from refengine.kv_cache import KVCache
+from refengine.model_runner import is_blas_step
+from refengine.runtime.threads import adapt_threads
 from refengine.sampler import Sampler
 from refengine.sequence import Sequence
 from refengine.spec_decode.rejection import draw, probs_from_logits
@@ -72,12 +79,19 @@ class DraftModelProposer:
         model: the draft model (same vocabulary as the target, loaded on the same device).
         kv_cache: its KV pool, ``num_blocks`` and ``block_size`` equal to the target's.
         sampler: the engine's sampler (for the processing of each distribution).
+        max_num_batched_tokens: most rows one draft forward may run (the engine's token
+            budget; None: no limit).
+    Raises:
+        ValueError: ``max_num_batched_tokens < 1``.
     """
 
-    def __init__(self, model, kv_cache: KVCache, sampler: Sampler):
+    def __init__(self, model, kv_cache: KVCache, sampler: Sampler, max_num_batched_tokens: int | None = None):
+        if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= 1")
         self.model = model
         self.kv_cache = kv_cache
         self.sampler = sampler
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.xp = model.xp
         self._computed: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
 
@@ -117,8 +131,39 @@ class DraftModelProposer:
         return [Proposal(d, np.stack(p) if p and p[0] is not None else None) for d, p in zip(drafts, probs)]
 
     def _forward(self, chunks: list[tuple[Sequence, int, list[int]]]) -> np.ndarray:
-        """One draft forward over ``(sequence, first position, token ids)`` chunks; returns
-        the ``[len(chunks), V]`` float32 logits of each chunk's last row."""
+        """Draft forwards over ``(sequence, first position, token ids)`` chunks, one per
+        sequence, each forward at most ``max_num_batched_tokens`` rows (a chunk longer than
+        what is left of a forward runs in pieces, in order); returns the ``[len(chunks), V]``
+        float32 logits of each chunk's last row."""
+        limit = self.max_num_batched_tokens
+        if limit is None or sum(len(t) for _, _, t in chunks) <= limit:
+            return self._forward_once(chunks)
+        results: list[np.ndarray | None] = [None] * len(chunks)
+        batch, owners, used = [], [], 0  # pieces of this forward; the chunk index each ends, or None
+        for i, (seq, start, tokens) in enumerate(chunks):
+            offset = 0
+            while offset < len(tokens):
+                take = min(len(tokens) - offset, limit - used)
+                end = offset + take
+                batch.append((seq, start + offset, tokens[offset:end]))
+                owners.append(i if end == len(tokens) else None)
+                used, offset = used + take, end
+                if used == limit:  # full: run it; the rest of this chunk starts the next forward
+                    self._run_pieces(batch, owners, results)
+                    batch, owners, used = [], [], 0
+        if batch:
+            self._run_pieces(batch, owners, results)
+        return np.stack(results)
+
+    def _run_pieces(self, batch, owners, results) -> None:
+        logits = self._forward_once(batch)
+        for row, owner in enumerate(owners):
+            if owner is not None:
+                results[owner] = logits[row]
+
+    def _forward_once(self, chunks: list[tuple[Sequence, int, list[int]]]) -> np.ndarray:
+        """One draft forward over ``(sequence, first position, token ids)`` chunks (one per
+        sequence); returns the ``[len(chunks), V]`` float32 logits of each chunk's last row."""
         xp, bs = self.xp, self.kv_cache.block_size
         q_lens = np.array([len(t) for _, _, t in chunks], dtype=np.int64)
         seq_lens = np.array([start + len(t) for _, start, t in chunks], dtype=np.int64)
@@ -130,6 +175,9 @@ class DraftModelProposer:
         ids = np.fromiter((t for _, _, toks in chunks for t in toks), dtype=np.int64, count=int(q_lens.sum()))
         positions = np.concatenate([np.arange(start, start + len(t)) for _, start, t in chunks]).astype(np.int64)
         last_rows = np.cumsum(q_lens) - 1
+        if xp is np:  # this forward's own thread pools (refengine/runtime/threads.py)
+            adapt_threads(blas_step=is_blas_step(self.model, int(q_lens.sum()), int(q_lens.max())),
+                          library_blas=not getattr(self.model.ops, "spreads_blas", False))
         logits = self.model.forward(xp.asarray(ids), positions, self.kv_cache, meta, xp.asarray(last_rows))
         return logits if xp is np else xp.asnumpy(logits)
 
