@@ -105,6 +105,13 @@ SAMPLING_CASES = {
     "ignore_eos": ["yes", 1, None, [True]],
     "logprobs": [True, "1", 1.5, NAN, INF, [1], -1],
     "skip_special_tokens": ["yes", 0, None, [False]],
+    "prompt_logprobs": [True, "1", 1.5, NAN, INF, [1], -1],
+    "output_kind": ["delta", 1, None, True],
+    "logit_bias": [[1], "x", {-1: 1.0}, {"5": 1.0}, {True: 1.0}, {5: 101}, {5: -100.5}, {5: NAN}, {5: INF},
+                   {5: "1"}, {i: 0.0 for i in range(301)}],
+    "allowed_token_ids": [[], 5, "5", {5}, [-1], [1.5], [True], ["5"], [None]],
+    "bad_words": ["word", 5, [""], ["  "], [5], [None], {"word"}],
+    "structured_outputs": [{"json": {}}, "json", 5],
 }
 
 

@@ -102,6 +102,20 @@ class PartTimer:
         self._saved.clear()
 
 
+class _TimedSampler:
+    """``sampler`` whose calls count as the ``sampler`` part; every other attribute (its
+    ``check_sampling_params``, ``eos_token_ids``, ...) is the sampler's own."""
+
+    def __init__(self, sampler, timer: PartTimer):
+        self._sampler, self._timer = sampler, timer
+
+    def __call__(self, *args, **kwargs):
+        return self._timer.timed("sampler", lambda: self._sampler(*args, **kwargs))
+
+    def __getattr__(self, name):
+        return getattr(self._sampler, name)
+
+
 class StepBreakdown(PartTimer):
     """Times the parts of every step ``engine`` runs while entered (a context manager).
 
@@ -126,8 +140,7 @@ class StepBreakdown(PartTimer):
     def __enter__(self) -> StepBreakdown:
         super().__enter__()
         engine = self.engine
-        sampler = engine.sampler
-        self.patch(engine, "sampler", lambda *a, **kw: self.timed("sampler", lambda: sampler(*a, **kw)))
+        self.patch(engine, "sampler", _TimedSampler(engine.sampler, self))
         step = engine.step
         steps = engine.metrics.steps
 

@@ -1302,14 +1302,7 @@ def tiled_blas_linear(x: np.ndarray, w) -> np.ndarray:
             j1 = min(j0 + tile, n)
             np.matmul(x, dequantize_rows(w, j0, j1, buf).T, out=out[:, j0:j1])
 
-    if threads == 1:
-        work(0)
-        return out
-    pool = blas._workers(threads - 1)
-    futures = [pool.submit(work, part) for part in range(1, threads)]
-    work(0)
-    for f in futures:
-        f.result()
+    blas.run_parts(work, threads)
     return out
 
 

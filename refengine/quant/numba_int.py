@@ -206,14 +206,7 @@ def int8_linear(x: np.ndarray, q: np.ndarray, scales: np.ndarray, blas_min_rows:
             _int8_dequant_rows(q, scales, tile, j0, j1)
             np.matmul(x, tile[:j1 - j0].T, out=out[:, j0:j1])
 
-    if threads == 1:
-        work(0)
-        return out
-    pool = blas._workers(threads - 1)
-    futures = [pool.submit(work, part) for part in range(1, threads)]
-    work(0)
-    for f in futures:
-        f.result()
+    blas.run_parts(work, threads)
     return out
 
 

@@ -72,6 +72,19 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
+def run_parts(work, n: int) -> None:
+    """Call ``work(part)`` for ``part`` in ``0 .. n-1`` at once: part 0 on this thread, the
+    others on the pool's workers (each does its own single-threaded BLAS calls). Returns
+    when every part is done; re-raises the first part's exception."""
+    if n <= 1:
+        work(0)
+        return
+    futures = [_workers(n - 1).submit(work, part) for part in range(1, n)]
+    work(0)
+    for f in futures:
+        f.result()
+
+
 def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """``a [M, K] @ b [K, N]`` -> ``[M, N]`` (into ``out`` when given: C-contiguous rows),
     by :func:`get_threads` single-threaded BLAS calls over row blocks of ``a``.
