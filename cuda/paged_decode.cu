@@ -33,6 +33,10 @@
 // Kernel 2, paged_decode_reduce_<dtype>_hd<D>: grid = (num_heads, num_seqs), block = D
 // threads (thread = output dimension). Merges the partitions:
 //   M = max_p m_p,   w_p = l_p * exp(m_p - M),   out = sum_p w_p * o_p / sum_p w_p.
+//   A sequence that filled one partition keeps o_0 as it is (rather than trusting
+//   (l * o) / l to round back to o): its output is the same bits whether or not a longer
+//   sequence in its batch made the grid several partitions deep. Each sequence's split is
+//   fixed by its own length, never by the batch's, so every output's reduction order is too.
 //
 // Shared memory (dynamic, float32), kernel 1:
 //   q_s [kGroupTile][D] | k_s [kKeyTile][D + 1] (padded: the 32 lanes of a warp read 32
@@ -235,6 +239,11 @@ __device__ void paged_decode_reduce(T* __restrict__ out, const float* __restrict
     const int keys = window > 0 ? min(seq_len, window) : seq_len;  // what kernel 1 read
     const int used = (keys + partition_size - 1) / partition_size;  // partitions this sequence filled
     const long long base = ((long long)seq * num_heads + head) * num_partitions;
+    const int token = query_start_loc[seq + 1] - 1;
+    if (used == 1) {  // acc / l as kernel 1 computed it: the same bits as a batch with one partition
+        store_float(&out[((long long)token * num_heads + head) * HEAD_DIM + d], partial_out[base * HEAD_DIM + d]);
+        return;
+    }
 
     float global_max = REFENGINE_NEG_INF;
     for (int p = 0; p < used; ++p) global_max = fmaxf(global_max, partial_max[base + p]);
@@ -244,7 +253,6 @@ __device__ void paged_decode_reduce(T* __restrict__ out, const float* __restrict
         numerator += w * partial_out[(base + p) * HEAD_DIM + d];
         denominator += w;
     }
-    const int token = query_start_loc[seq + 1] - 1;
     store_float(&out[((long long)token * num_heads + head) * HEAD_DIM + d], numerator / denominator);
 }
 

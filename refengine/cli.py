@@ -1,4 +1,4 @@
-"""The ``refengine`` command line: generate, chat, convert-gguf, bench, serve, eval.
+"""The ``refengine`` command line: generate, chat, convert-gguf, bench, serve, eval, compare.
 
 Engine flags carry vLLM's names (``--max-model-len``, ``--block-size``,
 ``--max-num-seqs``, ``--max-num-batched-tokens`` ...), sampling flags
@@ -30,6 +30,7 @@ from refengine import __version__
 from refengine.bench.cli import bench
 from refengine.cli_options import (LOG_LEVELS, TEXT, engine_options, fail, flag_names, log_level_option,
                                    require_tokenizer, sampling_options, setup, setup_logging)
+from refengine.compare import compare_cmd
 from refengine.eval.cli import eval_group
 from refengine.sampling_params import SamplingParams
 from refengine.server.cli import serve
@@ -268,6 +269,7 @@ def convert_gguf_cmd(gguf_file, out_dir):
 main.add_command(bench)
 main.add_command(serve)
 main.add_command(eval_group)
+main.add_command(compare_cmd)
 
 if __name__ == "__main__":
     main()

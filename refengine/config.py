@@ -170,6 +170,8 @@ class EngineConfig:
             before a GPU engine has measured its memory). bytes_per_block: one block
             across all layers, keys and values.
         enable_prefix_caching: reuse full KV blocks by content (:mod:`refengine.kv_cache`).
+        batch_invariant: the numba kernels in their batch-invariant mode (a row's logits the
+            same bits whatever its step; :class:`refengine.ops.numba_ops.NumbaOps`).
         gpu_memory_utilization: share of GPU memory the engine may use.
         max_logprobs: most ``SamplingParams.logprobs`` a request may ask for.
         log_stats: log per-request lines and periodic stats. trace: record step events.
@@ -207,6 +209,7 @@ class EngineConfig:
     draft_bytes_per_block: int = 0
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
+    batch_invariant: bool = False
 
     @property
     def max_model_len(self) -> int | None:
@@ -222,6 +225,7 @@ class EngineConfig:
                 "device": self.device, "dtype": str(self.dtype), "attention_backend": self.attention_backend,
                 "layer_ops": self.layer_ops, "kv_cache_dtype": self.kv_cache_dtype, "block_size": self.block_size,
                 "num_kv_blocks": self.num_kv_blocks, "quantization": self.quantization,
+                "batch_invariant": self.batch_invariant,
                 **{k: getattr(self.scheduler_config, k) for k in ("max_num_seqs", "max_num_batched_tokens",
                                                                    "enable_chunked_prefill", "max_model_len")},
                 "speculative_config": None if self.speculative_config is None else asdict(self.speculative_config)}

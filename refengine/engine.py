@@ -194,8 +194,9 @@ class LLMEngine:
         xp = np
         if config.device == "cuda":
             import cupy as xp
-        attention = get_attention_backend(config.attention_backend)
-        ops = get_layer_ops(config.layer_ops, xp)  # CUDA ops share the attention backend's compiled module
+        attention = get_attention_backend(config.attention_backend, batch_invariant=config.batch_invariant)
+        # CUDA ops share the attention backend's compiled module
+        ops = get_layer_ops(config.layer_ops, xp, batch_invariant=config.batch_invariant)
         if config.device == "cpu":  # thread pools sized to this process's cores (refengine/runtime/threads.py)
             configure_threads(config.num_threads, library_blas=not getattr(ops, "spreads_blas", False))
         self.model = load_model(model_dir, model_config, attention, ops, xp=xp, dtype=config.dtype,
@@ -444,10 +445,11 @@ class LLMEngine:
         Raises:
             Whatever the model, the sampler or the stop rules (the detokenizer) raise. The
             step is then undone: no token is appended, the chunks are not counted as
-            computed and each request's random generator is wound back, so the next step
-            redoes it exactly (``text == decode(token_ids)`` holds and every KV block stays
-            accounted for). Once the step is applied nothing after it raises: an error
-            while recording metrics is logged and the outputs are still returned.
+            computed (the random draws are keyed by output position, nothing to wind
+            back), so the next step redoes it exactly (``text == decode(token_ids)`` holds
+            and every KV block stays accounted for). Once the step is applied nothing
+            after it raises: an error while recording metrics is logged and the outputs
+            are still returned.
         """
         t0 = time.monotonic()
         sched = self.scheduler.schedule()
@@ -461,33 +463,24 @@ class LLMEngine:
             if n - k == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens == len(seq) - 1:
                 num_decode += n
         spec = self.spec_decoder
-        # a draft model draws from the generators before the target runs: save them first
-        rng_seqs = [seq for seq, _ in sched.scheduled] if spec is not None else []
-        rng_states = [seq.generator.bit_generator.state for seq in rng_seqs]
-        try:
-            prompt_logits = []  # rows of sequences owed prompt logprobs (ModelRunner.execute)
-            if spec is None:
-                logits, sample_seqs = self.runner.execute(sched.scheduled, prompt_logits=prompt_logits)
-                rng_seqs, rng_states = sample_seqs, [seq.generator.bit_generator.state for seq in sample_seqs]
-                out = self.sampler(logits, sample_seqs) if sample_seqs else None
-                sampled = [(seq, int(out.token_ids[i]), out.logprobs[i] if out.logprobs is not None else None)
-                           for i, seq in enumerate(sample_seqs)]
-                num_rejected = None
-            else:
-                proposals = spec.propose(sched.spec, sched.preempted)
-                logits, sample_seqs = self.runner.execute(
-                    sched.scheduled, spec_tokens={seq: p.token_ids for seq, p in proposals.items()},
-                    prompt_logits=prompt_logits)
-                sampled, num_rejected = spec.sample(logits, sample_seqs, proposals)
-            new_prompt_logprobs = [(seq, first, self._prompt_logprob_entries(seq, first, rows))
-                                   for seq, first, rows in prompt_logits]
-            num_outputs_before = [seq.num_output_tokens for seq in sample_seqs]
-            # Only now, with every sampled token in hand, is the step applied (in one place, atomically).
-            results = self.scheduler.postprocess(sched.scheduled, sampled, num_rejected)
-        except BaseException:
-            for seq, state in zip(rng_seqs, rng_states):  # so a seeded request redraws the same tokens
-                seq.generator.bit_generator.state = state
-            raise
+        prompt_logits = []  # rows of sequences owed prompt logprobs (ModelRunner.execute)
+        if spec is None:
+            logits, sample_seqs = self.runner.execute(sched.scheduled, prompt_logits=prompt_logits)
+            out = self.sampler(logits, sample_seqs) if sample_seqs else None
+            sampled = [(seq, int(out.token_ids[i]), out.logprobs[i] if out.logprobs is not None else None)
+                       for i, seq in enumerate(sample_seqs)]
+            num_rejected = None
+        else:
+            proposals = spec.propose(sched.spec, sched.preempted)
+            logits, sample_seqs = self.runner.execute(
+                sched.scheduled, spec_tokens={seq: p.token_ids for seq, p in proposals.items()},
+                prompt_logits=prompt_logits)
+            sampled, num_rejected = spec.sample(logits, sample_seqs, proposals)
+        new_prompt_logprobs = [(seq, first, self._prompt_logprob_entries(seq, first, rows))
+                               for seq, first, rows in prompt_logits]
+        num_outputs_before = [seq.num_output_tokens for seq in sample_seqs]
+        # Only now, with every sampled token in hand, is the step applied (in one place, atomically).
+        results = self.scheduler.postprocess(sched.scheduled, sampled, num_rejected)
         for seq, first, entries in new_prompt_logprobs:  # list appends only: nothing here raises
             seq.prompt_logprobs.extend(entries[len(seq.prompt_logprobs) - first:])
         num_new = [seq.num_output_tokens - n for seq, n in zip(sample_seqs, num_outputs_before)]

@@ -105,6 +105,11 @@ class EngineArgs:
         "how attention (and the layer ops) are computed: numpy, numba (compiled CPU kernels) or cuda-emulated "
         "on the CPU, cuda on a GPU (default: numba on the CPU, the faster there, measured; numpy when numba "
         "is not installed; cuda on a GPU)", choices=tuple(BACKENDS)))
+    batch_invariant: bool | None = field(default=None, metadata=_option(
+        "bitwise batch-invariant logits (vLLM's VLLM_BATCH_INVARIANT): a sequence's logits are the same bits "
+        "whatever else is in its step, however its prompt is chunked, whether its prefix came from the cache, "
+        "on any number of threads; costs prefill speed (docs/engine_options.md#batch-invariance) "
+        "(default: on with the numba backend, the only one that has it)"))
     max_model_len: int | None = field(default=None, metadata=_option(
         "most tokens per sequence, prompt + output (default: the model's context, capped by the KV pool)",
         minimum=1))
@@ -183,13 +188,13 @@ class EngineArgs:
         for fld in reversed([f for f in dataclasses.fields(cls) if f.metadata["cli"]]):
             meta = fld.metadata
             name = fld.name.replace("_", "-")
-            if fld.type in ("bool", bool):
+            if fld.type in ("bool", bool, "bool | None"):
                 if meta["flag"]:  # an inverted switch named as vLLM names it
                     option = click.option(meta["flag"], f"cli_{fld.name}", is_flag=True, show_default="off",
                                           help=meta["help"])
                 else:
                     option = click.option(f"--{name}/--no-{name}", f"cli_{fld.name}", default=fld.default,
-                                          show_default=True, help=meta["help"])
+                                          show_default=fld.default is not None, help=meta["help"])
             else:
                 if meta["choices"]:
                     type_ = click.Choice(meta["choices"])
@@ -260,6 +265,7 @@ class EngineArgs:
                              f"device={device!r}; on {device!r} use one of "
                              f"{[b for b, d in BACKENDS.items() if d == device]}")
         dtype = resolve_dtype(self.dtype, device)
+        batch_invariant = resolve_batch_invariant(self.batch_invariant, backend)
         quantization = resolve_quantization(self.quantization, model_dir)
         # device="cuda" runs int8 and int4 (AWQ, GPTQ) weights as stored: cuda/quant_matmul.cu
         if quantization is not None and device != "cpu" and quantization not in CUDA_QUANTIZATIONS:
@@ -310,7 +316,7 @@ class EngineArgs:
             model_dir=model_dir, model_config=mc, device=device, dtype=dtype, attention_backend=backend,
             layer_ops=LAYER_OPS_FOR_BACKEND[backend], num_threads=self.num_threads, block_size=self.block_size,
             num_kv_blocks=num_blocks, bytes_per_block=per_block, kv_cache_dtype=kv_dtype, quantization=quantization,
-            enable_prefix_caching=self.enable_prefix_caching,
+            enable_prefix_caching=self.enable_prefix_caching, batch_invariant=batch_invariant,
             gpu_memory_utilization=self.gpu_memory_utilization,
             max_logprobs=self.max_logprobs, log_stats=self.log_stats, trace=self.trace,
             scheduler_config=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
@@ -329,6 +335,26 @@ class EngineArgs:
                              f"but the pool holds {num_blocks} ({pool_tokens} tokens); lower max_model_len or "
                              f"raise {memory}")
         return max_model_len
+
+
+#: Attention backends whose kernels (with their layer ops) can run batch-invariant.
+BATCH_INVARIANT_BACKENDS = ("numba",)
+
+
+def resolve_batch_invariant(batch_invariant: bool | None, backend: str) -> bool:
+    """``batch_invariant`` for ``backend``: None -> on for :data:`BATCH_INVARIANT_BACKENDS`, off
+    for the others (the NumPy twin and the CUDA path use BLAS / cuBLAS products, whose
+    reduction order depends on the number of rows).
+
+    Raises:
+        ValueError: ``batch_invariant=True`` with a backend that cannot honour it.
+    """
+    if batch_invariant is None:
+        return backend in BATCH_INVARIANT_BACKENDS
+    if batch_invariant and backend not in BATCH_INVARIANT_BACKENDS:
+        raise ValueError(f"batch_invariant=True needs attention_backend in {BATCH_INVARIANT_BACKENDS}, "
+                         f"got attention_backend={backend!r}")
+    return bool(batch_invariant)
 
 
 def default_cpu_backend() -> str:

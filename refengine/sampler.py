@@ -13,8 +13,8 @@ Pipeline (the order of vLLM's v0 sampler and of Hugging Face's ``generate`` warp
         ├─ penalties: repetition (HF rule, prompt + output), then frequency and presence
         │             (OpenAI rule, output only)
         ├─ greedy rows (temperature 0): argmax, ties to the lowest id; no random draw
-        └─ sampled rows: temperature → top-k → top-p → min-p → one uniform draw from the
-                         request's own generator, inverted through the CDF
+        └─ sampled rows: temperature → top-k → top-p → min-p → one uniform, keyed on the
+                         token's position, inverted through the CDF
 
 Sources: the formulas mirror ``transformers/generation/logits_process.py``
 (``RepetitionPenaltyLogitsProcessor``, ``TemperatureLogitsWarper``, ``TopKLogitsWarper``,
@@ -25,9 +25,14 @@ vLLM-v0 order above (so ``transformers``' warpers chained in that order are a go
 reference) and sample at any temperature > 0, however small.
 
 Every step after the sanitising is vectorised over the batch ([B, V] arrays); Python only
-loops over rows to gather per-request parameters and to make the one draw per row from that
-row's ``numpy.random.Generator``. One draw per sampled token means a seeded request gives
-the same tokens whatever its batch companions, its row, or a preemption and recompute.
+loops over rows to gather per-request parameters and to invert each row's CDF.
+
+Randomness is keyed, not streamed (:class:`TokenUniforms`): the uniform behind the token at
+output position ``i`` of completion ``index`` of a request seeded ``seed`` is a pure function
+of ``(seed, index, i)``. Nothing is consumed, so a seeded request gives the same tokens
+whatever its batch companions, its row, a preemption and recompute, a step that failed and
+is redone, or how many tokens speculative decoding verified in each step (with n-gram
+proposals the tokens are exactly these: refengine/spec_decode/rejection.py).
 
 The masks come first, as vLLM's v1 sampler orders them (``vllm/v1/sample/sampler.py``:
 allowed token ids, bad words, min_tokens and logit_bias, then penalties, then the
@@ -54,11 +59,67 @@ from refengine.structured_output import StructuredOutputManager, banned_by_bad_w
 _F32_MAX = np.finfo(np.float32).max
 
 
+# What a uniform is for: its own stream per purpose, so that the draws of one never shift
+# those of another (speculative decoding uses all four; plain sampling SAMPLE only).
+SAMPLE = 0  # the target's token at a position (the sampler; n-gram verification; the bonus token)
+DRAFT = 1  # a draft model's proposal
+ACCEPT = 2  # the accept test of a draft model's proposal
+RESIDUAL = 3  # the token drawn from the residual after a draft model's proposal is rejected
+
+
+class TokenUniforms:
+    """The random numbers of one sequence, keyed by output position: a counter-based stream.
+
+    ``uniforms(position, purpose)`` is the first output of Philox4x64-10 (Salmon et al.
+    2011, "Parallel Random Numbers: As Easy as 1, 2, 3"; ``numpy.random.Philox``) under the
+    128-bit key ``(seed, index)`` at the 256-bit counter ``(position, purpose, 0, 0)`` (NumPy
+    increments the counter before a block, so the block is ``(position + 1, purpose, 0, 0)``),
+    mapped to a float64 in ``[0, 1)`` as ``Generator.random`` maps it (the top 53 bits).
+    Distinct ``(seed, index)`` are distinct cipher keys and distinct ``(position, purpose)``
+    distinct counters, so every uniform is independent of every other. Nothing is consumed:
+    calling it twice gives the same number (the Philox object kept is scratch space, so one
+    instance must not be called from two threads at once; the engine's thread makes a
+    sequence's draws).
+
+    Args:
+        seed: the request's seed, an int in ``[0, 2**64)`` (an unseeded request draws one at
+            random once, when its sequences are made: ``refengine.sequence.Sequence``).
+        index: which of the request's ``n`` completions (``>= 0``).
+    Raises:
+        ValueError: ``seed`` or ``index`` out of range.
+    """
+
+    __slots__ = ("seed", "index", "_key", "_philox", "_counter", "_state")
+
+    def __init__(self, seed: int, index: int = 0):
+        if not 0 <= seed < 2**64 or not 0 <= index < 2**64:
+            raise ValueError(f"TokenUniforms needs 0 <= seed < 2**64 and 0 <= index < 2**64, got {seed}, {index}")
+        self.seed, self.index = int(seed), int(index)
+        self._key = np.array([seed, index], dtype=np.uint64)
+        self._philox: np.random.Philox | None = None  # made at the first draw (greedy requests never draw)
+
+    def __call__(self, position: int, purpose: int = SAMPLE) -> float:
+        """The uniform in ``[0, 1)`` for output position ``position`` (>= 0) and ``purpose``."""
+        if self._philox is None:
+            self._philox = np.random.Philox(key=self._key)
+            self._counter = np.zeros(4, dtype=np.uint64)
+            # buffer_pos 4 (the buffer used up): the next output is a fresh block at the counter
+            self._state = {"bit_generator": "Philox", "buffer": np.zeros(4, dtype=np.uint64), "buffer_pos": 4,
+                           "has_uint32": 0, "uinteger": 0, "state": {"counter": self._counter, "key": self._key}}
+        self._counter[0], self._counter[1] = position, purpose
+        self._philox.state = self._state  # copied in: cheaper than a new Philox per draw
+        return (int(self._philox.random_raw()) >> 11) * 2.0**-53
+
+    def __repr__(self) -> str:
+        return f"TokenUniforms(seed={self.seed}, index={self.index})"
+
+
 class SequenceLike(Protocol):
-    """What the sampler reads from a sequence (``refengine.sequence.Sequence`` fits)."""
+    """What the sampler reads from a sequence (``refengine.sequence.Sequence`` fits). The
+    token it samples sits at output position ``len(output_token_ids)``."""
 
     sampling_params: SamplingParams
-    generator: np.random.Generator
+    uniforms: TokenUniforms  # any callable (position, purpose) -> float in [0, 1)
     prompt_token_ids: list[int]
     output_token_ids: list[int]
 
@@ -202,15 +263,16 @@ def apply_min_p(logits: np.ndarray, min_p: np.ndarray) -> np.ndarray:
 
 
 @np.errstate(all="ignore")
-def sample_rows(logits: np.ndarray, generators: SequenceT[np.random.Generator]) -> np.ndarray:
+def sample_rows(logits: np.ndarray, uniforms: SequenceT[float] | np.ndarray) -> np.ndarray:
     """Draw one token per row from ``softmax(logits)`` by inverse-CDF sampling.
 
     Args:
         logits: ``[b, V]`` float32, filtered (-inf for excluded tokens).
-        generators: ``b`` generators; row ``i`` takes exactly one ``generators[i].random()``.
+        uniforms: ``[b]`` floats in ``[0, 1)``, row ``i``'s uniform.
 
-    Returns: ``[b]`` int64. The chosen token always has a non-zero probability; a row that
-    is -inf everywhere gives its argmax (token 0).
+    Returns: ``[b]`` int64, row ``i``'s token the first whose CDF exceeds ``uniforms[i]``
+    (token ids in increasing order). The chosen token always has a non-zero probability; a
+    row that is -inf everywhere gives its argmax (token 0).
     """
     out = np.empty(logits.shape[0], dtype=np.int64)
     if logits.shape[0] == 0:
@@ -218,8 +280,7 @@ def sample_rows(logits: np.ndarray, generators: SequenceT[np.random.Generator]) 
     row_max = logits.max(axis=-1, keepdims=True)
     ok = np.isfinite(row_max[:, 0])
     weights = np.exp(logits - row_max)  # [b, V] unnormalised probabilities, the top is 1
-    for i, gen in enumerate(generators):
-        u = gen.random()  # always exactly one draw per sampled row
+    for i, u in enumerate(uniforms):
         if not ok[i]:
             out[i] = int(np.argmax(logits[i]))
             continue
@@ -250,6 +311,12 @@ def top_logprobs(logprobs_row: np.ndarray, sampled: int, n: int) -> dict[int, fl
     return result
 
 
+def position_uniform(seq: SequenceLike) -> float:
+    """The uniform the sampler inverts for ``seq``'s next token (output position
+    ``len(seq.output_token_ids)``, purpose SAMPLE)."""
+    return seq.uniforms(len(seq.output_token_ids), SAMPLE)
+
+
 # --- the sampler -------------------------------------------------------------------------
 
 class Sampler:
@@ -267,8 +334,9 @@ class Sampler:
     Call: ``sampler(logits, seqs) -> SamplerOutput``
         logits: ``[B, V]`` float (cast to float32), row ``i`` belongs to ``seqs[i]``; not
             modified.
-        seqs: ``B`` sequence-like objects (``sampling_params``, ``generator``,
-            ``prompt_token_ids``, ``output_token_ids``). Token ids outside ``[0, V)`` in
+        seqs: ``B`` sequence-like objects (``sampling_params``, ``uniforms``,
+            ``prompt_token_ids``, ``output_token_ids``); a sampled row's uniform is
+            ``uniforms(len(output_token_ids), SAMPLE)``. Token ids outside ``[0, V)`` in
             the history are ignored by the penalties.
 
     Never raises on odd values (NaN/inf logits, top_k > V, top_p near 0 or 1, min_p 1,
@@ -339,7 +407,7 @@ class Sampler:
             token_ids[greedy] = np.argmax(x[greedy], axis=-1)  # ties: lowest id
         rows = np.flatnonzero(~greedy)
         if rows.size:
-            token_ids[rows] = sample_rows(x[rows], [seqs[i].generator for i in rows])
+            token_ids[rows] = sample_rows(x[rows], [position_uniform(seqs[i]) for i in rows])
 
         logprobs = None
         if want_lp:
@@ -359,7 +427,7 @@ class Sampler:
         ``owners``: per row, the sequence whose grammar matcher masks it (speculative
         verification passes views of a sequence ``j`` proposals ahead, whose histories
         the matcher follows); None (the default): no grammar mask. ``__call__`` uses
-        each row's own sequence. Consumes no random draws."""
+        each row's own sequence. Draws nothing."""
         return self._process(self._check(logits, seqs), seqs, owners)
 
     @staticmethod

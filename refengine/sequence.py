@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import enum
+import secrets
 from dataclasses import dataclass, field
 
-import numpy as np
-
+from refengine.sampler import TokenUniforms
 from refengine.sampling_params import SamplingParams
 
 
@@ -50,7 +50,8 @@ class Sequence:
     run. A sequence whose prompt is fully computed and which is not finished is decoding.
     ``block_table`` lists the physical KV blocks that hold positions
     ``0 .. len(block_table) * block_size - 1``. ``detokenizer`` turns its output ids into
-    text (None for a model without a tokenizer).
+    text (None for a model without a tokenizer). ``uniforms`` gives its random numbers,
+    keyed by ``(seed, index, output position)`` (:class:`refengine.sampler.TokenUniforms`).
 
     Prefix caching: ``block_hashes`` is the hash chain of the full blocks of its tokens
     (prompt, then output), computed as needed and kept across preemption (the tokens do not
@@ -85,11 +86,11 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.detokenizer = detokenizer
-        # One generator per sequence so a seed gives the same tokens whatever the batch.
-        seed = sampling_params.seed
-        if seed is not None:
-            seed = seed + index
-        self.generator = np.random.default_rng(seed)
+        # Random draws keyed by (seed, index, output position), so a seed gives the same tokens
+        # whatever the batch, the speculation or a recompute; an unseeded request draws a
+        # seed once here, so both take one code path.
+        seed = sampling_params.seed if sampling_params.seed is not None else secrets.randbits(64)
+        self.uniforms = TokenUniforms(seed, index)
 
     # --- sizes -------------------------------------------------------------------------
     @property

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from refengine.engine import LLM
-from refengine.sampler import Sampler
+from refengine.sampler import Sampler, TokenUniforms
 from refengine.sampling_params import SamplingParams
 from refengine.structured_output import banned_by_bad_words, bad_words_token_ids
 
@@ -18,7 +18,7 @@ class FakeSeq:
         self.sampling_params = params
         self.prompt_token_ids = [1]
         self.output_token_ids = list(output)
-        self.generator = np.random.default_rng(seed)
+        self.uniforms = TokenUniforms(seed)
 
 
 class CharTokenizer:

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from refengine.sampler import (
+    SAMPLE,
     Sampler,
+    TokenUniforms,
     apply_min_p,
     apply_presence_frequency_penalties,
     apply_repetition_penalty,
@@ -25,22 +27,23 @@ NEG_INF = -np.inf
 class FakeSeq:
     """The sequence fields the sampler reads."""
 
-    def __init__(self, params=None, prompt=(), output=(), generator=None, seed=None):
+    def __init__(self, params=None, prompt=(), output=(), uniforms=None, seed=0):
         self.sampling_params = params or SamplingParams()
         self.prompt_token_ids = list(prompt)
         self.output_token_ids = list(output)
-        self.generator = generator if generator is not None else np.random.default_rng(seed)
+        self.uniforms = uniforms if uniforms is not None else TokenUniforms(seed)
 
 
 class FixedUniform:
-    """A generator stub whose draws are given in advance (to test inverse-CDF exactly)."""
+    """A TokenUniforms stub whose values are given in advance (to test inverse-CDF exactly);
+    records the (position, purpose) of each call."""
 
     def __init__(self, *us):
         self.us = list(us)
-        self.calls = 0
+        self.calls = []
 
-    def random(self):
-        self.calls += 1
+    def __call__(self, position, purpose=SAMPLE):
+        self.calls.append((position, purpose))
         return self.us.pop(0)
 
 
@@ -158,16 +161,15 @@ def test_rows_of_a_batch_are_filtered_independently():
 def test_inverse_cdf_draw_exact():
     # CDF of P4: 0.5, 0.8, 0.95, 1.0
     for u, expected in [(0.0, 0), (0.49, 0), (0.51, 1), (0.79, 1), (0.81, 2), (0.96, 3), (0.999999, 3)]:
-        assert sample_rows(LOGITS_P4.copy(), [FixedUniform(u)]).tolist() == [expected]
+        assert sample_rows(LOGITS_P4.copy(), [u]).tolist() == [expected]
     # masked tokens are never drawn, even at u = 0 or u -> 1
     logits = np.array([[NEG_INF, 1.0, 2.0, NEG_INF]], dtype=np.float32)
-    assert sample_rows(logits, [FixedUniform(0.0)]).tolist() == [1]
-    assert sample_rows(logits, [FixedUniform(1 - 2**-53)]).tolist() == [2]
+    assert sample_rows(logits, [0.0]).tolist() == [1]
+    assert sample_rows(logits, [1 - 2**-53]).tolist() == [2]
 
 
 def _empirical(params: SamplingParams, logits_row: np.ndarray, n: int = 20000, seed: int = 1234):
-    gen = np.random.default_rng(seed)  # one generator shared by n rows: n independent draws
-    seqs = [FakeSeq(params, generator=gen) for _ in range(n)]
+    seqs = [FakeSeq(params, seed=seed + i) for i in range(n)]  # n seeds: n independent uniforms
     tokens = Sampler()(np.repeat(logits_row[None, :], n, axis=0), seqs).token_ids
     return np.bincount(tokens, minlength=logits_row.shape[0]) / n
 
@@ -196,35 +198,64 @@ def test_seed_reproducible_across_batch_position_and_companions():
     target = SamplingParams(seed=7, top_p=0.95, top_k=40)
 
     alone = FakeSeq(target, seed=target.seed)
-    ref = [int(Sampler()(logits[t][None], [alone]).token_ids[0]) for t in range(steps)]
+    ref = []
+    for t in range(steps):
+        ref.append(int(Sampler()(logits[t][None], [alone]).token_ids[0]))
+        alone.output_token_ids.append(ref[-1])  # the next token's position
 
-    seqs = [FakeSeq(SamplingParams(), seed=None), FakeSeq(SamplingParams(temperature=0.0)),
+    seqs = [FakeSeq(SamplingParams(), seed=123), FakeSeq(SamplingParams(temperature=0.0)),
             FakeSeq(SamplingParams(seed=7, temperature=0.3), seed=7),  # same seed, other params
             FakeSeq(target, seed=target.seed), FakeSeq(SamplingParams(min_p=0.3), seed=1)]
     got = []
     for t in range(steps):
         batch_logits = rng.normal(size=(5, V)).astype(np.float32)
         batch_logits[3] = logits[t]
-        got.append(int(Sampler()(batch_logits, seqs).token_ids[3]))
+        tokens = Sampler()(batch_logits, seqs).token_ids
+        got.append(int(tokens[3]))
+        for s, tok in zip(seqs, tokens):
+            s.output_token_ids.append(int(tok))
     assert got == ref
     assert len(set(ref)) > 3  # it really sampled
 
 
-def test_one_uniform_per_sampled_token_and_none_for_greedy():
-    gen = FixedUniform(0.3, 0.9)
-    seqs = [FakeSeq(SamplingParams(top_k=3), generator=gen)]
-    Sampler()(LOGITS_P4, seqs)
-    assert gen.calls == 1
-    # A resumed stream (preemption) continues from the same generator state:
-    gen = np.random.default_rng(5)
-    first = [Sampler()(LOGITS_P4, [FakeSeq(generator=gen)]).token_ids[0] for _ in range(4)]
-    replay = np.random.default_rng(5)
-    us = [replay.random() for _ in range(4)]
-    assert first == [int(np.searchsorted(np.cumsum(P4), u, side="right")) for u in us]
-    # greedy rows never touch their generator
-    greedy_gen = FixedUniform()
-    tok = Sampler()(LOGITS_P4, [FakeSeq(SamplingParams(temperature=0.0), generator=greedy_gen)]).token_ids
-    assert tok.tolist() == [0] and greedy_gen.calls == 0
+def test_one_uniform_per_sampled_token_keyed_by_its_position_and_none_for_greedy():
+    stub = FixedUniform(0.3, 0.9)
+    Sampler()(LOGITS_P4, [FakeSeq(SamplingParams(top_k=3), output=[1, 2, 3], uniforms=stub)])
+    assert stub.calls == [(3, SAMPLE)]  # output position 3: the fourth output token
+    # The token at a position is a function of (seed, index, position) alone: nothing is
+    # consumed, so recomputing it (a preemption, a failed step redone) gives it again.
+    uniforms = TokenUniforms(5)
+    first = [Sampler()(LOGITS_P4, [FakeSeq(output=[0] * i, uniforms=uniforms)]).token_ids[0] for i in range(4)]
+    again = [Sampler()(LOGITS_P4, [FakeSeq(output=[0] * i, uniforms=uniforms)]).token_ids[0] for i in range(4)]
+    us = [TokenUniforms(5)(i) for i in range(4)]
+    assert first == again == [int(np.searchsorted(np.cumsum(P4), u, side="right")) for u in us]
+    # greedy rows never draw
+    stub = FixedUniform()
+    tok = Sampler()(LOGITS_P4, [FakeSeq(SamplingParams(temperature=0.0), uniforms=stub)]).token_ids
+    assert tok.tolist() == [0] and stub.calls == []
+
+
+def test_token_uniforms_are_philox_keyed_by_seed_index_position_and_purpose():
+    """TokenUniforms(seed, index)(position, purpose) is the first output of a fresh
+    numpy Philox at key (seed, index), counter (position, purpose, 0, 0), as a float in
+    [0, 1); a pure function of its key and counter, whatever was drawn before."""
+    for seed, index, position, purpose in [(0, 0, 0, 0), (2**64 - 1, 3, 17, 2), (7, 1, 2**40, 1)]:
+        fresh = np.random.Generator(np.random.Philox(key=np.array([seed, index], np.uint64),
+                                                     counter=np.array([position, purpose, 0, 0], np.uint64)))
+        u = TokenUniforms(seed, index)
+        assert u(position, purpose) == fresh.random()
+        u(position + 1, purpose)
+        assert u(position, purpose) == u(position, purpose) == TokenUniforms(seed, index)(position, purpose)
+    u = TokenUniforms(9)
+    values = [u(pos, purpose) for pos in range(3) for purpose in range(4)]
+    values += [TokenUniforms(9, 1)(0), TokenUniforms(10)(0)]
+    assert len(set(values)) == len(values) and all(0.0 <= v < 1.0 for v in values)
+    # uniform: 20000 positions, every decile within 5 binomial standard deviations
+    deciles = np.bincount((np.array([u(pos) for pos in range(20000)]) * 10).astype(int), minlength=10)
+    assert np.all(np.abs(deciles - 2000) <= 5 * np.sqrt(20000 * 0.1 * 0.9)), deciles
+    for bad in [(-1, 0), (2**64, 0), (0, -1)]:
+        with pytest.raises(ValueError, match="TokenUniforms needs 0 <= seed < 2"):
+            TokenUniforms(*bad)
 
 
 def test_greedy_ties_go_to_lowest_id():
@@ -302,7 +333,7 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached():
 def test_logprobs_are_raw_and_include_sampled_and_top_n():
     logits = np.repeat(LOGITS_P4, 3, axis=0)
     seqs = [FakeSeq(SamplingParams(temperature=0.0, logprobs=2, repetition_penalty=5.0), prompt=[0]),
-            FakeSeq(SamplingParams(logprobs=0, temperature=0.7), generator=FixedUniform(0.99)),
+            FakeSeq(SamplingParams(logprobs=0, temperature=0.7), uniforms=FixedUniform(0.99)),
             FakeSeq(SamplingParams(temperature=0.0))]
     out = Sampler()(logits, seqs)
     lp = np.log(P4)
@@ -402,14 +433,15 @@ def test_golden_full_chain_matches_hf_processor_list(golden_batch, rep, t, k, p,
 def test_works_on_real_sequences_and_n_completions_differ():
     from refengine.sequence import Sequence
 
-    params = SamplingParams(n=2, seed=11)
     logits = np.zeros((1, 1000), np.float32)  # uniform: two streams agree by chance 1/1000 per step
 
-    def run(index):
-        seq = Sequence("r", None, [1, 2, 3], params, index=index)
+    def run(index, seed=11):
+        seq = Sequence("r", None, [1, 2, 3], SamplingParams(n=2, seed=seed), index=index)
         for _ in range(5):
             seq.output_token_ids.append(int(Sampler()(logits, [seq]).token_ids[0]))
         return seq.output_token_ids
 
-    assert run(0) == run(0)  # the same seed and index: the same stream
-    assert run(0) != run(1)  # completion 1 is seeded with seed + 1
+    assert run(0) == run(0)  # the same seed and index: the same tokens
+    assert run(0) != run(1)  # completion 1 has its own key (seed, 1)
+    assert run(0, seed=None) != run(0, seed=None)  # unseeded: a fresh seed per sequence
+

@@ -16,7 +16,8 @@ from refengine.kv_cache import BlockManager
 from refengine.sampling_params import SamplingParams
 from refengine.scheduler import Scheduler
 from refengine.sequence import Sequence
-from refengine.spec_decode import SpeculativeConfig, greedy_verify, propose_ngram, rejection_sample
+from refengine.spec_decode import SpeculativeConfig, propose_ngram, rejection_sample, verify_tokens
+from refengine.spec_decode.rejection import draw
 from refengine.stop import StopChecker
 
 ALPHA = 1e-3  # significance of every chi-square test in this file
@@ -104,16 +105,30 @@ def test_propose_ngram(tokens, lo, hi, k, expected):
 
 # --- the acceptance rule -------------------------------------------------------------------
 
-def test_greedy_verify():
-    assert greedy_verify([5, 6, 7, 8], [5, 6, 7]) == ([5, 6, 7, 8], 3)  # all accepted + bonus
-    assert greedy_verify([5, 6, 7, 8], [5, 9, 7]) == ([5, 6], 1)  # the argmax where they differ
-    assert greedy_verify([5, 6], [4]) == ([5], 0)
-    assert greedy_verify([3], []) == ([3], 0)
+def test_verify_tokens():
+    assert verify_tokens([5, 6, 7, 8], [5, 6, 7]) == ([5, 6, 7, 8], 3)  # all accepted + bonus
+    assert verify_tokens([5, 6, 7, 8], [5, 9, 7]) == ([5, 6], 1)  # the target's token where they differ
+    assert verify_tokens([5, 6], [4]) == ([5], 0)
+    assert verify_tokens([3], []) == ([3], 0)
 
 
 def test_rejection_sample_refuses_bad_shapes():
-    with pytest.raises(ValueError, match=r"target_probs must be \[k \+ 1, V\]"):
-        rejection_sample(np.full((2, 4), 0.25), [1, 2], None, np.random.default_rng(0))
+    with pytest.raises(ValueError, match=r"target_probs and draft_probs must be \[k, V\] and accept_u, residual_u k"):
+        rejection_sample(np.full((3, 4), 0.25), [1, 2], None, [0.5, 0.5], [0.5, 0.5])
+    with pytest.raises(ValueError, match=r"got \(2, 4\), None, 1 and 2"):
+        rejection_sample(np.full((2, 4), 0.25), [1, 2], None, [0.5], [0.5, 0.5])
+
+
+def test_rejection_sample_uses_each_positions_own_uniforms():
+    """The accept test at position j reads accept_u[j] only, the residual residual_u[j]."""
+    p = np.array([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])
+    q = np.array([[0.25, 0.75, 0.0], [0.0, 0.0, 1.0]])
+    # position 0: p/q(1) = 2/3; u 0.6 accepts; position 1: p/q(2) = 0.5, u 0.7 rejects; the
+    # residual max(0, p_1 - q_1) = (0.2, 0.3, 0) at u 0.5 (0.5 * 0.5 = 0.25 > 0.2) is token 1
+    assert rejection_sample(p, [1, 2], q, [0.6, 0.7], [0.99, 0.5]) == ([1, 1], 1)
+    assert rejection_sample(p, [1, 2], q, [0.6, 0.4], [0.99, 0.5]) == ([1, 2], 2)  # the caller adds the bonus
+    # a rejection at position 0: residual (0.25, 0, 0) is token 0 at any u
+    assert rejection_sample(p, [1, 2], q, [0.7, 0.0], [0.99, 0.0]) == ([0], 0)
 
 
 def _normalise(x) -> np.ndarray:
@@ -135,23 +150,31 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_rejection_sampler_emits_the_target_distribution(case):
+@pytest.mark.parametrize("case, matching", [(c, False) for c in CASES] + [
+    (c, True) for c in CASES if CASES[c][1] is None])
+def test_rejection_sampler_emits_the_target_distribution(case, matching):
     """~1e5 verifications of k=2 proposals: the first emitted token follows p_0, the second
     (when the first was accepted) p_1, and the acceptance rate at position 0 is
-    sum_x min(p_0, q_0) (Leviathan et al. 2023, §3.1)."""
+    sum_x min(p_0, q_0) (Leviathan et al. 2023, §3.1). ``matching``: deterministic
+    proposals verified by :func:`verify_tokens` against the inverse-CDF token of each p_j at
+    a uniform (what n-gram speculation does), the same law as rejection with a one-hot q."""
     target, draft_probs, fixed = CASES[case]
     n, V = 100_000, target.shape[1]
     gen = np.random.default_rng(1234)
     if draft_probs is None:
         drafts = np.tile(fixed, (n, 1))
-    else:  # the proposer's own draws, from its own generator
+    else:  # the proposer's own draws
         draft_gen = np.random.default_rng(99)
         drafts = np.stack([draft_gen.choice(V, size=n, p=draft_probs[j]) for j in range(2)], axis=1)
     first, second = np.zeros(V, dtype=np.int64), np.zeros(V, dtype=np.int64)
     accepted0 = 0
-    for proposals in drafts.tolist():
-        tokens, num_accepted = rejection_sample(target, proposals, draft_probs, gen)
+    for proposals, us in zip(drafts.tolist(), gen.random((n, 5))):
+        if matching:
+            tokens, num_accepted = verify_tokens([draw(target[j], us[j]) for j in range(3)], proposals)
+        else:
+            tokens, num_accepted = rejection_sample(target[:2], proposals, draft_probs, us[:2], us[2:4])
+            if num_accepted == 2:
+                tokens.append(draw(target[2], us[4]))  # the bonus, the caller's
         assert len(tokens) == num_accepted + 1 and tokens[:num_accepted] == proposals[:num_accepted]
         first[tokens[0]] += 1
         if len(tokens) >= 2:

@@ -15,7 +15,7 @@ pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
 from refengine.engine import LLM  # noqa: E402
-from refengine.sampler import Sampler  # noqa: E402
+from refengine.sampler import Sampler, TokenUniforms  # noqa: E402
 from refengine.sampling_params import SamplingParams  # noqa: E402
 from refengine.structured_output import StructuredOutputsParams  # noqa: E402
 
@@ -25,7 +25,7 @@ class FakeSeq:
         self.sampling_params = params
         self.prompt_token_ids = [1]
         self.output_token_ids = list(output)
-        self.generator = np.random.default_rng(seed)
+        self.uniforms = TokenUniforms(seed)
 
 
 class FixedGrammar:

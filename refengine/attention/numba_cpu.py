@@ -51,6 +51,16 @@ int to the kernels (:data:`_NO_WINDOW` for none): one compiled version serves ev
 Decode rows and prefill sequences of one batch go to their kernels (one parallel launch
 each per layer, plus the BLAS products of long chunks).
 
+**Batch-invariant mode** (``NumbaAttention(batch_invariant=True)``, the engine's default with
+this backend): every query row, decode rows included, goes through the flash kernel, and
+no chunk takes the BLAS path. A row's result then depends only on its position and its
+keys: its key tiles start at multiples of :data:`PREFILL_K_TILE` positions, it scores
+exactly its own keys in each (never its tile companions'), and its sums run in one order
+(FMA, no reassociation, in ``_prefill_task``). So the same row gives the same bits alone,
+in any batch, in a chunk of any size, decoded or prefilled, on any number of threads. The
+paged decode kernel sums in another order (partitions merged afterwards) and the BLAS path
+in BLAS's, which is why they are left out.
+
 Numerics: float32 throughout, as the twin; ``fastmath={"contract", "reassoc"}`` lets LLVM
 fuse multiply-adds and vectorise the dot products' sums (never ``nnan``/``ninf``: a NaN
 read from outside a sequence's blocks shows in the output). Softmax weights use a
@@ -359,8 +369,9 @@ def _prefill_task(task, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq
     """Task ``task`` of :func:`_flash_prefill`: one query tile of one sequence, one KV head
     (int8 caches: the key/value tiles hold ``q * scale``).
 
-    Key tiles start at the first row's window start (keys before it are outside every row's
-    window) and end after the last row; in each tile, row ``r`` scores only its own keys
+    Key tiles start at the tile boundary (a multiple of ``k_tile`` positions) at or before
+    the first row's window start (keys before it are outside every row's window) and end
+    after the last row; in each tile, row ``r`` scores only its own keys
     ``j0 .. j1 - 1`` (window start to its position), into ``s[0 : j1 - j0]``. A row with no
     key in a tile skips it (its running max stays -inf until its first key: no NaN)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -386,7 +397,9 @@ def _prefill_task(task, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq
     s = np.empty(k_tile, dtype=np.float32)
     scratch = np.empty(2 * k_tile, dtype=np.int32)
     end_key = first_pos + q0 + n_rows  # keys at or after this are in every row's future
-    first_key = max(0, first_pos + q0 - window + 1)  # keys before this are behind every row's window
+    # keys before the window start of the first row are behind every row's window; the tiles
+    # start at a multiple of k_tile so a row meets the same tiles whatever its chunk
+    first_key = max(0, first_pos + q0 - window + 1) // k_tile * k_tile
     for k0 in range(first_key, end_key, k_tile):
         n_keys = min(k_tile, end_key - k0)
         for b in range(k0 // block_size, (k0 + n_keys + block_size - 1) // block_size):
@@ -541,7 +554,7 @@ class _Plan:
     """Per-step work lists derived from the metadata (built once in ``prepare``); decode
     partitions per sliding window, built at the first layer that uses it (:meth:`decode_parts`)."""
 
-    def __init__(self, meta: AttentionMetadata, block_size: int):
+    def __init__(self, meta: AttentionMetadata, block_size: int, batch_invariant: bool = False):
         qsl = np.ascontiguousarray(meta.query_start_loc, dtype=np.int32)
         seq_lens = np.ascontiguousarray(meta.seq_lens, dtype=np.int32)
         self.meta = meta
@@ -561,7 +574,8 @@ class _Plan:
         self.min_block = int(ids.min(initial=0))
         self.max_block = int(ids.max(initial=-1))
 
-        decode = np.flatnonzero(q_lens == 1).astype(np.int32)
+        # batch-invariant: every row, decode rows too, through the flash kernel (one algorithm per row)
+        decode = np.flatnonzero(q_lens == 1).astype(np.int32) if not batch_invariant else np.zeros(0, np.int32)
         self.decode_seqs = decode
         self.decode_rows = qsl[decode]
         self._part = max(block_size, DECODE_PARTITION // block_size * block_size)
@@ -569,8 +583,8 @@ class _Plan:
         self._decode_parts: dict[int | None, _DecodeParts] = {}
         self.max_seq_len = int(seq_lens.max(initial=0))
 
-        prefill = np.flatnonzero(q_lens > 1)
-        to_blas = q_lens >= BLAS_PREFILL_MIN_ROWS
+        prefill = np.flatnonzero(q_lens > 1) if not batch_invariant else np.arange(q_lens.size)
+        to_blas = q_lens >= (BLAS_PREFILL_MIN_ROWS if not batch_invariant else sys.maxsize)
         self.blas_prefill = [int(i) for i in prefill if to_blas[i]]
         tiles = [(int(i), q0) for i in prefill if not to_blas[i]
                  for q0 in range(0, int(q_lens[i]), PREFILL_Q_TILE)]
@@ -598,10 +612,11 @@ class NumbaAttention:
     """
 
     name = "numba"
-    #: Chunks of at least this many rows use BLAS products (the model runner then gives BLAS the threads).
-    blas_prefill_min_rows = BLAS_PREFILL_MIN_ROWS
 
-    def __init__(self):
+    def __init__(self, *, batch_invariant: bool = False):
+        self.batch_invariant = bool(batch_invariant)
+        #: Chunks of at least this many rows use BLAS products (the model runner then gives BLAS the threads).
+        self.blas_prefill_min_rows = BLAS_PREFILL_MIN_ROWS if not self.batch_invariant else sys.maxsize
         self._plan: _Plan | None = None
         self._scores = np.empty(0, dtype=np.float32)  # the BLAS prefill's score tiles, kept between calls
 
@@ -613,7 +628,7 @@ class NumbaAttention:
     def _plan_for(self, meta: AttentionMetadata, block_size: int) -> _Plan:
         plan = self._plan
         if plan is None or plan.meta is not meta or plan.block_size != block_size:
-            plan = self._plan = _Plan(meta, block_size)
+            plan = self._plan = _Plan(meta, block_size, self.batch_invariant)
         return plan
 
     @staticmethod

@@ -2,7 +2,7 @@
 
 The in-process scenarios are defined here; the other commands live in their own modules
 and are registered at the end: ``serve`` (:mod:`refengine.bench.serve`), ``spec``,
-``prefix-cache``, ``kernels`` and ``import-order``.
+``prefix-cache``, ``kernels``, ``import-order``, ``peers`` and ``invariance``.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from refengine.bench.hf_baseline import MISSING_TRANSFORMERS, transformers_avail
 from refengine.bench.import_order import import_order_cmd
 from refengine.bench.kernels import kernels_cmd
 from refengine.bench.peers import peers_cmd
+from refengine.bench.invariance import invariance_cmd
 from refengine.bench.options import (LenRange, build_llm_or_fail, engine_kwargs, output_path,
                                      performance_md_option)
 from refengine.bench.plot import MISSING_MATPLOTLIB, matplotlib_available
@@ -220,5 +221,5 @@ def forward_cmd(rows, context_len, decode_max_rows, repeats, json_path, performa
         limits=(report["memory_bandwidth_bytes_per_s"], report["compute_flops_per_s"]), echo=click.echo)
 
 
-for _command in (serve_bench, spec_cmd, prefix_cache_cmd, kernels_cmd, import_order_cmd, peers_cmd):
+for _command in (serve_bench, spec_cmd, prefix_cache_cmd, kernels_cmd, import_order_cmd, peers_cmd, invariance_cmd):
     bench.add_command(_command)

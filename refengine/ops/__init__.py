@@ -55,8 +55,11 @@ class LayerOps(Protocol):
         (:func:`refengine.layers.gelu_tanh_and_mul`)."""
 
 
-def get_layer_ops(name: str, xp=np, kernels: Any = None) -> LayerOps:
+def get_layer_ops(name: str, xp=np, kernels: Any = None, *, batch_invariant: bool = False) -> LayerOps:
     """Build the layer operations called ``name`` (one of :data:`LAYER_OPS`).
+
+    ``batch_invariant``: the numba ops' batch-invariant mode (:class:`refengine.ops.numba_ops.NumbaOps`);
+    the other ops have none (the engine refuses the combination first).
 
     ``kernels`` is the launcher of ``"cuda"`` (a :class:`refengine.kernels.build.KernelModule`);
     by default the current device's CuPy module, the one the CUDA attention backend uses.
@@ -71,7 +74,7 @@ def get_layer_ops(name: str, xp=np, kernels: Any = None) -> LayerOps:
     if name == "numba":
         from refengine.ops.numba_ops import NumbaOps
 
-        return NumbaOps()
+        return NumbaOps(batch_invariant=batch_invariant)
     if name == "cuda":
         from refengine.ops.cuda import CudaLayerOps
 

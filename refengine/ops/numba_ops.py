@@ -62,11 +62,15 @@ BLAS_MIN_ROWS = 160
 #: and its lead grows with the rows. Measured side by side: ``refengine bench kernels
 #: --sections linear`` (docs/PERFORMANCE.md).
 DOT_4X4_MIN_ROWS = 5
+#: Bytes of input rows :func:`_dot_rows_4x4` keeps in cache while it passes over a task's
+#: weight rows (with those rows, well inside any L2 of 256 KB or more).
+X_BLOCK_BYTES = 96 * 1024
 
 #: From this many rows RMSNorm, RoPE and SiLU-and-mul run over row blocks in parallel; below,
 #: on the calling thread (a parallel launch, waking sleeping threads, costs more than a
 #: decode step's elementwise work).
 ELEMENTWISE_PARALLEL_MIN_ROWS = 32
+
 
 _DOT = {"contract", "reassoc"}  # FMA + reassociation of sums (vectorised reductions); never nnan/ninf
 _FMA = {"contract"}
@@ -201,49 +205,58 @@ def _dot_rows_4x4(x, wt, out, j0, j1):  # pragma: no cover - compiled
     pass keeps memory busy while the later passes compute (faster than hints in the first
     pass only, or a tile two ahead; ``refengine bench kernels --sections linear``).
     A last ``(j1 - j0) % 4`` weight rows go through :func:`_dot_rows_4x1`.
+
+    The input rows are taken in blocks of about :data:`X_BLOCK_BYTES` (a multiple of four
+    rows), each block over all the task's weight rows before the next: a long prefill chunk
+    is megabytes, and streaming all of it from the outer caches for every four weight rows
+    made the tile wait on memory. A block and the task's weight rows stay in L2. Blocking
+    changes which outputs are computed together, never how one is summed.
     """
     rows, k_dim = x.shape
-    k_lanes, last = _U(k_dim // LANES * LANES), _U(rows - 1)
+    k_lanes = _U(k_dim // LANES * LANES)
     j4 = _U(j0) + _U(j1 - j0) // _U(4) * _U(4)
+    x_block = _U(max(4, X_BLOCK_BYTES // (4 * max(k_dim, 1)) // 4 * 4))
     a0, a1, a2, a3 = _lanes(), _lanes(), _lanes(), _lanes()
     b0, b1, b2, b3 = _lanes(), _lanes(), _lanes(), _lanes()
     c0, c1, c2, c3 = _lanes(), _lanes(), _lanes(), _lanes()
     d0, d1, d2, d3 = _lanes(), _lanes(), _lanes(), _lanes()
-    for j in range(_U(j0), j4, _U(4)):
-        for t0 in range(_U(0), _U(rows), _U(4)):
-            t1, t2, t3 = min(t0 + _U(1), last), min(t0 + _U(2), last), min(t0 + _U(3), last)
-            for lane in range(_U(LANES)):
-                a0[lane] = a1[lane] = a2[lane] = a3[lane] = 0.0
-                b0[lane] = b1[lane] = b2[lane] = b3[lane] = 0.0
-                c0[lane] = c1[lane] = c2[lane] = c3[lane] = 0.0
-                d0[lane] = d1[lane] = d2[lane] = d3[lane] = 0.0
-            for i in range(_U(0), k_lanes, _U(LANES)):
-                for r in range(_U(4), _U(8)):
-                    prefetch(wt, (j + r) * _U(k_dim) + i)
+    for r0 in range(_U(0), _U(rows), x_block):
+        last = min(r0 + x_block, _U(rows)) - _U(1)
+        for j in range(_U(j0), j4, _U(4)):
+            for t0 in range(r0, last + _U(1), _U(4)):
+                t1, t2, t3 = min(t0 + _U(1), last), min(t0 + _U(2), last), min(t0 + _U(3), last)
                 for lane in range(_U(LANES)):
-                    col = i + lane
-                    xa, xb, xc, xd = x[t0, col], x[t1, col], x[t2, col], x[t3, col]
-                    w0, w1, w2, w3 = wt[j, col], wt[j + _U(1), col], wt[j + _U(2), col], wt[j + _U(3), col]
-                    a0[lane] += xa * w0
-                    a1[lane] += xa * w1
-                    a2[lane] += xa * w2
-                    a3[lane] += xa * w3
-                    b0[lane] += xb * w0
-                    b1[lane] += xb * w1
-                    b2[lane] += xb * w2
-                    b3[lane] += xb * w3
-                    c0[lane] += xc * w0
-                    c1[lane] += xc * w1
-                    c2[lane] += xc * w2
-                    c3[lane] += xc * w3
-                    d0[lane] += xd * w0
-                    d1[lane] += xd * w1
-                    d2[lane] += xd * w2
-                    d3[lane] += xd * w3
-            _store_4(x, wt, out, t3, j, k_lanes, d0, d1, d2, d3)
-            _store_4(x, wt, out, t2, j, k_lanes, c0, c1, c2, c3)
-            _store_4(x, wt, out, t1, j, k_lanes, b0, b1, b2, b3)
-            _store_4(x, wt, out, t0, j, k_lanes, a0, a1, a2, a3)
+                    a0[lane] = a1[lane] = a2[lane] = a3[lane] = 0.0
+                    b0[lane] = b1[lane] = b2[lane] = b3[lane] = 0.0
+                    c0[lane] = c1[lane] = c2[lane] = c3[lane] = 0.0
+                    d0[lane] = d1[lane] = d2[lane] = d3[lane] = 0.0
+                for i in range(_U(0), k_lanes, _U(LANES)):
+                    for r in range(_U(4), _U(8)):
+                        prefetch(wt, (j + r) * _U(k_dim) + i)
+                    for lane in range(_U(LANES)):
+                        col = i + lane
+                        xa, xb, xc, xd = x[t0, col], x[t1, col], x[t2, col], x[t3, col]
+                        w0, w1, w2, w3 = wt[j, col], wt[j + _U(1), col], wt[j + _U(2), col], wt[j + _U(3), col]
+                        a0[lane] += xa * w0
+                        a1[lane] += xa * w1
+                        a2[lane] += xa * w2
+                        a3[lane] += xa * w3
+                        b0[lane] += xb * w0
+                        b1[lane] += xb * w1
+                        b2[lane] += xb * w2
+                        b3[lane] += xb * w3
+                        c0[lane] += xc * w0
+                        c1[lane] += xc * w1
+                        c2[lane] += xc * w2
+                        c3[lane] += xc * w3
+                        d0[lane] += xd * w0
+                        d1[lane] += xd * w1
+                        d2[lane] += xd * w2
+                        d3[lane] += xd * w3
+                _store_4(x, wt, out, t3, j, k_lanes, d0, d1, d2, d3)
+                _store_4(x, wt, out, t2, j, k_lanes, c0, c1, c2, c3)
+                _store_4(x, wt, out, t1, j, k_lanes, b0, b1, b2, b3)
+                _store_4(x, wt, out, t0, j, k_lanes, a0, a1, a2, a3)
     if j4 < _U(j1):
         _dot_rows_4x1(x, wt, out, j4, j1)
 
@@ -382,6 +395,12 @@ class NumbaOps:
     the transposed view as fast) from there, or for any other weight layout or dtype, by
     :func:`refengine.runtime.blas.matmul` (row blocks over refengine's own threads, the BLAS
     library on one thread: ``spreads_blas``).
+
+    ``batch_invariant=True`` (the engine's default with this backend): every float32 product
+    runs :func:`_matmul_dot` whatever the rows, and quantized weights their dot kernels
+    (``numba_linear(x, batch_invariant=True)``), so each output is summed in one fixed order
+    and a row's results are the same bits in any batch, chunk or thread count. BLAS sums in
+    an order that depends on the number of rows (its blocking and kernels change with them).
     """
 
     name = "numba"
@@ -389,8 +408,10 @@ class NumbaOps:
     #: engine keeps the BLAS library's own pool on one thread (``configure_threads(library_blas=False)``).
     spreads_blas = True
 
-    def __init__(self, blas_min_rows: int = BLAS_MIN_ROWS):
-        self.blas_min_rows = blas_min_rows
+    def __init__(self, blas_min_rows: int = BLAS_MIN_ROWS, *, batch_invariant: bool = False):
+        self.batch_invariant = bool(batch_invariant)
+        # invariant: the dot kernels at every row count (BLAS's reduction order depends on the rows)
+        self.blas_min_rows = sys.maxsize if self.batch_invariant else blas_min_rows
 
     def device_positions(self, positions: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(positions, dtype=np.int64)
@@ -420,7 +441,7 @@ class NumbaOps:
         kernel = getattr(w, "numba_linear", None)
         if kernel is None:
             return reference_linear(x, w)
-        return kernel(np.ascontiguousarray(x, dtype=np.float32))
+        return kernel(np.ascontiguousarray(x, dtype=np.float32), batch_invariant=self.batch_invariant)
 
     @staticmethod
     def _over_rows(kernel: ParallelKernel, rows: int, *args) -> None:

@@ -283,17 +283,18 @@ class GGUFWeight(QuantizedWeight):
 
     # ---------------------------------------------------------------------------------
 
-    def numba_linear(self, x: np.ndarray) -> np.ndarray:
+    def numba_linear(self, x: np.ndarray, *, batch_invariant: bool = False) -> np.ndarray:
         """``x [T, in] @ self.T`` -> float32 ``[T, out]`` by the compiled kernels of
         :mod:`refengine.quant.numba_gguf` (decoding on the fly, never the whole matrix).
-        ``x``: float32 (cast to C-contiguous float32 otherwise).
+        ``x``: float32 (cast to C-contiguous float32 otherwise). ``batch_invariant``: the
+        fused dot kernels at every row count (a row's results the same bits in any batch).
 
         Raises:
             ValueError: ``x`` not 2-D with ``in_features`` columns.
         """
         from refengine.quant import numba_gguf
 
-        return numba_gguf.linear(x, self)
+        return numba_gguf.linear(x, self, batch_invariant=batch_invariant)
 
 
 # -------------------------------------------------------------------------------------

@@ -192,14 +192,14 @@ class Int4Weight(QuantizedWeight):
             self._kernel_index = order if self.perm is None else self.perm[order]
         return self._kernel_index
 
-    def numba_linear(self, x: np.ndarray) -> np.ndarray:
+    def numba_linear(self, x: np.ndarray, *, batch_invariant: bool = False) -> np.ndarray:
         """``x [T, in]`` (C-contiguous float32) ``@ w.T`` -> float32 ``[T, out]`` by the numba
         kernels (:func:`refengine.quant.numba_int.int4_linear`): the dot kernels read ``x``
         gathered into :meth:`kernel_columns` order, the tile path (many rows) ``x[:, perm]``
-        (one ``T x in`` gather per product)."""
+        (one ``T x in`` gather per product). ``batch_invariant``: the dot kernels at every row count."""
         from refengine.quant.numba_int import int4_linear, int4_uses_blas
 
-        tiles = int4_uses_blas(x.shape[0])
+        tiles = not batch_invariant and int4_uses_blas(x.shape[0])
         if tiles:
             xs = x if self.perm is None else np.take(x, self.perm, axis=1)
         else:

@@ -24,6 +24,7 @@ once per step (``docs/quantization.md``).
 
 from __future__ import annotations
 
+import sys
 from typing import Sequence
 
 import numpy as np
@@ -132,12 +133,13 @@ class Int8Weight(QuantizedWeight):
             raise ValueError(f"int8 parts must share in_features, got {sorted(ins)}")
         return cls(np.concatenate([p.q for p in parts]), np.concatenate([p.scales for p in parts]))
 
-    def numba_linear(self, x: np.ndarray) -> np.ndarray:
+    def numba_linear(self, x: np.ndarray, *, batch_invariant: bool = False) -> np.ndarray:
         """``x [T, in]`` (C-contiguous float32) ``@ w'.T`` -> float32 ``[T, out]`` by the numba
-        kernels (:func:`refengine.quant.numba_int.int8_linear`)."""
+        kernels (:func:`refengine.quant.numba_int.int8_linear`); ``batch_invariant``: the dot
+        kernel at every row count."""
         from refengine.quant.numba_int import int8_linear
 
-        return int8_linear(x, self.q, self.scales)
+        return int8_linear(x, self.q, self.scales, sys.maxsize if batch_invariant else None)
 
 
 def quantize_weights(weights: dict) -> dict:

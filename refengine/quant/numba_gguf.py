@@ -1306,9 +1306,10 @@ def tiled_blas_linear(x: np.ndarray, w) -> np.ndarray:
     return out
 
 
-def linear(x: np.ndarray, w) -> np.ndarray:
+def linear(x: np.ndarray, w, *, batch_invariant: bool = False) -> np.ndarray:
     """``x [T, in] @ w.T`` -> float32 ``[T, out]`` for a :class:`GGUFWeight` ``w``: the fused
-    kernels below :data:`PREFILL_MIN_ROWS` rows, tiles and BLAS from there.
+    kernels below :data:`PREFILL_MIN_ROWS` rows, tiles and BLAS from there; with
+    ``batch_invariant`` the fused kernels at every row count.
 
     Raises:
         ValueError: ``x`` not 2-D with ``in_features`` columns.
@@ -1316,7 +1317,7 @@ def linear(x: np.ndarray, w) -> np.ndarray:
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"x must be [T, {w.shape[1]}] for a {w.format} weight {w.shape}, got {x.shape}")
-    if x.shape[0] >= PREFILL_MIN_ROWS:
+    if x.shape[0] >= PREFILL_MIN_ROWS and not batch_invariant:
         return tiled_blas_linear(x, w)
     return fused_linear(x, w)
 

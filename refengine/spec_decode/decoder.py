@@ -11,7 +11,8 @@ One step with speculation (``engine.py``, ``scheduler.py``)::
     runner.execute()       one target pass; logits at all 1 + k rows of those sequences
     sample()               plain sequences: the sampler; speculating ones: verification
                            (refengine/spec_decode/rejection.py) on the distributions the
-                           sampler would use at each position
+                           sampler would use at each position, with the uniforms the
+                           sampler would use there (keyed by output position)
     scheduler.postprocess  appends the emitted tokens one by one through the stop rules,
                            advances num_computed_tokens past the accepted ones only, and
                            gives back the blocks that held rejected ones
@@ -27,12 +28,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from refengine.sampler import Sampler, log_softmax, sanitize_logits, top_logprobs
+from refengine.sampler import ACCEPT, RESIDUAL, SAMPLE, Sampler, log_softmax, sample_rows, sanitize_logits, top_logprobs
 from refengine.sequence import Sequence
 from refengine.spec_decode.config import SpeculativeConfig
 from refengine.spec_decode.draft_model import DraftModelProposer, HistoryView, Proposal
 from refengine.spec_decode.ngram import propose_ngram
-from refengine.spec_decode.rejection import greedy_verify, probs_from_logits, rejection_sample
+from refengine.spec_decode.rejection import probs_from_logits, rejection_sample, verify_tokens
 
 
 @dataclass
@@ -160,10 +161,7 @@ class SpecDecoder:
             seq, prop = sample_seqs[i], proposals[sample_seqs[i]]
             x = processed[offset:offset + sizes[i]]
             offset += sizes[i]
-            if seq.sampling_params.greedy:
-                tokens, accepted = greedy_verify(np.argmax(x, axis=-1), prop.token_ids)
-            else:
-                tokens, accepted = rejection_sample(probs_from_logits(x), prop.token_ids, prop.probs, seq.generator)
+            tokens, accepted = self._verify(seq, x, prop)
             logprobs = None
             if seq.sampling_params.logprobs is not None:
                 raw = log_softmax(sanitize_logits(logits[starts[i]:starts[i] + len(tokens)]))
@@ -177,3 +175,21 @@ class SpecDecoder:
                 stats.num_accepted_tokens_per_pos[j] += 1
         self.last_stats = stats
         return sampled, num_rejected
+
+    @staticmethod
+    def _verify(seq: Sequence, x: np.ndarray, prop: Proposal) -> tuple[list[int], int]:
+        """Verify one sequence's ``k`` proposals on its ``[k + 1, V]`` processed logits ``x``
+        (refengine/spec_decode/rejection.py); position ``j`` is output position
+        ``seq.num_output_tokens + j``, whose uniforms are the sequence's own."""
+        k, first = len(prop.token_ids), seq.num_output_tokens
+        if seq.sampling_params.greedy:
+            return verify_tokens(np.argmax(x, axis=-1), prop.token_ids)
+        if prop.probs is None:  # deterministic proposals: the plain sampler's tokens, matched
+            return verify_tokens(sample_rows(x, [seq.uniforms(first + j, SAMPLE) for j in range(k + 1)]),
+                                 prop.token_ids)
+        tokens, accepted = rejection_sample(probs_from_logits(x[:k]), prop.token_ids, prop.probs,
+                                            [seq.uniforms(first + j, ACCEPT) for j in range(k)],
+                                            [seq.uniforms(first + j, RESIDUAL) for j in range(k)])
+        if accepted == k:  # the bonus token: what the plain sampler emits at that position
+            tokens.append(int(sample_rows(x[k:], [seq.uniforms(first + k, SAMPLE)])[0]))
+        return tokens, accepted

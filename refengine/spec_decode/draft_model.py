@@ -25,8 +25,9 @@ most once per forward), and sizes the CPU thread pools for its own rows first
 (:func:`refengine.runtime.threads.adapt_threads`, as :class:`refengine.model_runner.ModelRunner`
 does for the target), not for whatever the last target step was. Each distribution is
 processed as the sampler would at that position (penalties see the earlier proposals)
-and a greedy request proposes its argmax, a sampled one draws from it with its own
-generator; the processed draft distributions are returned for the rejection sampler.
+and a greedy request proposes its argmax, a sampled one draws from it with the uniform its
+sequence keys on the proposal's output position (purpose DRAFT); the processed draft
+distributions are returned for the rejection sampler.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from refengine.attention import paged_metadata
 from refengine.kv_cache import KVCache
 from refengine.model_runner import is_blas_step
 from refengine.runtime.threads import adapt_threads
-from refengine.sampler import Sampler
+from refengine.sampler import DRAFT, Sampler
 from refengine.sequence import Sequence
 from refengine.spec_decode.rejection import draw, probs_from_logits
 
@@ -49,11 +50,11 @@ class HistoryView:
     """A sequence as the sampler sees it ``len(extra)`` positions later: the same request,
     its outputs followed by ``extra`` (proposed tokens). Fits :class:`refengine.sampler.SequenceLike`."""
 
-    __slots__ = ("sampling_params", "generator", "prompt_token_ids", "output_token_ids")
+    __slots__ = ("sampling_params", "uniforms", "prompt_token_ids", "output_token_ids")
 
     def __init__(self, seq: Sequence, extra: list[int]):
         self.sampling_params = seq.sampling_params
-        self.generator = seq.generator
+        self.uniforms = seq.uniforms
         self.prompt_token_ids = seq.prompt_token_ids
         self.output_token_ids = seq.output_token_ids + list(extra)
 
@@ -105,7 +106,8 @@ class DraftModelProposer:
 
         Each sequence must be decoding (``num_computed_tokens == len(seq) - 1``) with
         blocks reserved for positions up to ``len(seq) + k - 1`` (the scheduler does both).
-        Sampled requests take ``k`` draws from their generators.
+        A sampled request's proposal at output position ``i`` inverts its uniform
+        ``seq.uniforms(i, DRAFT)``.
 
         Returns:
             One :class:`Proposal` per item, in order.
@@ -193,5 +195,5 @@ class DraftModelProposer:
                 probs[i].append(None)
             else:
                 q = probs_from_logits(x[row:row + 1])[0]
-                drafts[i].append(draw(q, seq.generator))
+                drafts[i].append(draw(q, seq.uniforms(len(views[row].output_token_ids), DRAFT)))
                 probs[i].append(q)

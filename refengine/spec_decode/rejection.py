@@ -1,24 +1,34 @@
-"""Verification of proposed tokens: speculative (rejection) sampling and its greedy case.
+"""Verification of proposed tokens: speculative (rejection) sampling, and matching.
 
 The target model scored ``k`` proposed tokens ``d_1 .. d_k`` in one pass, which gives
 ``k + 1`` distributions: ``p_j`` (``j = 0 .. k``) for the token after ``d_1 .. d_j``. The
-proposer drew ``d_{j+1}`` from ``q_j`` (one-hot for a deterministic proposer such as the
-n-gram lookup). For ``j = 0, 1, ...``:
+proposer drew ``d_{j+1}`` from ``q_j``.
 
-* accept ``d_{j+1}`` with probability ``min(1, p_j(d) / q_j(d))``;
-* on the first rejection, emit one token from the residual ``max(0, p_j - q_j)``
-  (normalised) and stop;
-* if all ``k`` are accepted, emit a bonus token from ``p_k``.
+**Deterministic proposals** (n-gram lookup, or any proposer for a greedy request):
+:func:`verify_tokens`. Let ``t_j`` be the token the plain sampler would emit from ``p_j``:
+its argmax (greedy), or its inverse CDF at the position's own uniform ``u_j``
+(:class:`refengine.sampler.TokenUniforms`, purpose SAMPLE). Accept ``d_{j+1}`` while it
+equals ``t_j``; at the first mismatch emit ``t_j`` and stop; after ``k`` acceptances emit
+``t_k``. Every emitted token is the plain sampler's ``t_j``, so the output is token for token
+the output without speculation, however many proposals a step verified. For sampled
+requests this *is* speculative sampling with a one-hot ``q = 1_d``: ``P(t_j = d) = p_j(d) =
+min(1, p_j(d)/q(d))``, and given ``t_j != d``, ``t_j`` follows ``p_j`` with ``d`` removed and
+renormalised, which is the residual ``max(0, p_j - q) / Z`` (Leviathan et al. 2023, "Fast
+Inference from Transformers via Speculative Decoding", §2.3 and Appendix A.1).
 
-Every emitted token is then distributed exactly as if drawn from the target alone, one
-position at a time (Leviathan et al. 2023, "Fast Inference from Transformers via
-Speculative Decoding", §2.3 and Appendix A.1; Chen et al. 2023, "Accelerating Large
-Language Model Decoding with Speculative Sampling", Algorithm 2). Greedy requests accept
-while the proposal equals the target's argmax and emit the argmax where they differ, so
-the output is exactly greedy decoding's.
-
-Random draws come from the request's own ``numpy.random.Generator``: one per examined
-proposal, plus one for the residual or bonus token.
+**Drawn proposals** (a draft model, sampled requests): :func:`rejection_sample`. For
+``j = 0, 1, ...``: accept ``d_{j+1}`` with probability ``min(1, p_j(d) / q_j(d))``; on the first
+rejection emit one token from the residual ``max(0, p_j - q_j)`` (normalised) and stop; if
+all ``k`` are accepted the caller emits the bonus ``t_k`` as above. Every emitted token is
+distributed as if drawn from the target alone (Leviathan et al. 2023 §2.3 and Appendix
+A.1; Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative
+Sampling", Algorithm 2). The uniforms are keyed by output position and purpose (the draft's
+draw, the accept test, the residual draw), so no draw shifts with the number of proposals;
+what a draft model's output does depend on is *whether* a position was verified against a
+proposal (a verified position emits the accepted proposal or a residual draw, an unverified
+one ``t_j``), and the scheduler grants proposals as the step's token budget and
+``disable_by_batch_size`` allow. A seeded request with a draft model is therefore
+reproducible under the same load, not across loads; with n-gram proposals, across any.
 """
 
 from __future__ import annotations
@@ -45,45 +55,48 @@ def probs_from_logits(logits: np.ndarray) -> np.ndarray:
     return w / total
 
 
-def draw(probs: np.ndarray, generator: np.random.Generator) -> int:
-    """One token from ``probs [V]`` (non-negative, not necessarily normalised, some mass)
-    by inverse-CDF sampling with exactly one ``generator.random()``; never a zero-mass token."""
+def draw(probs: np.ndarray, u: float) -> int:
+    """The token of ``probs [V]`` (non-negative, not necessarily normalised, some mass) at
+    uniform ``u`` in ``[0, 1)`` by inverse-CDF sampling; never a zero-mass token."""
     cdf = np.cumsum(probs, dtype=np.float64)
-    u = generator.random() * cdf[-1]
-    i = int(np.searchsorted(cdf, u, side="right"))
+    i = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
     if i >= probs.shape[0] or probs[i] <= 0:  # u * total rounded up to the total
         i = int(np.flatnonzero(probs > 0)[-1])
     return i
 
 
 def rejection_sample(target_probs: np.ndarray, draft_tokens, draft_probs: np.ndarray | None,
-                     generator: np.random.Generator) -> tuple[list[int], int]:
-    """Verify ``k`` proposals against the target's distributions (module docstring).
+                     accept_u, residual_u) -> tuple[list[int], int]:
+    """Verify ``k`` drawn proposals against the target's distributions (module docstring).
 
     Args:
-        target_probs: ``[k + 1, V]`` float, row ``j`` is ``p_j`` (each row sums to 1).
+        target_probs: ``[k, V]`` float, row ``j`` is ``p_j`` (each row sums to 1); the
+            distribution after all ``k`` proposals is the caller's (the bonus token).
         draft_tokens: ``k`` proposed token ids.
         draft_probs: ``[k, V]`` float, row ``j`` is ``q_j`` the proposal ``d_{j+1}`` was drawn
-            from; None for a deterministic proposer (``q_j`` one-hot at ``d_{j+1}``).
-        generator: the request's generator; takes ``a + 1`` draws when ``a`` proposals
-            are accepted before a rejection, ``k + 1`` when all are.
+            from; None for a one-hot ``q_j`` at ``d_{j+1}`` (prefer :func:`verify_tokens`
+            there: the same distribution, and the plain sampler's very tokens).
+        accept_u, residual_u: ``k`` uniforms in ``[0, 1)`` each: the accept test and the
+            residual draw at each of the ``k`` positions.
     Returns:
-        ``(tokens, num_accepted)``: the accepted proposals then one residual or bonus
-        token (``num_accepted + 1`` tokens).
+        ``(tokens, num_accepted)``: the accepted proposals, then the residual token at the
+        first rejection (``num_accepted + 1`` tokens); all ``k`` proposals when every one is
+        accepted (the caller appends the bonus token).
     Raises:
         ValueError: shapes that disagree.
     """
     k = len(draft_tokens)
-    if target_probs.ndim != 2 or target_probs.shape[0] != k + 1 or (
-            draft_probs is not None and draft_probs.shape != (k, target_probs.shape[1])):
-        raise ValueError(f"target_probs must be [k + 1, V] and draft_probs [k, V] for k={k} proposals, got "
-                         f"{target_probs.shape} and {None if draft_probs is None else draft_probs.shape}")
+    if target_probs.ndim != 2 or target_probs.shape[0] != k or len(accept_u) != k or len(residual_u) != k or (
+            draft_probs is not None and draft_probs.shape != target_probs.shape):
+        raise ValueError(f"target_probs and draft_probs must be [k, V] and accept_u, residual_u k long for k={k} "
+                         f"proposals, got {target_probs.shape}, {None if draft_probs is None else draft_probs.shape}, "
+                         f"{len(accept_u)} and {len(residual_u)}")
     out: list[int] = []
     for j, d in enumerate(draft_tokens):
         d = int(d)
         p = target_probs[j]
         q_d = 1.0 if draft_probs is None else float(draft_probs[j, d])
-        if generator.random() * q_d < p[d]:  # u < p/q, written without dividing by q
+        if accept_u[j] * q_d < p[d]:  # u < p/q, written without dividing by q
             out.append(d)
             continue
         if draft_probs is None:
@@ -93,27 +106,30 @@ def rejection_sample(target_probs: np.ndarray, draft_tokens, draft_probs: np.nda
             residual = np.maximum(p - draft_probs[j], 0.0)
         if not residual.sum() > 0:  # only when p == q, where rejection has probability 0
             residual = p
-        out.append(draw(residual, generator))
+        out.append(draw(residual, residual_u[j]))
         return out, j
-    out.append(draw(target_probs[k], generator))
     return out, k
 
 
-def greedy_verify(target_argmax, draft_tokens) -> tuple[list[int], int]:
-    """Greedy verification: accept while each proposal equals the target's argmax.
+def verify_tokens(target_tokens, draft_tokens) -> tuple[list[int], int]:
+    """Verification of deterministic proposals: accept while each equals the target's token.
 
     Args:
-        target_argmax: ``k + 1`` ints, the argmax of each processed ``p_j``.
+        target_tokens: ``k + 1`` ints, the token the plain sampler emits from each processed
+            ``p_j``: its argmax for a greedy request, its inverse CDF at the position's
+            uniform for a sampled one (module docstring: this is speculative sampling with a
+            one-hot draft distribution).
         draft_tokens: ``k`` proposed ids.
     Returns:
-        ``(tokens, num_accepted)``: the accepted proposals then the argmax where the first
-        proposal differs (or the bonus argmax after all ``k``).
+        ``(tokens, num_accepted)``: the accepted proposals then the target's token where the
+        first proposal differs (or the bonus token after all ``k``); always
+        ``target_tokens[:num_accepted + 1]``.
     """
     out: list[int] = []
     for j, d in enumerate(draft_tokens):
-        if int(d) != int(target_argmax[j]):
-            out.append(int(target_argmax[j]))
+        if int(d) != int(target_tokens[j]):
+            out.append(int(target_tokens[j]))
             return out, j
         out.append(int(d))
-    out.append(int(target_argmax[len(draft_tokens)]))
+    out.append(int(target_tokens[len(draft_tokens)]))
     return out, len(draft_tokens)
