@@ -8,7 +8,10 @@ model's own tokenizer):
 
 * ``refengine`` on the GGUF file as stored (``--model x.gguf``), on its float32
   dequantization (``dtype="float32"``), and on the HF directory with
-  ``quantization="int8"`` (per-channel int8 of the same float32 weights);
+  ``quantization="int8"`` (per-channel int8 of the same float32 weights), all with the
+  engine's defaults, batch-invariant logits included; and the GGUF file once more with
+  ``batch_invariant=False`` (BLAS products for the prompt, the paged decode kernel), the
+  speed that invariance trades away;
 * ``llama.cpp`` (``llama-cpp-python``) on the same GGUF file;
 * ``CTranslate2`` on the HF directory converted by its ``ct2-transformers-converter``
   (``int8`` and ``float32``), the conversion cached under ``weights/.cache``.
@@ -45,6 +48,7 @@ DEFAULT_HF_DIR = ROOT / "weights" / "SmolLM2-135M-Instruct"
 #: case id -> (name in tables, module it needs, how to get it).
 CASES = {
     "refengine-gguf": ("refengine, GGUF as stored", "refengine", ""),
+    "refengine-gguf-fast": ("refengine, GGUF as stored, --no-batch-invariant", "refengine", ""),
     "refengine-f32": ("refengine, float32 (dequantized GGUF)", "refengine", ""),
     "refengine-int8": ("refengine, int8 (of the float32 directory)", "refengine", ""),
     "llama.cpp": ("llama.cpp, GGUF as stored", "llama_cpp", "run benchmarks/build_llama_cpp.sh"),
@@ -77,7 +81,9 @@ def _run_refengine(job: dict) -> dict:
     # 64 tokens and the prefill call's blocks would otherwise be cache hits)
     kw = {"model": job["gguf"], "num_threads": job["threads"], "enable_prefix_caching": False,
           "max_model_len": len(job["prompt"]) + job["output_len"] + 8}
-    if job["case"] == "refengine-f32":
+    if job["case"] == "refengine-gguf-fast":  # BLAS products and the paged decode kernel (docs/engine_options.md)
+        kw["batch_invariant"] = False
+    elif job["case"] == "refengine-f32":
         kw["dtype"] = "float32"
     elif job["case"] == "refengine-int8":  # int8 of the float32 weights (the HF directory)
         kw.update(model=job["hf_dir"], quantization="int8")
