@@ -59,10 +59,9 @@ from pathlib import Path
 import click
 import numpy as np
 
-from refengine.cli_options import TEXT, engine_options, fail
+from refengine.cli_options import TEXT, engine_from_args, engine_options, fail
 from refengine.engine_args import EngineArgs
 from refengine.eval.perplexity import kl_divergence, log_softmax
-from refengine.cli_options import engine_from_args
 
 GOLDEN_FORMAT = "refengine-golden"
 GOLDEN_VERSION = 1
