@@ -184,6 +184,8 @@ class EngineConfig:
         kv_cache_dtype: KV cache storage, "auto" (``dtype``), "int8" (with float32 scales
             per token and KV head) or "fp8_e4m3" / "fp8_e5m2" (a float scale per layer;
             :class:`refengine.kv_cache.KVCache`); the draft's cache too.
+        tensor_parallel_size: worker processes sharing every layer (:mod:`refengine.parallel`);
+            1: the model runs in the engine's process.
         quantization: the target model's weights: None (float), "int8" (quantized at load),
             "awq" or "gptq" (the checkpoint's; :func:`refengine.quant.awq_gptq.resolve_quantization`).
     """
@@ -210,6 +212,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
     batch_invariant: bool = False
+    tensor_parallel_size: int = 1
 
     @property
     def max_model_len(self) -> int | None:
@@ -225,7 +228,7 @@ class EngineConfig:
                 "device": self.device, "dtype": str(self.dtype), "attention_backend": self.attention_backend,
                 "layer_ops": self.layer_ops, "kv_cache_dtype": self.kv_cache_dtype, "block_size": self.block_size,
                 "num_kv_blocks": self.num_kv_blocks, "quantization": self.quantization,
-                "batch_invariant": self.batch_invariant,
+                "batch_invariant": self.batch_invariant, "tensor_parallel_size": self.tensor_parallel_size,
                 **{k: getattr(self.scheduler_config, k) for k in ("max_num_seqs", "max_num_batched_tokens",
                                                                    "enable_chunked_prefill", "max_model_len")},
                 "speculative_config": None if self.speculative_config is None else asdict(self.speculative_config)}

@@ -136,6 +136,81 @@ def _prompt_list(prompts) -> list:
     return list(prompts)
 
 
+def build_model(config, dequantize_gguf: bool, partition=None):
+    """The model of ``config`` on its device, with its attention backend and layer ops (the
+    model's ``attention``, ``ops`` and ``xp``); on the CPU the thread pools are sized first.
+
+    Args:
+        config: the resolved :class:`refengine.config.EngineConfig`.
+        dequantize_gguf: a GGUF file's blocks dequantized to ``config.dtype`` (an explicit
+            dtype, or a GPU) rather than kept as stored.
+        partition: one tensor-parallel worker's share (:class:`refengine.parallel.Partition`),
+            None for the whole model.
+    Raises:
+        FileNotFoundError, ValueError: from :func:`refengine.models.load_model`.
+    """
+    xp = np
+    if config.device == "cuda":
+        import cupy as xp
+    attention = get_attention_backend(config.attention_backend, batch_invariant=config.batch_invariant)
+    # CUDA ops share the attention backend's compiled module
+    ops = get_layer_ops(config.layer_ops, xp, batch_invariant=config.batch_invariant)
+    if config.device == "cpu":  # thread pools sized to this process's cores (refengine/runtime/threads.py)
+        configure_threads(config.num_threads, library_blas=not getattr(ops, "spreads_blas", False))
+    model = load_model(config.model_dir, config.model_config, attention, ops, xp=xp, dtype=config.dtype,
+                       dequantize_gguf=dequantize_gguf, quantization=config.quantization,
+                       max_model_len=config.max_model_len, partition=partition)
+    close_gguf_files()  # the blocks are copied out: the file's memory map is no longer needed
+    return model
+
+
+def make_kv_cache(config, model_config, xp=np) -> KVCache:
+    """A pool of ``config.num_kv_blocks`` blocks for ``model_config``'s layers and KV heads (a
+    tensor-parallel worker passes its local config: its own KV heads)."""
+    mc = model_config
+    return KVCache(mc.num_hidden_layers, config.num_kv_blocks, config.block_size, mc.num_key_value_heads,
+                   mc.head_dim, dtype=config.dtype, xp=xp, kv_cache_dtype=config.kv_cache_dtype)
+
+
+def measure_gpu_kv_blocks(config, model, draft_model=None) -> int:
+    """KV blocks that fit in ``gpu_memory_utilization`` of the GPU after weights and
+    activations (:func:`refengine.model_runner.gpu_kv_pool_blocks`; a block costs the
+    target's and the draft's bytes).
+
+    The activation peak is measured, as vLLM's ``profile_run`` does: one forward pass of
+    ``max_num_batched_tokens`` tokens through a throw-away cache, reading how much the CuPy
+    memory pool had to hold; with a draft model, its own pass too (its catch-up runs up to
+    as many rows), and the larger peak counts. ``model.config`` gives the KV heads (a
+    tensor-parallel worker measures its own share).
+    """
+    import cupy
+
+    cfg = config
+    pool = cupy.get_default_memory_pool()
+    passes = [model] + ([draft_model] if draft_model is not None else [])
+    per_block = [KVCache.bytes_per_block(m.config.num_hidden_layers, cfg.block_size, m.config.num_key_value_heads,
+                                         m.config.head_dim, cfg.dtype.itemsize, cfg.kv_cache_dtype) for m in passes]
+    peak = 0
+    for m, block_bytes in zip(passes, per_block):
+        c = m.config
+        held_before = pool.total_bytes()
+        n = min(cfg.max_num_batched_tokens, c.max_position_embeddings - 1)
+        probe = Sequence("__profile__", None, [0] * n, SamplingParams(max_tokens=1))
+        scratch = KVCache(c.num_hidden_layers, cdiv(n, cfg.block_size), cfg.block_size, c.num_key_value_heads,
+                          c.head_dim, dtype=cfg.dtype, xp=cupy, kv_cache_dtype=cfg.kv_cache_dtype)
+        probe.block_table = list(range(scratch.num_blocks))
+        ModelRunner(m, scratch).execute([(probe, n)])
+        cupy.cuda.Device().synchronize()
+        peak = max(peak, activation_peak(held_before, pool.total_bytes(), scratch.num_blocks * block_bytes))
+        del scratch
+        pool.free_all_blocks()
+    free, total = cupy.cuda.runtime.memGetInfo()
+    blocks = gpu_kv_pool_blocks(total, free, peak, per_block[0], sum(per_block[1:]), cfg.gpu_memory_utilization)
+    logger.info("KV cache: %d blocks (%.2f GiB); activation peak %.2f GiB", blocks,
+                blocks * sum(per_block) / 2**30, peak / 2**30)
+    return blocks
+
+
 @dataclass
 class Request:
     """A user request: one prompt, ``params.n`` sequences."""
@@ -191,36 +266,32 @@ class LLMEngine:
         # The small files next, so a broken one fails before the weights are read.
         self.tokenizer = _load_tokenizer(model_dir, model_config.vocab_size)
         self.eos_token_ids = _eos_token_ids(model_dir, model_config, self.tokenizer)
-        xp = np
-        if config.device == "cuda":
-            import cupy as xp
-        attention = get_attention_backend(config.attention_backend, batch_invariant=config.batch_invariant)
-        # CUDA ops share the attention backend's compiled module
-        ops = get_layer_ops(config.layer_ops, xp, batch_invariant=config.batch_invariant)
-        if config.device == "cpu":  # thread pools sized to this process's cores (refengine/runtime/threads.py)
-            configure_threads(config.num_threads, library_blas=not getattr(ops, "spreads_blas", False))
-        self.model = load_model(model_dir, model_config, attention, ops, xp=xp, dtype=config.dtype,
-                                dequantize_gguf=args.dtype != "auto" or config.device != "cpu",
-                                quantization=config.quantization, max_model_len=config.max_model_len)
-        close_gguf_files()  # the blocks are copied out: the file's memory map is no longer needed
+        dequantize = args.dtype != "auto" or config.device != "cpu"
         spec_cfg = config.speculative_config
         draft_model = None
-        if spec_cfg is not None and spec_cfg.method == "draft_model":  # loaded before a GPU pool is measured
-            draft_model = load_model(Path(spec_cfg.model), config.draft_model_config, attention, ops, xp=xp,
-                                     dtype=config.dtype, max_model_len=config.max_model_len)
-        if config.num_kv_blocks is None:  # on a GPU the pool is what the weights and activations leave
-            num_blocks = self._gpu_kv_blocks(config, draft_model)
-            config = args.create_engine_config(model_dir, model_config, num_gpu_blocks=num_blocks)
-        self.config = config
         mc = model_config
-        self.kv_cache = KVCache(mc.num_hidden_layers, config.num_kv_blocks, config.block_size,
-                                mc.num_key_value_heads, mc.head_dim, dtype=config.dtype, xp=xp,
-                                kv_cache_dtype=config.kv_cache_dtype)
+        if config.tensor_parallel_size > 1:  # worker processes hold the model's shares (refengine/parallel/)
+            from refengine.parallel.executor import TensorParallelRunner
+
+            self.model = self.kv_cache = None
+            self.runner = TensorParallelRunner(args, config, dequantize)
+            config = self.runner.config  # on a GPU: the pool every worker has room for
+        else:
+            self.model = build_model(config, dequantize)
+            xp, attention, ops = self.model.xp, self.model.attention, self.model.ops
+            if spec_cfg is not None and spec_cfg.method == "draft_model":  # loaded before a GPU pool is measured
+                draft_model = load_model(Path(spec_cfg.model), config.draft_model_config, attention, ops, xp=xp,
+                                         dtype=config.dtype, max_model_len=config.max_model_len)
+            if config.num_kv_blocks is None:  # on a GPU the pool is what the weights and activations leave
+                num_blocks = measure_gpu_kv_blocks(config, self.model, draft_model)
+                config = args.create_engine_config(model_dir, model_config, num_gpu_blocks=num_blocks)
+            self.kv_cache = make_kv_cache(config, mc, xp)
+            self.runner = ModelRunner(self.model, self.kv_cache)
+            if config.layer_ops == "numba":  # compile (or load) every CPU kernel now, not during the first requests
+                warm_up_cpu_kernels(self.model, self.kv_cache, config.max_num_batched_tokens, config.max_model_len)
+        self.config = config
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
-        self.runner = ModelRunner(self.model, self.kv_cache)
-        if config.layer_ops == "numba":  # compile (or load) every CPU kernel now, not during the first requests
-            warm_up_cpu_kernels(self.model, self.kv_cache, config.max_num_batched_tokens, config.max_model_len)
         self.sampler = Sampler(eos_token_id=sorted(self.eos_token_ids), tokenizer=self.tokenizer,
                                vocab_size=mc.vocab_size)  # the tokenizer: bad_words, structured outputs
         self.spec_decoder = None
@@ -228,9 +299,7 @@ class LLMEngine:
             draft = None
             if draft_model is not None:
                 dc = config.draft_model_config
-                draft_cache = KVCache(dc.num_hidden_layers, config.num_kv_blocks, config.block_size,
-                                      dc.num_key_value_heads, dc.head_dim, dtype=config.dtype, xp=xp,
-                                      kv_cache_dtype=config.kv_cache_dtype)
+                draft_cache = make_kv_cache(config, dc, xp)
                 draft = DraftModelProposer(draft_model, draft_cache, self.sampler,
                                            max_num_batched_tokens=config.max_num_batched_tokens)
             self.spec_decoder = SpecDecoder(spec_cfg, self.sampler, config.max_model_len, draft)
@@ -256,44 +325,6 @@ class LLMEngine:
     @property
     def attention_backend(self) -> str:
         return self.config.attention_backend
-
-    # --- set-up helpers ---------------------------------------------------------------
-    def _gpu_kv_blocks(self, config, draft_model=None) -> int:
-        """KV blocks that fit in ``utilization`` of the GPU after weights and activations
-        (:func:`refengine.model_runner.gpu_kv_pool_blocks`; a block costs the target's and
-        the draft's bytes).
-
-        The activation peak is measured, as vLLM's ``profile_run`` does: one forward pass
-        of ``max_num_batched_tokens`` tokens through a throw-away cache, reading how much
-        the CuPy memory pool had to hold; with a draft model, its own pass too (its
-        catch-up runs up to as many rows), and the larger peak counts.
-        """
-        import cupy
-
-        cfg, mc = config, config.model_config
-        pool = cupy.get_default_memory_pool()
-        passes = [(self.model, mc, cfg.bytes_per_block)]
-        if draft_model is not None:
-            passes.append((draft_model, cfg.draft_model_config, cfg.draft_bytes_per_block))
-        peak = 0
-        for model, c, block_bytes in passes:
-            held_before = pool.total_bytes()
-            n = min(cfg.max_num_batched_tokens, c.max_position_embeddings - 1)
-            probe = Sequence("__profile__", None, [0] * n, SamplingParams(max_tokens=1))
-            scratch = KVCache(c.num_hidden_layers, cdiv(n, cfg.block_size), cfg.block_size, c.num_key_value_heads,
-                              c.head_dim, dtype=cfg.dtype, xp=cupy, kv_cache_dtype=cfg.kv_cache_dtype)
-            probe.block_table = list(range(scratch.num_blocks))
-            ModelRunner(model, scratch).execute([(probe, n)])
-            cupy.cuda.Device().synchronize()
-            peak = max(peak, activation_peak(held_before, pool.total_bytes(), scratch.num_blocks * block_bytes))
-            del scratch
-            pool.free_all_blocks()
-        free, total = cupy.cuda.runtime.memGetInfo()
-        blocks = gpu_kv_pool_blocks(total, free, peak, cfg.bytes_per_block, cfg.draft_bytes_per_block,
-                                    cfg.gpu_memory_utilization)
-        logger.info("KV cache: %d blocks (%.2f GiB); activation peak %.2f GiB", blocks,
-                    blocks * (cfg.bytes_per_block + cfg.draft_bytes_per_block) / 2**30, peak / 2**30)
-        return blocks
 
     # --- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
@@ -420,6 +451,12 @@ class LLMEngine:
                     seq.detokenizer.flush()
         req.metrics.on_finished(time.monotonic())
         self.metrics.record_finished(req.metrics, "abort", request_id)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (they also end with this process)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is queued or running (keep calling :meth:`step`)."""

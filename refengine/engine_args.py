@@ -138,6 +138,10 @@ class EngineArgs:
     num_threads: int | None = field(default=None, metadata=_option(
         "CPU threads for BLAS and the numba kernels (default: the usable cores, fewer while other processes "
         "keep some busy)", minimum=1))
+    tensor_parallel_size: int = field(default=1, metadata=_option(
+        "worker processes that each hold 1/N of every layer's weights and KV heads (Megatron-style splits, one "
+        "all-reduce after each attention and MLP block): gloo collectives between CPU processes, NCCL between "
+        "GPUs (one each); needs refengine[distributed] (docs/distributed.md)", minimum=1))
     max_logprobs: int = field(default=20, metadata=_option(
         "most log-probabilities a request may ask for per generated token (the logprobs sampling option)", minimum=0))
     speculative_config: dict | None = field(default=None, metadata=_option(
@@ -272,6 +276,8 @@ class EngineArgs:
             raise ValueError(f"quantization={quantization!r} runs on the CPU only, not on device={device!r}; "
                              f"on {device!r} use one of {CUDA_QUANTIZATIONS}")
         kv_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, backend)
+        if self.tensor_parallel_size > 1:
+            check_tensor_parallel(self.tensor_parallel_size, mc, device, spec)
         per_block = KVCache.bytes_per_block(mc.num_hidden_layers, self.block_size, mc.num_key_value_heads,
                                             mc.head_dim, dtype.itemsize, kv_dtype)
         # a draft model's cache has as many blocks as the target's (it shares the block tables)
@@ -322,7 +328,8 @@ class EngineArgs:
             scheduler_config=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
                                              enable_chunked_prefill=self.enable_chunked_prefill,
                                              max_model_len=max_model_len),
-            speculative_config=spec, draft_model_config=draft, draft_bytes_per_block=draft_per_block)
+            speculative_config=spec, draft_model_config=draft, draft_bytes_per_block=draft_per_block,
+            tensor_parallel_size=self.tensor_parallel_size)
 
     def _fit_pool(self, max_model_len: int | None, mc: ModelConfig, num_blocks: int) -> int:
         pool_tokens = num_blocks * self.block_size
@@ -335,6 +342,33 @@ class EngineArgs:
                              f"but the pool holds {num_blocks} ({pool_tokens} tokens); lower max_model_len or "
                              f"raise {memory}")
         return max_model_len
+
+
+def check_tensor_parallel(n: int, mc: ModelConfig, device: str, spec: SpeculativeConfig | None) -> None:
+    """Whether ``tensor_parallel_size=n`` can run this model here.
+
+    Raises:
+        ValueError: a family that has no tensor-parallel split, head counts that do not split
+            (:func:`refengine.parallel.plan_partitions`), a draft model (its own weights are
+            not split), or on a GPU fewer devices than workers; the message names the values.
+    """
+    from refengine.models.registry import MODEL_REGISTRY
+    from refengine.parallel.tensor_parallel import plan_partitions
+
+    if not MODEL_REGISTRY[mc.architecture].supports_tensor_parallel:
+        raise ValueError(f"tensor_parallel_size={n}: {mc.architecture} has no tensor-parallel split "
+                         "(its q/k norms span every head); use tensor_parallel_size=1")
+    plan_partitions(mc, n)
+    if spec is not None and spec.method == "draft_model":
+        raise ValueError(f"tensor_parallel_size={n} does not run a draft model; use speculative_config "
+                         "method 'ngram' or tensor_parallel_size=1")
+    if device == "cuda":
+        import cupy
+
+        gpus = cupy.cuda.runtime.getDeviceCount()
+        if gpus < n:
+            raise ValueError(f"tensor_parallel_size={n} needs {n} GPUs (one per worker; NCCL refuses two on one "
+                             f"device), this machine has {gpus}")
 
 
 #: Attention backends whose kernels (with their layer ops) can run batch-invariant.

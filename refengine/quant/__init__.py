@@ -65,6 +65,16 @@ class QuantizedWeight:
         in the same format: rows are quantized independently, so this moves stored bytes only."""
         raise NotImplementedError
 
+    def take_columns(self, start: int, stop: int) -> "QuantizedWeight":
+        """Input features ``start:stop`` of every row, in the same format (a row-parallel
+        split, :mod:`refengine.parallel.tensor_parallel`).
+
+        Raises:
+            NotImplementedError: the format cannot cut its rows (this default).
+            ValueError: the bounds cut through one of the format's blocks.
+        """
+        raise NotImplementedError(f"{self.format} weights cannot be split on the input axis")
+
     @classmethod
     def concat_rows(cls, parts: Sequence["QuantizedWeight"]) -> "QuantizedWeight":
         """The parts (same format and ``in_features``) stacked on the output axis, in the same format."""

@@ -241,6 +241,24 @@ class GGUFWeight(QuantizedWeight):
         order = np.asarray(order, dtype=np.int64).reshape(-1)
         return self._with_planes({k: np.ascontiguousarray(p[order]) for k, p in self.planes.items()})
 
+    def take_columns(self, start: int, stop: int) -> "GGUFWeight":
+        """Weights ``start:stop`` of every row, same type: whole blocks, so each plane's
+        columns of those blocks are sliced and no block is requantized.
+
+        Raises:
+            ValueError: ``start`` or ``stop`` not a multiple of the block size, or outside the row.
+        """
+        bs = self.block_size
+        if start % bs or stop % bs or not 0 <= start < stop <= self.shape[1]:
+            raise ValueError(f"{self.format} columns {start}:{stop} of {self.shape[1]} do not fall on its "
+                             f"{bs}-weight blocks")
+        nb = self.blocks_per_row
+        planes = {}
+        for name, p in self.planes.items():
+            per_block = p.shape[1] // nb
+            planes[name] = np.ascontiguousarray(p[:, start // bs * per_block:stop // bs * per_block])
+        return GGUFWeight(self.qtype, planes, (self.shape[0], stop - start))
+
     @classmethod
     def concat_rows(cls, parts: Sequence["GGUFWeight"]) -> "GGUFWeight":
         """``parts`` stacked on the output axis (each plane concatenated).

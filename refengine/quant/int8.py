@@ -121,6 +121,11 @@ class Int8Weight(QuantizedWeight):
         order = np.asarray(order)
         return Int8Weight(self.q[order], self.scales[order])
 
+    def take_columns(self, start: int, stop: int) -> "Int8Weight":
+        """Input features ``start:stop``: the int8 values sliced, every row's scale kept
+        (a per-output-channel scale covers any part of its row)."""
+        return Int8Weight(self.q[:, start:stop], self.scales)
+
     @classmethod
     def concat_rows(cls, parts: Sequence["Int8Weight"]) -> "Int8Weight":
         """Stack on the output axis (rows are quantized independently: the bytes move as they are).

@@ -9,6 +9,13 @@ uvicorn runs with bounds (see docs/serving.md, "Limits and a reverse proxy"): at
 ``--limit-concurrency`` connections and tasks (503 above), idle keep-alive connections
 closed after ``--timeout-keep-alive`` seconds, the h11 HTTP parser (so that
 ``--max-header-bytes`` bounds a request's head), and the app's ``--max-body-bytes``.
+
+``--data-parallel-size N`` (N > 1) serves N engine replicas, each with its own KV cache,
+behind one endpoint on Ray Serve, routed by prompt-prefix affinity
+(:mod:`refengine.server.ray_serve`, docs/data_parallel.md): on the Ray cluster at
+``$RAY_ADDRESS``, or a local one started here. Ray comes from the ``distributed`` extra and
+is imported only then; Ray's HTTP proxy replaces uvicorn (``--limit-concurrency``,
+``--timeout-keep-alive`` and ``--max-header-bytes`` do not apply).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import logging
 import click
 
 from refengine.cli_options import build_engine, engine_options
+from refengine.cli_options import fail as flag_fail
 
 
 def fail(message: str):
@@ -47,9 +55,16 @@ def fail(message: str):
 @click.option("--max-header-bytes", type=click.IntRange(min=1024), default=64 * 1024, show_default=True,
               help="largest request line + headers (h11's max_incomplete_event_size; 400 above)")
 @click.option("--disable-log-requests", is_flag=True, show_default="off", help="no access line per request")
+@click.option("--data-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="engine replicas, each with its own KV cache, behind one endpoint on Ray Serve (needs the "
+                   "'distributed' extra; uses $RAY_ADDRESS or starts a local Ray)")
 def serve(host, port, served_model_name, api_key, disable_metrics_auth, max_waiting_requests, max_n,
-          max_body_bytes, limit_concurrency, timeout_keep_alive, max_header_bytes, disable_log_requests, **kw):
+          max_body_bytes, limit_concurrency, timeout_keep_alive, max_header_bytes, disable_log_requests,
+          data_parallel_size, **kw):
     """Serve the model over HTTP with OpenAI's API (completions, chat, models, tokenize, metrics)."""
+    if data_parallel_size > 1:
+        return serve_data_parallel(data_parallel_size, host, port, served_model_name, api_key, disable_metrics_auth,
+                                   max_waiting_requests, max_n, max_body_bytes, disable_log_requests, kw)
     try:
         import uvicorn
 
@@ -72,6 +87,36 @@ def serve(host, port, served_model_name, api_key, disable_metrics_auth, max_wait
     click.echo(f"serving '{name}' (max_model_len {engine.config.max_model_len}) on http://{host}:{port}/v1",
                err=True)
     uvicorn.run(app, **uvicorn_options(host, port, limit_concurrency, timeout_keep_alive, max_header_bytes))
+
+
+def serve_data_parallel(size: int, host: str, port: int, served_model_name, api_key, disable_metrics_auth: bool,
+                        max_waiting_requests: int, max_n: int, max_body_bytes: int, disable_log_requests: bool,
+                        kw: dict) -> None:
+    """``serve`` with ``--data-parallel-size`` > 1: every flag checked, then the Ray Serve
+    application deployed (:func:`refengine.server.ray_serve.data_parallel_app`) until Ctrl-C."""
+    import dataclasses
+
+    from refengine.engine_args import EngineArgs
+
+    try:
+        from refengine.server import ray_serve
+    except ImportError as e:
+        fail(f"--data-parallel-size needs Ray Serve (pip install 'refengine[distributed]'): {e}")
+    if api_key is not None and not api_key.strip():
+        fail("--api-key (or $REFENGINE_API_KEY) is empty: give a key, or leave it unset to serve without one")
+    root = click.get_current_context().find_root()
+    if root.get_parameter_source("log_level") == click.core.ParameterSource.DEFAULT:
+        logging.getLogger("refengine").setLevel(logging.INFO)
+    try:
+        args = EngineArgs.from_cli(kw)
+        limits = dict(max_body_bytes=max_body_bytes, max_n=max_n, max_waiting_requests=max_waiting_requests)
+        app = ray_serve.data_parallel_app(dataclasses.asdict(args), size, served_model_name=served_model_name,
+                                          api_key=api_key, metrics_auth=not disable_metrics_auth, limits=limits,
+                                          log_requests=not disable_log_requests)
+    except (ValueError, FileNotFoundError) as e:  # as the one-engine path: exit status 2, flag names
+        flag_fail(str(e))
+    click.echo(f"serving {size} data-parallel replicas on Ray Serve at http://{host}:{port}/v1", err=True)
+    ray_serve.run_data_parallel(app, host=host, port=port)
 
 
 def uvicorn_options(host: str, port: int, limit_concurrency: int, timeout_keep_alive: int,
