@@ -63,9 +63,21 @@ def gelu_tanh_and_mul(gate_up, xp=np):
 
 def _default_inv_freq(head_dim: int, base) -> np.ndarray:
     """``1 / base ** (2i / head_dim)`` for ``i < head_dim // 2``: ``[head_dim // 2]`` float32,
-    computed in float32 as transformers does (``base`` rounded to float32 first)."""
+    in float32 steps as transformers does (``base`` and the exponent rounded to float32 first).
+
+    The power is the correctly rounded float32 of the exact one (:func:`pow_f32`), the same
+    bits on every CPU: NumPy's float32 ``power`` is a SIMD routine
+    chosen by the CPU (on AVX-512 it is one ulp off in about a fifth of these entries, which
+    moved Gemma 3's long-context logits by 1e-2 against transformers)."""
     exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
-    return (np.float32(1.0) / (np.float32(base) ** exponent)).astype(np.float32)
+    return (np.float32(1.0) / pow_f32(base, exponent)).astype(np.float32)
+
+
+def pow_f32(base, exponent: np.ndarray) -> np.ndarray:
+    """``float32(base) ** exponent`` (float32 ``[n]``) correctly rounded to float32, the same
+    bits on every CPU (libm's float64 ``pow``, then rounded; see :func:`_default_inv_freq`)."""
+    b = float(np.float32(base))
+    return np.array([math.pow(b, float(e)) for e in np.asarray(exponent, dtype=np.float32)]).astype(np.float32)
 
 
 def _rope_key(rope_scaling: dict, key: str):
@@ -174,7 +186,7 @@ def rope_frequencies(head_dim: int, theta: float, rope_scaling: dict | None, *,
         use_long = max_model_len is not None and max_model_len > original
         ext = np.asarray(_rope_key(rope_scaling, "long_factor" if use_long else "short_factor"), dtype=f32)
         exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(f32) / f32(head_dim)
-        inv_freq = (f32(1.0) / (ext * (f32(theta) ** exponent))).astype(f32)
+        inv_freq = (f32(1.0) / (ext * pow_f32(theta, exponent))).astype(f32)
         return inv_freq, float(attention_factor)
     if rope_type == "llama3":
         return _llama3_inv_freq(head_dim, theta, rope_scaling), 1.0
@@ -210,7 +222,7 @@ def _yarn_frequencies(head_dim: int, theta: float, rope_scaling: dict) -> tuple[
         high += 0.001  # as transformers: no zero-width ramp
     ramp = np.clip((np.arange(head_dim // 2, dtype=f32) - f32(low)) / f32(high - low), f32(0), f32(1))
     keep = f32(1) - ramp  # 1: extrapolate (plain RoPE), 0: interpolate by `factor`
-    pos_freqs = f32(theta) ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(f32) / f32(head_dim))
+    pos_freqs = pow_f32(theta, np.arange(0, head_dim, 2, dtype=np.int64).astype(f32) / f32(head_dim))
     extrapolated = f32(1.0) / pos_freqs
     interpolated = f32(1.0) / (f32(factor) * pos_freqs)
     inv_freq = interpolated * (f32(1) - keep) + extrapolated * keep
