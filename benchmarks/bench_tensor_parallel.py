@@ -44,7 +44,7 @@ def _timed_collective(fn, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def collective_worker(hidden: int) -> None:
+def run_collective_worker(hidden: int) -> None:
     """Run under ``mpiexec -n 2``: rank 0 prints ``{library: {rows: seconds}}`` as JSON."""
     from mpi4py import MPI
 
@@ -109,7 +109,7 @@ def measure_engine(model: str, tp: int, prompt: list[int], steps: int) -> dict:
 @click.option("--hidden", default=576, hidden=True)
 def main(model, prompt_len, decode_steps, performance_md, collective_worker, hidden):
     if collective_worker:
-        return collective_worker_main(hidden)
+        return run_collective_worker(hidden)
     from refengine.bench.workload import load_corpus
     from refengine.engine_args import EngineArgs, resolve_model_dir
     from refengine.bench.report import write_performance
@@ -133,19 +133,13 @@ def main(model, prompt_len, decode_steps, performance_md, collective_worker, hid
          [[tp, f"{engine[tp]['ttft_s']:.3f}", f"{engine[tp]['tpot_s'] * 1e3:.1f}", f"{1 / engine[tp]['tpot_s']:.1f}"]
           for tp in (1, 2)]),
         f"A decode step at TP = 2 makes {per_step} all-reduces of one row plus one all-gather of the logits: "
-        f"{per_step * coll['mpi']['1'] * 1e3:.2f} ms of MPI collectives per step at the measured cost "
-        f"({per_step * coll['gloo']['1'] * 1e3:.1f} ms with gloo)" if "gloo" in coll else
-        f"A decode step at TP = 2 makes {per_step} all-reduces of one row plus one all-gather of the logits: "
-        f"{per_step * coll['mpi']['1'] * 1e3:.2f} ms of MPI collectives per step at the measured cost",
+        f"{per_step * coll['mpi']['1'] * 1e3:.2f} ms of MPI collectives per step at the measured cost"
+        + (f" ({per_step * coll['gloo']['1'] * 1e3:.1f} ms with gloo)" if "gloo" in coll else ""),
         f"TP = 2 / TP = 1: prefill {t1['ttft_s'] / t2['ttft_s']:.2f}x, decode {t1['tpot_s'] / t2['tpot_s']:.2f}x "
-        "the speed (each worker on one of the two cores; TP = 1 uses both cores for one process).",
+        "the speed (each worker pinned to its own share of the cores; TP = 1 runs one process on all of them).",
     ]
     print("\n\n".join(b if isinstance(b, str) else json.dumps(b) for b in body))
     write_performance(performance_md, "Tensor parallelism on one machine (bench_tensor_parallel)", body, echo=print)
-
-
-def collective_worker_main(hidden: int) -> None:
-    collective_worker(hidden)
 
 
 if __name__ == "__main__":

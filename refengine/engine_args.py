@@ -140,7 +140,7 @@ class EngineArgs:
         "keep some busy)", minimum=1))
     tensor_parallel_size: int = field(default=1, metadata=_option(
         "worker processes that each hold 1/N of every layer's weights and KV heads (Megatron-style splits, one "
-        "all-reduce after each attention and MLP block): gloo collectives between CPU processes, NCCL between "
+        "all-reduce after each attention and MLP block): MPI collectives between CPU processes, NCCL between "
         "GPUs (one each); needs refengine[distributed] (docs/distributed.md)", minimum=1))
     max_logprobs: int = field(default=20, metadata=_option(
         "most log-probabilities a request may ask for per generated token (the logprobs sampling option)", minimum=0))

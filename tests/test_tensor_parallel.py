@@ -152,19 +152,15 @@ def tiny_one_kv_head_dir(tmp_path_factory):
                            num_key_value_heads=1, tie_word_embeddings=False)
 
 
-def _logits(llm, ids):
-    return llm.prompt_logits(ids)
-
-
 @needs_mpi
 def test_one_kv_head_replicated_on_two_workers_gives_the_same_logits(tiny_one_kv_head_dir):
     ids = list(np.random.default_rng(4).integers(3, 211, size=40))
     one = LLM(model=str(tiny_one_kv_head_dir), num_kv_blocks=32)
-    ref = _logits(one, ids)
+    ref = one.prompt_logits(ids)
     two = LLM(model=str(tiny_one_kv_head_dir), num_kv_blocks=32, tensor_parallel_size=2)
     try:
         assert [w["kv_heads"] for w in two.llm_engine.runner.workers] == [range(0, 1), range(0, 1)]
-        got = _logits(two, ids)
+        got = two.prompt_logits(ids)
     finally:
         two.llm_engine.shutdown()
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5)
@@ -177,8 +173,7 @@ GREEDY = SamplingParams(max_tokens=20, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def smollm2_tp1(smollm2_dir):
-    llm = LLM(model=str(smollm2_dir), num_kv_blocks=256)
-    return llm
+    return LLM(model=str(smollm2_dir), num_kv_blocks=256)
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +192,7 @@ def test_default_model_logits_at_tp2_match_tp1(smollm2_tp1, smollm2_tp2):
     """Every prompt position's logits (chunks of 24 at TP = 2, one pass at TP = 1) within 1e-5
     of the logits' scale: the shares' partial sums are the only rounding that differs."""
     ids = smollm2_tp1.llm_engine.tokenizer.encode(" ".join(PROMPTS), add_special_tokens=True)[:100]
-    ref, got = _logits(smollm2_tp1, ids), _logits(smollm2_tp2, ids)
+    ref, got = smollm2_tp1.prompt_logits(ids), smollm2_tp2.prompt_logits(ids)
     assert got.shape == ref.shape == (len(ids), 49152)
     err = np.abs(got - ref).max() / np.abs(ref).max()
     assert err < 1e-5, err
@@ -221,14 +216,14 @@ def test_q4_1_gguf_as_stored_at_tp2_matches_tp1(gguf_path):
     down_proj cut on block bounds, none dequantized) and the logits match TP = 1 on the same file."""
     ids = list(range(1000, 1060))
     one = LLM(model=str(gguf_path), num_kv_blocks=64)
-    ref = _logits(one, ids)
+    ref = one.prompt_logits(ids)
     whole = {name: getattr(getattr(one.llm_engine.model.layers[0], name), "format", "float")
              for name in ("qkv", "o", "gate_up", "down")}
     two = LLM(model=str(gguf_path), num_kv_blocks=64, tensor_parallel_size=2)
     try:
         assert [w["layer0_formats"] for w in two.llm_engine.runner.workers] == [whole, whole]
         assert "float" not in whole.values()
-        got = _logits(two, ids)
+        got = two.prompt_logits(ids)
     finally:
         two.llm_engine.shutdown()
     assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-5

@@ -55,7 +55,6 @@ def cpu_shares(world_size: int, cpus: list[int] | None = None) -> list[list[int]
 
 
 class TensorParallelRunner(ModelRunner):
-    _exit_code = None
     """A :class:`refengine.model_runner.ModelRunner` (the same ``execute``) whose forward pass
     runs on ``config.tensor_parallel_size`` worker processes.
 
@@ -73,6 +72,8 @@ class TensorParallelRunner(ModelRunner):
         RuntimeError: no ``mpiexec`` (MPI is not installed).
         WorkerError: a worker failed while loading (its traceback in the message).
     """
+
+    _exit_code = None  # mpiexec's, once it has ended
 
     def __init__(self, args, config, dequantize_gguf: bool):
         n = config.tensor_parallel_size
@@ -203,6 +204,6 @@ def mpiexec() -> str:
     here = Path(sys.executable).parent / "mpiexec"
     found = str(here) if here.is_file() else shutil.which("mpiexec")
     if found is None:
-        raise RuntimeError("tensor_parallel_size > 1 on the CPU needs MPI (mpi4py and mpiexec): "
+        raise RuntimeError("tensor_parallel_size > 1 needs MPI's launcher (mpiexec) and mpi4py: "
                            "pip install 'refengine[distributed]'")
     return found

@@ -36,8 +36,8 @@ def worker_main(conn, rank: int) -> None:
             os.sched_setaffinity(0, cpus)
         from refengine.engine import build_model, make_kv_cache, measure_gpu_kv_blocks
 
-        partition = plan_partitions(config.model_config, world_size)[rank]
-        widths = [len(p.vocab) for p in plan_partitions(config.model_config, world_size)]
+        partitions = plan_partitions(config.model_config, world_size)
+        partition, widths = partitions[rank], [len(p.vocab) for p in partitions]
         if config.device == "cuda":
             import cupy
 

@@ -62,6 +62,11 @@ def serve(host, port, served_model_name, api_key, disable_metrics_auth, max_wait
           max_body_bytes, limit_concurrency, timeout_keep_alive, max_header_bytes, disable_log_requests,
           data_parallel_size, **kw):
     """Serve the model over HTTP with OpenAI's API (completions, chat, models, tokenize, metrics)."""
+    if api_key is not None and not api_key.strip():  # before the weights load
+        fail("--api-key (or $REFENGINE_API_KEY) is empty: give a key, or leave it unset to serve without one")
+    root = click.get_current_context().find_root()
+    if root.get_parameter_source("log_level") == click.core.ParameterSource.DEFAULT:
+        logging.getLogger("refengine").setLevel(logging.INFO)  # access lines and engine stats by default
     if data_parallel_size > 1:
         return serve_data_parallel(data_parallel_size, host, port, served_model_name, api_key, disable_metrics_auth,
                                    max_waiting_requests, max_n, max_body_bytes, disable_log_requests, kw)
@@ -71,11 +76,6 @@ def serve(host, port, served_model_name, api_key, disable_metrics_auth, max_wait
         from refengine.server.api import ServerLimits, create_app
     except ImportError as e:
         fail(f"refengine serve needs the 'serve' extra (pip install 'refengine[serve]'): {e}")
-    if api_key is not None and not api_key.strip():  # before the weights load
-        fail("--api-key (or $REFENGINE_API_KEY) is empty: give a key, or leave it unset to serve without one")
-    root = click.get_current_context().find_root()
-    if root.get_parameter_source("log_level") == click.core.ParameterSource.DEFAULT:
-        logging.getLogger("refengine").setLevel(logging.INFO)  # access lines and engine stats by default
     try:
         engine = build_engine(kw)
     except (ValueError, FileNotFoundError, RuntimeError, ImportError) as e:
@@ -92,7 +92,8 @@ def serve(host, port, served_model_name, api_key, disable_metrics_auth, max_wait
 def serve_data_parallel(size: int, host: str, port: int, served_model_name, api_key, disable_metrics_auth: bool,
                         max_waiting_requests: int, max_n: int, max_body_bytes: int, disable_log_requests: bool,
                         kw: dict) -> None:
-    """``serve`` with ``--data-parallel-size`` > 1: every flag checked, then the Ray Serve
+    """``serve`` with ``--data-parallel-size`` > 1 (``--api-key`` and the log level already
+    seen to by ``serve``): every engine flag checked, then the Ray Serve
     application deployed (:func:`refengine.server.ray_serve.data_parallel_app`) until Ctrl-C."""
     import dataclasses
 
@@ -102,11 +103,6 @@ def serve_data_parallel(size: int, host: str, port: int, served_model_name, api_
         from refengine.server import ray_serve
     except ImportError as e:
         fail(f"--data-parallel-size needs Ray Serve (pip install 'refengine[distributed]'): {e}")
-    if api_key is not None and not api_key.strip():
-        fail("--api-key (or $REFENGINE_API_KEY) is empty: give a key, or leave it unset to serve without one")
-    root = click.get_current_context().find_root()
-    if root.get_parameter_source("log_level") == click.core.ParameterSource.DEFAULT:
-        logging.getLogger("refengine").setLevel(logging.INFO)
     try:
         args = EngineArgs.from_cli(kw)
         limits = dict(max_body_bytes=max_body_bytes, max_n=max_n, max_waiting_requests=max_waiting_requests)

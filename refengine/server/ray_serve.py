@@ -321,18 +321,6 @@ def merge_expositions(texts: dict[str, str], label: str = "replica") -> str:
     return "".join("\n".join(families[f] + samples[f]) + "\n" for f in families)
 
 
-def _load_tokenizer(model_dir: Path):
-    """The model's tokenizer as the engine loads it (None without one: token-id prompts only)."""
-    from refengine.gguf_file import is_gguf, open_gguf
-    from refengine.tokenizer import Tokenizer
-
-    if is_gguf(model_dir):
-        return open_gguf(model_dir).tokenizer()
-    if (model_dir / "tokenizer.json").is_file():
-        return Tokenizer.from_pretrained(model_dir)
-    return None
-
-
 class OpenAIIngress:
     """The HTTP ingress: computes each request's routing key and forwards it to an
     ``EngineReplica`` chosen by :class:`PrefixAffinityRouter`.
@@ -347,11 +335,13 @@ class OpenAIIngress:
     complete, so it is never cut. A stream cut by a replica's death ends early.
     """
 
-    def __init__(self, replicas, model_dir: str, block_size: int, api_key: str | None = None,
+    def __init__(self, replicas, model_dir: str, block_size: int, vocab_size: int, api_key: str | None = None,
                  metrics_auth: bool = True, max_body_bytes: int = 4 * 1024 * 1024,
                  routing_prefix_blocks: int = ROUTING_PREFIX_BLOCKS):
+        from refengine.engine import _load_tokenizer
+
         self.replicas = replicas
-        self.tokenizer = _load_tokenizer(Path(model_dir))
+        self.tokenizer = _load_tokenizer(Path(model_dir), vocab_size)  # as the engine loads it (None: ids only)
         self.block_size, self.prefix_blocks = block_size, routing_prefix_blocks
         self.api_key, self.metrics_auth, self.max_body_bytes = api_key, metrics_auth, max_body_bytes
 
@@ -550,7 +540,7 @@ def data_parallel_app(engine_args: dict, data_parallel_size: int, *, served_mode
         raise ValueError(f"data_parallel_size={data_parallel_size} must be >= 1")
     args = EngineArgs(**engine_args)
     model_dir = resolve_model_dir(args.model).resolve()
-    args.model_config()  # FileNotFoundError / ValueError here, not in every replica
+    _, model_config = args.model_config()  # FileNotFoundError / ValueError here, not in every replica
     engine_args = {**engine_args, "model": str(model_dir)}
     name = served_model_name or model_dir.name
     limits = dict(limits or {})
@@ -563,7 +553,7 @@ def data_parallel_app(engine_args: dict, data_parallel_size: int, *, served_mode
     ingress = serve.deployment(serve.ingress()(OpenAIIngress), name="OpenAIIngress", num_replicas=1,
                                max_ongoing_requests=4 * max_ongoing_requests, ray_actor_options={"num_cpus": 0})
     return ingress.bind(replica.bind(engine_args, name, limits, log_requests), str(model_dir), args.block_size,
-                        api_key=api_key, metrics_auth=metrics_auth,
+                        model_config.vocab_size, api_key=api_key, metrics_auth=metrics_auth,
                         max_body_bytes=limits.get("max_body_bytes", 4 * 1024 * 1024),
                         routing_prefix_blocks=routing_prefix_blocks)
 
