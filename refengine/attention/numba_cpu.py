@@ -73,11 +73,13 @@ import math
 import sys
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from refengine.attention import AttentionMetadata
 from refengine.attention.numpy_ref import gather_context
 from refengine.ops.numba_ops import _LN2_HI, _LN2_LO, _LOG2E, exp_affine
+from refengine.quant.numba_gguf import f8_load, f8_store, f8_transpose8
 from refengine.runtime import blas
 from refengine.runtime.numba_support import parallel_kernel, prefetch, register_kernels
 
@@ -363,6 +365,51 @@ def _merge_partitions(part_seq, rows, part_max, part_sum, part_acc, out):  # pra
         first = last + 1
 
 
+def _transpose_keys(kf, first, row, count, dims, ktf, j0, k_tile):  # pragma: no cover - compiled
+    """``kt[d, j0 + i] = kf[first + i * row + d]`` for ``i < count``, ``d < dims`` (``ktf``: the
+    key tile ``kt [dims, k_tile]`` flat): ``count`` key rows of the cache into the tile's
+    columns. Eight keys at a time by 8 x 8 register transposes (:func:`f8_transpose8`: eight
+    row loads, eight column stores) where ``dims`` is a multiple of eight; element by element
+    otherwise and for the last ``count % 8`` keys. A copy: the tile holds the same values.
+    (float32 caches; int8 ones are dequantized into the tiles by the caller.)"""
+    i8 = count // _U(8) * _U(8) if dims % _U(8) == _U(0) else _U(0)
+    for i in range(_U(0), i8, _U(8)):
+        src = first + i * row
+        for d in range(_U(0), dims, _U(8)):
+            c0, c1, c2, c3, c4, c5, c6, c7 = f8_transpose8(
+                f8_load(kf, src + d), f8_load(kf, src + row + d), f8_load(kf, src + _U(2) * row + d),
+                f8_load(kf, src + _U(3) * row + d), f8_load(kf, src + _U(4) * row + d),
+                f8_load(kf, src + _U(5) * row + d), f8_load(kf, src + _U(6) * row + d),
+                f8_load(kf, src + _U(7) * row + d))
+            dst = d * k_tile + j0 + i
+            f8_store(ktf, dst, c0)
+            f8_store(ktf, dst + k_tile, c1)
+            f8_store(ktf, dst + _U(2) * k_tile, c2)
+            f8_store(ktf, dst + _U(3) * k_tile, c3)
+            f8_store(ktf, dst + _U(4) * k_tile, c4)
+            f8_store(ktf, dst + _U(5) * k_tile, c5)
+            f8_store(ktf, dst + _U(6) * k_tile, c6)
+            f8_store(ktf, dst + _U(7) * k_tile, c7)
+    for d in range(dims):  # the rest: contiguous stores, strided loads
+        for i in range(i8, count):
+            ktf[d * k_tile + j0 + i] = kf[first + i * row + d]
+
+
+@overload(_transpose_keys, inline="always")
+def _transpose_keys_impl(kf, first, row, count, dims, ktf, j0, k_tile):
+    # an overload: numba types both branches of the caller's ``k_scale is None``, and the
+    # vector loads exist for float32 only; an int8 cache (never reached) gets the plain copy
+    if kf.dtype == types.float32:
+        return _transpose_keys
+
+    def plain(kf, first, row, count, dims, ktf, j0, k_tile):
+        for d in range(dims):
+            for i in range(count):
+                ktf[d * k_tile + j0 + i] = kf[first + i * row + d]
+
+    return plain
+
+
 @njit(cache=True, fastmath=_FM)
 def _prefill_task(task, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, tile_seq,
                   tile_q0, scale32, window, cap, q_tile, k_tile, out):  # pragma: no cover - compiled
@@ -397,25 +444,34 @@ def _prefill_task(task, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq
     s = np.empty(k_tile, dtype=np.float32)
     scratch = np.empty(2 * k_tile, dtype=np.int32)
     end_key = first_pos + q0 + n_rows  # keys at or after this are in every row's future
+    # the caches read flat with unsigned indices: a row view per key costs two atomic
+    # reference-count updates, and signed indices a negative-index check per element
+    kf, vf = k_cache.reshape(-1), v_cache.reshape(-1)
+    dims = _U(head_dim)
+    ktf = kt.reshape(-1)
     # keys before the window start of the first row are behind every row's window; the tiles
     # start at a multiple of k_tile so a row meets the same tiles whatever its chunk
     first_key = max(0, first_pos + q0 - window + 1) // k_tile * k_tile
     for k0 in range(first_key, end_key, k_tile):
         n_keys = min(k_tile, end_key - k0)
         for b in range(k0 // block_size, (k0 + n_keys + block_size - 1) // block_size):
-            block = block_tables[seq, b]
-            for pos in range(max(k0, b * block_size), min(k0 + n_keys, (b + 1) * block_size)):
-                krow = k_cache[block, pos - b * block_size, h]
-                if k_scale is None:
-                    vt[pos - k0] = v_cache[block, pos - b * block_size, h]
-                    for d in range(head_dim):
-                        kt[d, pos - k0] = krow[d]
-                else:  # dequantize into the tiles
-                    vrow = v_cache[block, pos - b * block_size, h]
-                    ks, vs = k_scale[block, pos - b * block_size, h], v_scale[block, pos - b * block_size, h]
-                    for d in range(head_dim):
-                        kt[d, pos - k0] = krow[d] * ks
-                        vt[pos - k0, d] = vrow[d] * vs
+            block = _U(block_tables[seq, b])
+            p0, p1 = max(k0, b * block_size), min(k0 + n_keys, (b + 1) * block_size)  # this block's keys
+            o0, j0 = _U(p0 - b * block_size), _U(p0 - k0)
+            count = _U(p1 - p0)
+            first = ((block * _U(block_size) + o0) * _U(num_kv) + _U(h)) * dims  # key p0's row in kf, vf
+            row = _U(num_kv) * dims  # from one position's row to the next
+            if k_scale is None:
+                for i in range(count):
+                    for d in range(dims):
+                        vt[j0 + i, d] = vf[first + i * row + d]
+                _transpose_keys(kf, first, row, count, dims, ktf, j0, _U(k_tile))
+            else:  # dequantize into the tiles
+                for i in range(count):
+                    ks, vs = k_scale[block, o0 + i, h], v_scale[block, o0 + i, h]
+                    for d in range(dims):
+                        kt[d, j0 + i] = kf[first + i * row + d] * ks
+                        vt[j0 + i, d] = vf[first + i * row + d] * vs
         for r in range(n_rows):
             pos = first_pos + q0 + r
             j0 = max(0, pos - window + 1 - k0)  # this row's keys in the tile: j0 .. j1 - 1

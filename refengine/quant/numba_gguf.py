@@ -261,6 +261,34 @@ def f8_sum(typingctx, v):
 
 
 @intrinsic
+def f8_transpose8(typingctx, r0, r1, r2, r3, r4, r5, r6, r7):
+    """The 8 x 8 transpose of eight vectors (row ``i`` = ``ri``): a tuple of eight ``f32x8``
+    whose vector ``d`` is lane ``d`` of ``r0 .. r7``. Three rounds of two-input shuffles
+    (pairs of lanes, pairs of pairs, halves: ``vunpcklps``/``vshufps``/``vperm2f128`` or
+    their AVX-512 forms); values are moved, never rounded."""
+    rows = (r0, r1, r2, r3, r4, r5, r6, r7)
+    if any(r != f32x8 for r in rows):
+        return None
+
+    def codegen(context, builder, sig, args):
+        def shuffle(a, b, lanes):
+            return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 8), [_I32(i) for i in lanes]))
+
+        lo, hi = (0, 8, 1, 9, 4, 12, 5, 13), (2, 10, 3, 11, 6, 14, 7, 15)
+        t = []
+        for i in range(0, 8, 2):  # interleave rows pairwise
+            t += [shuffle(args[i], args[i + 1], lo), shuffle(args[i], args[i + 1], hi)]
+        lo2, hi2 = (0, 1, 8, 9, 4, 5, 12, 13), (2, 3, 10, 11, 6, 7, 14, 15)
+        u = [shuffle(t[0], t[2], lo2), shuffle(t[0], t[2], hi2), shuffle(t[1], t[3], lo2), shuffle(t[1], t[3], hi2),
+             shuffle(t[4], t[6], lo2), shuffle(t[4], t[6], hi2), shuffle(t[5], t[7], lo2), shuffle(t[5], t[7], hi2)]
+        first, second = (0, 1, 2, 3, 8, 9, 10, 11), (4, 5, 6, 7, 12, 13, 14, 15)
+        out = [shuffle(u[i], u[i + 4], first) for i in range(4)] + [shuffle(u[i], u[i + 4], second) for i in range(4)]
+        return context.make_tuple(builder, sig.return_type, out)
+
+    return types.UniTuple(f32x8, 8)(*rows), codegen
+
+
+@intrinsic
 def i8_load_bytes(typingctx, arr, idx):
     """Bytes ``idx .. idx + 7`` (flat) of a C-contiguous uint8 (zero-extended) or int8
     (sign-extended) array, as eight int32. Not bounds-checked."""
