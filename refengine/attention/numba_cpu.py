@@ -448,7 +448,7 @@ def _prefill_task(task, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq
     # reference-count updates, and signed indices a negative-index check per element
     kf, vf = k_cache.reshape(-1), v_cache.reshape(-1)
     dims = _U(head_dim)
-    ktf = kt.reshape(-1)
+    ktf, vtf = kt.reshape(-1), vt.reshape(-1)
     # keys before the window start of the first row are behind every row's window; the tiles
     # start at a multiple of k_tile so a row meets the same tiles whatever its chunk
     first_key = max(0, first_pos + q0 - window + 1) // k_tile * k_tile
@@ -484,10 +484,11 @@ def _prefill_task(task, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq
                 s[:n_valid] = 0.0
                 for d in range(0, d4, 4):  # four dims per pass: one load/store of s per four FMAs
                     x0, x1, x2, x3 = qr[d], qr[d + 1], qr[d + 2], qr[d + 3]
-                    # offset loads from the row views (slicing kt[d, j0:] per pass measured 5-10% slower)
-                    kr0, kr1, kr2, kr3 = kt[d], kt[d + 1], kt[d + 2], kt[d + 3]
-                    for j in range(n_valid):
-                        s[j] += x0 * kr0[j0 + j] + x1 * kr1[j0 + j] + x2 * kr2[j0 + j] + x3 * kr3[j0 + j]
+                    # flat offsets into the tile, not row views (each view costs reference-count updates)
+                    o0 = _U(d) * _U(k_tile) + _U(j0)
+                    o1, o2, o3 = o0 + _U(k_tile), o0 + _U(2 * k_tile), o0 + _U(3 * k_tile)
+                    for j in range(_U(n_valid)):
+                        s[j] += x0 * ktf[o0 + j] + x1 * ktf[o1 + j] + x2 * ktf[o2 + j] + x3 * ktf[o3 + j]
                 for d in range(d4, head_dim):
                     qd = qr[d]
                     for j in range(n_valid):
@@ -505,14 +506,15 @@ def _prefill_task(task, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq
                 j4 = n_valid - n_valid % 4
                 for j in range(0, j4, 4):  # four keys per pass: one load/store of acc per four FMAs
                     p0, p1, p2, p3 = s[j], s[j + 1], s[j + 2], s[j + 3]
-                    v0, v1, v2, v3 = vt[j0 + j], vt[j0 + j + 1], vt[j0 + j + 2], vt[j0 + j + 3]
-                    for d in range(head_dim):
-                        a[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d]
+                    v0 = _U(j0 + j) * dims  # value rows by flat offsets, as the keys above
+                    v1, v2, v3 = v0 + dims, v0 + _U(2) * dims, v0 + _U(3) * dims
+                    for d in range(dims):
+                        a[d] += p0 * vtf[v0 + d] + p1 * vtf[v1 + d] + p2 * vtf[v2 + d] + p3 * vtf[v3 + d]
                 for j in range(j4, n_valid):
                     pj = s[j]
-                    vj = vt[j0 + j]
-                    for d in range(head_dim):
-                        a[d] += pj * vj[d]
+                    v0 = _U(j0 + j) * dims
+                    for d in range(dims):
+                        a[d] += pj * vtf[v0 + d]
     for r in range(n_rows):
         for g in range(group):
             inv = np.float32(1.0) / row_sum[r, g]
