@@ -43,11 +43,12 @@ import math
 import sys
 
 import numpy as np
-from numba import carray, get_num_threads, njit, prange
+from numba import carray, njit, prange
 
 from refengine.quant import StackedWeight, is_quantized, reference_linear
 from refengine.runtime import blas
-from refengine.runtime.numba_support import ParallelKernel, stack_f32, parallel_kernel, prefetch, register_kernels
+from refengine.runtime.numba_support import (ParallelKernel, get_num_threads, parallel_kernel, prefetch,
+                                             register_kernels, stack_f32)
 
 
 #: From this many rows ``linear`` hands the product to BLAS, and the step gives BLAS the

@@ -69,12 +69,12 @@ import sys
 
 import numpy as np
 from llvmlite import ir
-from numba import get_num_threads, njit, prange, types
+from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
 from refengine.runtime import blas
-from refengine.runtime.numba_support import parallel_kernel, prefetch, register_kernels
+from refengine.runtime.numba_support import get_num_threads, parallel_kernel, prefetch, register_kernels
 
 #: From this many activation rows the product dequantizes tiles and multiplies with BLAS
 #: (prefill); below, the fused kernels (decode). Measured on SmolLM2's shapes (576 x 576,

@@ -37,11 +37,11 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-from numba import carray, get_num_threads, njit, prange
+from numba import carray, njit, prange
 
 from refengine.ops.numba_ops import LANES, _U, _fold
 from refengine.runtime import blas
-from refengine.runtime.numba_support import parallel_kernel, register_kernels, stack_f32
+from refengine.runtime.numba_support import get_num_threads, parallel_kernel, register_kernels, stack_f32
 
 _FMA = {"contract"}
 

@@ -13,9 +13,11 @@ from types import FunctionType, ModuleType
 
 import numpy as np
 from llvmlite import ir
-from numba import get_num_threads, njit, prange, types
+import numba
+from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+from numba.np.ufunc import parallel as _parallel
 
 
 class ParallelKernel:
@@ -46,6 +48,20 @@ class ParallelKernel:
 
     def __call__(self, *args):
         return (self.parallel if get_num_threads() > 1 else self.serial)(*args)
+
+
+def get_num_threads() -> int:
+    """``numba.get_num_threads()``, without its per-call locks once the pool is up: numba's
+    own function takes two locks to check that its threading layer is loaded, about 1 us a
+    call, and a decode step asks hundreds of times (every kernel call picks its parallel or
+    serial version and its task size by it). After :func:`start_thread_pool` (or any parallel
+    kernel) this reads the layer's count directly (numba's ``_get_num_threads``, the ctypes
+    function its public one calls); the public function before that, or where numba lacks it."""
+    fast = getattr(_parallel, "_get_num_threads", None) if getattr(_parallel, "_is_initialized", False) else None
+    if fast is None:
+        return numba.get_num_threads()
+    n = fast()
+    return n if n > 0 else numba.get_num_threads()  # the public one raises its own error
 
 
 def parallel_kernel(**options):
