@@ -722,8 +722,9 @@ def test_pools_per_step_for_the_numba_backend(monkeypatch):
 
 
 def test_short_spin_follows_who_loaded_libgomp():
-    """A process that loaded libgomp (torch does) before refengine's set-up cannot have the
-    short spin; a fresh one has it."""
+    """The spin is long in a fresh process (refengine's GOMP_SPINCOUNT) and in one that loaded
+    libgomp (torch does) before refengine's set-up (libgomp's default); short only when the
+    user asks for it (a GOMP_SPINCOUNT of at most SHORT_SPINCOUNT)."""
     import subprocess
     import sys
 
@@ -735,10 +736,11 @@ def test_short_spin_follows_who_loaded_libgomp():
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     got = {}
-    for case in ("fresh", "first"):
-        out = subprocess.run([sys.executable, "-c", code, case], env=env, cwd=root, capture_output=True, text=True,
-                             check=True)
+    for case in ("fresh", "first", "user-short"):
+        case_env = dict(env, GOMP_SPINCOUNT="2000") if case == "user-short" else env
+        out = subprocess.run([sys.executable, "-c", code, case], env=case_env, cwd=root, capture_output=True,
+                             text=True, check=True)
         got[case] = out.stdout.split()
     if got["fresh"][0] != "omp":
         pytest.skip(f"numba's threading layer here is {got['fresh'][0]!r}, not libgomp's")
-    assert got == {"fresh": ["omp", "True"], "first": ["omp", "False"]}
+    assert got == {"fresh": ["omp", "False"], "first": ["omp", "False"], "user-short": ["omp", "True"]}

@@ -261,9 +261,9 @@ def section_step(model_np, model_nb, repeats: int, out: Rows) -> None:
 
 
 THREAD_POLICIES = {  # name: (environment, num_threads for configure_threads; None = adaptive)
-    "2 threads, omp, libgomp default spin": ({"NUMBA_THREADING_LAYER": "omp", "GOMP_SPINCOUNT": "300000"}, 2),
+    "2 threads, omp, GOMP_SPINCOUNT=300000 (threads.py, libgomp's default)": ({"NUMBA_THREADING_LAYER": "omp"}, 2),
     "2 threads, omp, GOMP_SPINCOUNT=100000": ({"NUMBA_THREADING_LAYER": "omp", "GOMP_SPINCOUNT": "100000"}, 2),
-    "2 threads, omp, GOMP_SPINCOUNT=2000 (threads.py)": ({"NUMBA_THREADING_LAYER": "omp"}, 2),
+    "2 threads, omp, GOMP_SPINCOUNT=2000": ({"NUMBA_THREADING_LAYER": "omp", "GOMP_SPINCOUNT": "2000"}, 2),
     "2 threads, omp, passive": ({"NUMBA_THREADING_LAYER": "omp", "OMP_WAIT_POLICY": "PASSIVE"}, 2),
     "2 threads, workqueue": ({"NUMBA_THREADING_LAYER": "workqueue"}, 2),
     "1 thread (serial kernels)": ({}, 1),

@@ -32,7 +32,7 @@ def setup_cpu_runtime() -> dict:
 
     * glibc keeps freed activation buffers in the heap (:func:`malloc.keep_freed_memory`);
     * numba's threading layer starts now, as :func:`threads.use_wait_policy` describes
-      (OpenMP with a short spin of idle threads); this imports numba.
+      (OpenMP, idle threads spinning libgomp's default count); this imports numba.
 
     Thread counts are not set here: each engine sizes them at start and per step
     (:func:`threads.configure_threads`, :func:`threads.adapt_threads`).

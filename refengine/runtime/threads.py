@@ -23,19 +23,21 @@ before. docs/cpu_runtime.md walks through the choices; in short:
   backend, all BLAS). Two pools taking turns in one step wait on each other's idle
   threads: after each call an idle thread spins for a while and holds its core.
   OpenBLAS's spin is long and fixed as NumPy loads it, so, whatever was imported first,
-  its pool is given no work. numba's spin is made short (below); where it cannot be
-  (:func:`short_spin`: PyTorch, imported first, loaded libgomp, which numba then shares),
-  a step with BLAS products (``blas_step``, :func:`refengine.model_runner.is_blas_step`)
-  runs numba's serial twins, so no numba thread spins on a core a BLAS thread needs.
+  its pool is given no work. numba's spin is long (below), so a step with BLAS products
+  (``blas_step``, :func:`refengine.model_runner.is_blas_step`) runs numba's serial twins,
+  and no numba thread spins on a core a BLAS thread needs; where the user made the spin
+  short (:func:`short_spin`), numba keeps its threads in those steps too.
 * **numba's threading layer and wait policy**: OpenMP (GNU libgomp) with idle threads
-  spinning :data:`GOMP_SPINCOUNT` rounds before they sleep. A decode step launches its
-  parallel loops tens of microseconds apart; a spinning thread picks up the next one at
-  once, a sleeping one must be woken by the kernel first. The count is short (tens of
-  microseconds to about a tenth of a millisecond, as the CPU's ``pause`` instruction is
-  fast or slow) so that a spinning thread gives its core back well within the gap to a
-  BLAS product or to another process's time slice; libgomp's own default spins 150
-  times longer. With other processes running, :func:`adapt_threads` drops to
-  one thread, and a kernel then runs its serial twin on the calling thread (no pool).
+  spinning :data:`GOMP_SPINCOUNT` rounds (libgomp's own default, set explicitly) before
+  they sleep. A decode step launches its parallel loops tens of microseconds apart and the
+  steps follow each other a few milliseconds apart (sampler, scheduler); a spinning thread
+  picks up the next loop at once, a sleeping one must be woken first, and on a virtual
+  machine a sleeping thread's idle vCPU is given back to the host, which may take
+  milliseconds to return it. A short spin (tens of microseconds, once the default here)
+  left batch-1 decode steps on a 2-vCPU VM with a long tail of slow steps that the long
+  spin removes, prefill no slower (docs/cpu_runtime.md). With other
+  processes running, :func:`adapt_threads` drops to one thread, and a kernel then runs its
+  serial twin on the calling thread (no pool, nothing spins).
   The variable is set only while numba loads libgomp, then restored, so OpenMP runtimes
   loaded later keep their defaults and a value the user set (``OMP_WAIT_POLICY`` or
   ``GOMP_SPINCOUNT``) is kept. Without libgomp numba falls back to its ``workqueue``
@@ -52,7 +54,10 @@ import time
 from refengine.runtime import blas
 
 #: How long libgomp's idle threads spin before they sleep, in its rounds (see the module docstring).
-GOMP_SPINCOUNT = "2000"
+GOMP_SPINCOUNT = "300000"
+#: A spin of at most this many rounds counts as short (:func:`short_spin`): idle numba threads
+#: then free their cores within tens of microseconds, soon enough for a BLAS product next.
+SHORT_SPINCOUNT = 2000
 #: numba threading layers in order of preference (numba wants all three named).
 NUMBA_LAYERS = ("omp", "workqueue", "tbb")
 
@@ -66,7 +71,7 @@ _adaptive = False
 _current: int | None = None
 _pools: tuple[int, int] | None = None  # (BLAS threads, numba threads) last set
 _library_blas = True  # BLAS products run on the BLAS library's threads (else on refengine.runtime.blas's)
-_short_spin = False  # numba's idle threads spin briefly (set by use_wait_policy when it could make it so)
+_short_spin = False  # numba's idle threads spin briefly (set by use_wait_policy)
 _blas = None  # threadpoolctl's handle on the BLAS libraries
 _last_sample: tuple[float, float, float] | None = None  # (wall s, busy s of our cores, own CPU s)
 
@@ -236,10 +241,10 @@ def adapt_threads(blas_step: bool | None = None, library_blas: bool | None = Non
 
 
 def short_spin() -> bool:
-    """Whether numba's idle threads spin only briefly: its ``omp`` layer started by
-    :func:`use_wait_policy` with :data:`GOMP_SPINCOUNT` in effect (libgomp was not loaded
-    before, e.g. by PyTorch, which then set its spin as it loaded; or the user set
-    ``OMP_WAIT_POLICY`` / ``GOMP_SPINCOUNT``), or a layer whose threads sleep."""
+    """Whether numba's idle threads spin only briefly (at most :data:`SHORT_SPINCOUNT`
+    rounds): the user set ``OMP_WAIT_POLICY=passive`` or a short ``GOMP_SPINCOUNT``, or
+    numba's layer is one whose threads sleep. False with :data:`GOMP_SPINCOUNT` (long) in
+    effect, and when libgomp was loaded before (e.g. by PyTorch) with its default spin."""
     return _short_spin
 
 
@@ -340,19 +345,20 @@ def use_wait_policy() -> None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    # The user's setting holds whoever loaded libgomp; ours only if numba's layer loaded it.
-    _short_spin = numba_threading_layer() != "omp" or (_user_spin_is_short() if user_choice else not gomp_loaded_before)
+    # The user's setting holds whoever loaded libgomp; ours only if numba's layer loaded it (else the default).
+    ours_short = int(GOMP_SPINCOUNT) <= SHORT_SPINCOUNT and not gomp_loaded_before
+    _short_spin = numba_threading_layer() != "omp" or (_user_spin_is_short() if user_choice else ours_short)
 
 
 def _user_spin_is_short() -> bool:
     """The user's ``OMP_WAIT_POLICY`` / ``GOMP_SPINCOUNT`` make libgomp's idle threads sleep
-    at once or spin no longer than :data:`GOMP_SPINCOUNT` rounds (libgomp reads both as it
+    at once or spin no longer than :data:`SHORT_SPINCOUNT` rounds (libgomp reads both as it
     loads, so they hold whoever loaded it)."""
     policy = os.environ.get("OMP_WAIT_POLICY", "").strip().lower()
     count = os.environ.get("GOMP_SPINCOUNT", "").strip()
     if count:
         try:
-            return int(count) <= int(GOMP_SPINCOUNT)
+            return int(count) <= SHORT_SPINCOUNT
         except ValueError:  # "infinite" or a suffixed count
             return False
     return policy == "passive"
