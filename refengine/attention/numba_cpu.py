@@ -13,7 +13,8 @@ twin (:mod:`refengine.attention.numpy_ref`), written as loops over the cache lay
   keeps its max, sum and unnormalised output, merged afterwards (Dao et al. 2023,
   "Flash-Decoding"; vLLM's PagedAttention v2; Kwon et al. 2023 §4).
 * **Flash prefill** (``q_len > 1``): one task per (sequence, KV head, query tile); key tiles
-  are copied from their blocks into a small transposed scratch tile, and each query row
+  are copied from their blocks into a small transposed scratch tile (eight keys at a time
+  by 8 x 8 register transposes, :func:`_transpose_keys`), and each query row
   keeps a running max, sum and output rescaled as the max grows (Dao 2023,
   "FlashAttention-2", Algorithm 1). Key tiles wholly after a query tile are skipped and
   each row stops at its own position (causality).
