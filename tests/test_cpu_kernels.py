@@ -583,6 +583,31 @@ def test_wait_policy_is_set_only_while_numba_starts(first):
     assert layer in ("omp", "workqueue", "tbb") and at_start == GOMP_SPINCOUNT and after == "None"
 
 
+@pytest.mark.parametrize("dims,count", [(64, 16), (64, 13), (12, 16), (8, 3)])
+def test_key_tile_transpose_is_a_copy(dims, count):
+    """The flash kernel's key-tile copy (8 x 8 register transposes where ``dims`` is a
+    multiple of eight, element by element otherwise and for the last keys) puts key row
+    ``i`` of the cache into column ``j0 + i`` of the tile, every value bit for bit."""
+    from numba import njit
+
+    from refengine.attention.numba_cpu import _transpose_keys
+
+    @njit
+    def copy(kf, first, row, count, dims, ktf, j0, k_tile):
+        _transpose_keys(kf, np.uintp(first), np.uintp(row), np.uintp(count), np.uintp(dims), ktf, np.uintp(j0),
+                        np.uintp(k_tile))
+
+    rng = np.random.default_rng(dims * 100 + count)
+    row, k_tile, j0, first = 3 * dims, 32, 5, dims  # rows of three heads, the second one's keys
+    cache = rng.standard_normal(first + count * row + dims).astype(np.float32)
+    tile = np.full(dims * k_tile, np.nan, dtype=np.float32)
+    copy(cache, first, row, count, dims, tile, j0, k_tile)
+    keys = np.stack([cache[first + i * row:first + i * row + dims] for i in range(count)])  # [count, dims]
+    tile = tile.reshape(dims, k_tile)
+    assert np.array_equal(tile[:, j0:j0 + count].view(np.uint32), keys.T.view(np.uint32))
+    assert np.isnan(tile[:, :j0]).all() and np.isnan(tile[:, j0 + count:]).all()  # nothing else written
+
+
 def test_exp_affine_accuracy_and_edges():
     """Within 2 ulp (4 units of 2^-24 relative) of exp over the range softmax and SiLU use;
     clamped below -87, inf above the float32 range, NaN kept."""
