@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import ml_dtypes  # noqa: F401  (registers numpy's bfloat16 for safetensors)
 import numpy as np
 from safetensors import safe_open
 
@@ -98,6 +97,8 @@ def _read_tensors(path: Path):
     Raises:
         ValueError: the file is unreadable (truncated or corrupt), naming it.
     """
+    import ml_dtypes  # noqa: F401  (registers numpy's bfloat16 for safetensors; imported when first needed)
+
     try:
         with safe_open(str(path), framework="numpy") as f:
             for name in f.keys():
@@ -110,7 +111,7 @@ def _cast(w: np.ndarray, dtype, name: str, quantization: str | None):
     """One tensor as read -> ``dtype`` (C-contiguous), or an ``Int8Weight`` for a float matrix
     under ``quantization="int8"``."""
     if quantization == "int8" and w.ndim == 2 and (np.issubdtype(w.dtype, np.floating)
-                                                   or w.dtype == ml_dtypes.bfloat16):
+                                                   or w.dtype.name == "bfloat16"):
         from refengine.quant.int8 import Int8Weight
 
         return Int8Weight.quantize(w, name)
