@@ -46,6 +46,7 @@ import numpy as np
 from numba import carray, njit, prange
 
 from refengine.quant import StackedWeight, is_quantized, reference_linear
+from refengine.quant.numba_gguf import f8_add, f8_load, f8_sum
 from refengine.runtime import blas
 from refengine.runtime.numba_support import (ParallelKernel, get_num_threads, parallel_kernel, prefetch,
                                              register_kernels, stack_f32)
@@ -134,14 +135,12 @@ def _lanes():  # pragma: no cover - compiled
 
 @njit(fastmath=_FMA, inline="always")
 def _fold(acc):  # pragma: no cover - compiled
-    """The sum of the ``LANES`` partial sums in a fixed tree: halves added lane-wise (16 -> 8 -> 4 -> 2 -> 1)."""
-    for lane in range(_U(8)):
-        acc[lane] += acc[lane + _U(8)]
-    for lane in range(_U(4)):
-        acc[lane] += acc[lane + _U(4)]
-    for lane in range(_U(2)):
-        acc[lane] += acc[lane + _U(2)]
-    return acc[0] + acc[1]
+    """The sum of the ``LANES`` partial sums in a fixed tree: halves added lane-wise (16 -> 8 -> 4 -> 2 -> 1).
+
+    In vector registers (:func:`~refengine.quant.numba_gguf.f8_sum` sums eight lanes in the
+    same tree): a loop over the lanes of a stack array became ~30 scalar adds and extracts
+    per output, a third of a prefill tile's time."""
+    return f8_sum(f8_add(f8_load(acc, _U(0)), f8_load(acc, _U(8))))
 
 
 @njit(fastmath=_FMA, inline="always")
