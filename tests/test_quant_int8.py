@@ -105,19 +105,27 @@ def test_numba_kernel_matches_the_numpy_twin(shape):
         np.testing.assert_array_equal(NumpyOps().linear(x, w), want)
 
 
-def test_dot_kernel_results_do_not_depend_on_the_batch():
-    """Below the tile switch every row is summed in one fixed order: a row alone, in a pair
-    or as the odd last row gives the same bits."""
+@pytest.mark.parametrize("n_out", [70, 71])
+def test_dot_kernel_results_do_not_depend_on_the_batch(n_out):
+    """Below the tile switch every row is summed in one fixed order: a row alone, in a pair,
+    as the odd last row or in a 4 x 2 tile (four rows or more; an odd weight-row count
+    pairs the last row with itself) gives the same bits; batch-invariant, so do 300 rows,
+    whose tiles span several blocks of input rows with a partial last one."""
     pytest.importorskip("numba")
     from refengine.quant.numba_int import INT8_BLAS_MIN_ROWS
 
     rng = np.random.default_rng(4)
-    w = Int8Weight.quantize(_matrix(rng, (70, 200)))
-    x = rng.standard_normal((INT8_BLAS_MIN_ROWS - 1, 200)).astype(np.float32)
-    batch = w.numba_linear(x)
-    for t in (0, 1, 2, x.shape[0] - 1):
+    w = Int8Weight.quantize(_matrix(rng, (n_out, 200)))
+    x = rng.standard_normal((300, 200)).astype(np.float32)
+    batch = w.numba_linear(x[:INT8_BLAS_MIN_ROWS - 1])
+    for t in (0, 1, 2, INT8_BLAS_MIN_ROWS - 2):
         np.testing.assert_array_equal(w.numba_linear(x[t:t + 1]), batch[t:t + 1])
-    np.testing.assert_array_equal(w.numba_linear(x[:3]), batch[:3])
+    for rows in (2, 3, 4, 5, 7):
+        np.testing.assert_array_equal(w.numba_linear(x[:rows]), batch[:rows])
+    invariant = w.numba_linear(x, batch_invariant=True)
+    np.testing.assert_array_equal(invariant[:INT8_BLAS_MIN_ROWS - 1], batch)
+    for t in (150, 299):
+        np.testing.assert_array_equal(w.numba_linear(x[t:t + 1]), invariant[t:t + 1])
 
 
 def test_empty_batch():
