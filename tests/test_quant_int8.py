@@ -108,11 +108,11 @@ def test_numba_kernel_matches_the_numpy_twin(shape):
 @pytest.mark.parametrize("n_out", [70, 71])
 def test_dot_kernel_results_do_not_depend_on_the_batch(n_out):
     """Below the tile switch every row is summed in one fixed order: a row alone, in a pair,
-    as the odd last row or in a 4 x 2 tile (four rows or more; an odd weight-row count
+    as the odd last row or in a 4 x 2 tile (from INT8_TILE_MIN_ROWS rows; an odd weight-row count
     pairs the last row with itself) gives the same bits; batch-invariant, so do 300 rows,
     whose tiles span several blocks of input rows with a partial last one."""
     pytest.importorskip("numba")
-    from refengine.quant.numba_int import INT8_BLAS_MIN_ROWS
+    from refengine.quant.numba_int import INT8_BLAS_MIN_ROWS, INT8_TILE_MIN_ROWS
 
     rng = np.random.default_rng(4)
     w = Int8Weight.quantize(_matrix(rng, (n_out, 200)))
@@ -120,7 +120,7 @@ def test_dot_kernel_results_do_not_depend_on_the_batch(n_out):
     batch = w.numba_linear(x[:INT8_BLAS_MIN_ROWS - 1])
     for t in (0, 1, 2, INT8_BLAS_MIN_ROWS - 2):
         np.testing.assert_array_equal(w.numba_linear(x[t:t + 1]), batch[t:t + 1])
-    for rows in (2, 3, 4, 5, 7):
+    for rows in (2, 3, 5, INT8_TILE_MIN_ROWS - 1, INT8_TILE_MIN_ROWS, INT8_TILE_MIN_ROWS + 1, INT8_TILE_MIN_ROWS + 3):
         np.testing.assert_array_equal(w.numba_linear(x[:rows]), batch[:rows])
     invariant = w.numba_linear(x, batch_invariant=True)
     np.testing.assert_array_equal(invariant[:INT8_BLAS_MIN_ROWS - 1], batch)

@@ -10,9 +10,10 @@ Two paths, picked by the number of rows ``T``:
   registers (``vpmovsxbd``/``vpmovzxbd`` + ``vcvtdq2ps``) and multiplied into
   :data:`LANES32` float32 partial sums per input row with FMA (four AVX2 registers: four
   independent FMA chains at one row). Pairs of input rows share each converted weight
-  vector; an odd last row runs alone, with the same operations; int8 from four rows in
-  tiles of four input rows by two weight rows (:func:`_int8_rows_4x2`). int8 applies its scale
-  once per output (``out = scale[o] * sum x * q``); int4 forms each weight exactly as
+  vector; an odd last row runs alone, with the same operations; int8 from
+  :data:`INT8_TILE_MIN_ROWS` rows in tiles of four input rows by two weight rows
+  (:func:`_int8_rows_4x2`). int8 applies its scale once per output
+  (``out = scale[o] * sum x * q``); int4 forms each weight exactly as
   :meth:`refengine.quant.int4.Int4Weight.dequantize` does (``float32(q - z) * s``, one
   rounding) and then accumulates, so both of its paths multiply by the same float32
   weights. Tasks own blocks of weight rows (a multiple of four, about 16 per thread), as
@@ -56,6 +57,14 @@ INT8_BLAS_MIN_ROWS = 64
 #: The same switch for int4, whose dot kernel spends more instructions per weight (nibble
 #: masks, the zero point, one more multiply): the tile path is ahead from about 32 rows.
 INT4_BLAS_MIN_ROWS = 32
+#: From this many rows the int8 dot kernel works in 4 x 2 tiles (:func:`_int8_rows_4x2`),
+#: below it in pairs of rows. Measured on SmolLM2's matrices and lm_head (two threads, the
+#: two kernels side by side): the pairs ahead at 5 rows (the tile computes 8), level at 8,
+#: the tile 1.5x ahead at 16 and 2-2.5x at 512.
+INT8_TILE_MIN_ROWS = 12
+#: Bytes of float32 weight rows :func:`_int8_rows_4x2` converts at a time and keeps in L2
+#: while the input rows pass over them (with an input block, well inside an L2 of 256 KB).
+W_BLOCK_BYTES = 64 * 1024
 #: Bytes of float32 weights per dequantized tile on the BLAS path: about 900 rows of 576
 #: columns, wide enough for BLAS's GEMM and still in L3 between its dequantization and its product.
 TILE_BYTES = 2 * 2**20
@@ -113,10 +122,10 @@ def _int8_rows(x, q, scales, out, j0, j1):  # pragma: no cover - compiled
     One int8 weight row streamed at a time, 32 columns a step, widened and converted to
     float32 in registers, multiplied into 32 lanes of sums per input row (pairs of rows
     share the converted weights; an odd last row runs alone); the scale once at the end.
-    From four rows, :func:`_int8_rows_4x2` instead (the same sums).
+    From :data:`INT8_TILE_MIN_ROWS` rows, :func:`_int8_rows_4x2` instead (the same sums).
     """
     rows, k_dim = x.shape
-    if rows >= 4:
+    if rows >= INT8_TILE_MIN_ROWS:
         _int8_rows_4x2(x, q, scales, out, j0, j1)
         return
     k32, pairs = _U(k_dim // LANES32 * LANES32), _U(rows // 2 * 2)
@@ -153,14 +162,15 @@ def _int8_store(x, q, out, t, j, k32, acc, s):  # pragma: no cover - compiled
 
 @njit(cache=True, fastmath=_FMA)
 def _int8_rows_4x2(x, q, scales, out, j0, j1):  # pragma: no cover - compiled
-    """:func:`_int8_rows` for ``x`` of four rows or more (prefill chunks), in tiles of four
-    input rows by two weight rows (a last group of rows repeats its last row; an odd last
+    """:func:`_int8_rows` for ``x`` of :data:`INT8_TILE_MIN_ROWS` rows or more (prefill
+    chunks), in tiles of four input rows by two weight rows (a last group of rows repeats its last row; an odd last
     weight row pairs with itself).
 
-    The two weight rows are converted to float32 once per block of input rows (about
-    :data:`~refengine.ops.numba_ops.X_BLOCK_BYTES`, which stays in cache while the task's
-    weight rows pass over it) into a buffer that stays in L1, rather than once per four
-    rows: per 32 columns 16 FMAs on 12 loads, all float32 (no conversions in the loop),
+    Blocked as a GEMM: blocks of :data:`W_BLOCK_BYTES` of weight rows are converted to
+    float32 once each (not once per four input rows), and every block of about
+    :data:`~refengine.ops.numba_ops.X_BLOCK_BYTES` of input rows passes over the block, both
+    in L2:
+    per 32 columns 16 FMAs on 12 loads, all float32 (no conversions in the loop),
     its partial sums in 16 AVX-512 registers (with AVX2's 16 they spill: the same results,
     slower). Each output is the same sum in the same order as there (lanes of 32 columns,
     :func:`_fold32`, the tail, the scale), so a row's result does not depend on its batch.
@@ -168,43 +178,55 @@ def _int8_rows_4x2(x, q, scales, out, j0, j1):  # pragma: no cover - compiled
     rows, k_dim = x.shape
     k32 = _U(k_dim // LANES32 * LANES32)
     x_block = _U(max(4, X_BLOCK_BYTES // (4 * max(k_dim, 1)) // 4 * 4))
-    a0, a1, b0, b1 = _lanes32(), _lanes32(), _lanes32(), _lanes32()
-    c0, c1, d0, d1 = _lanes32(), _lanes32(), _lanes32(), _lanes32()
-    wf = np.empty(2 * k32, dtype=np.float32)  # the two weight rows' first k32 columns as float32
-    for r0 in range(_U(0), _U(rows), x_block):  # a block of input rows stays in cache over the task's weight rows
-        last = min(r0 + x_block, _U(rows)) - _U(1)
-        for j in range(_U(j0), _U(j1), _U(2)):
-            jb = min(j + _U(1), _U(j1 - 1))
-            sa, sb = scales[j], scales[jb]
-            for i in range(_U(0), k32):  # converted once per block of input rows, not per four
-                wf[i] = np.float32(q[j, i])
-                wf[k32 + i] = np.float32(q[jb, i])
-            for t0 in range(r0, last + _U(1), _U(4)):
-                t1, t2, t3 = min(t0 + _U(1), last), min(t0 + _U(2), last), min(t0 + _U(3), last)
-                for lane in range(_U(LANES32)):
-                    a0[lane] = a1[lane] = b0[lane] = b1[lane] = 0.0
-                    c0[lane] = c1[lane] = d0[lane] = d1[lane] = 0.0
-                for i in range(_U(0), k32, _U(LANES32)):
-                    for lane in range(_U(LANES32)):
-                        col = i + lane
-                        w0, w1 = wf[col], wf[k32 + col]
-                        xa, xb, xc, xd = x[t0, col], x[t1, col], x[t2, col], x[t3, col]
-                        a0[lane] += xa * w0
-                        a1[lane] += xa * w1
-                        b0[lane] += xb * w0
-                        b1[lane] += xb * w1
-                        c0[lane] += xc * w0
-                        c1[lane] += xc * w1
-                        d0[lane] += xd * w0
-                        d1[lane] += xd * w1
-                _int8_store(x, q, out, t3, jb, k32, d1, sb)
-                _int8_store(x, q, out, t3, j, k32, d0, sa)
-                _int8_store(x, q, out, t2, jb, k32, c1, sb)
-                _int8_store(x, q, out, t2, j, k32, c0, sa)
-                _int8_store(x, q, out, t1, jb, k32, b1, sb)
-                _int8_store(x, q, out, t1, j, k32, b0, sa)
-                _int8_store(x, q, out, t0, jb, k32, a1, sb)
-                _int8_store(x, q, out, t0, j, k32, a0, sa)
+    acc = (_lanes32(), _lanes32(), _lanes32(), _lanes32(), _lanes32(), _lanes32(), _lanes32(), _lanes32())
+    w_block = _U(max(2, W_BLOCK_BYTES // (4 * max(k32, 1)) // 2 * 2))
+    wf = np.empty(w_block * k32, dtype=np.float32)
+    for s0 in range(_U(j0), _U(j1), w_block):  # a block of weight rows, as float32 (first k32 columns)
+        s1 = min(s0 + w_block, _U(j1))
+        for j in range(s0, s1):
+            o = (j - s0) * k32
+            for i in range(k32):
+                wf[o + i] = np.float32(q[j, i])
+        for r0 in range(_U(0), _U(rows), x_block):  # a block of input rows over the block of weight rows
+            last = min(r0 + x_block, _U(rows)) - _U(1)
+            for j in range(s0, s1, _U(2)):
+                jb = min(j + _U(1), s1 - _U(1))
+                _int8_tile_4x2(x, q, scales, out, wf, j, jb, (j - s0) * k32, (jb - s0) * k32, r0, last, k32, acc)
+
+
+@njit(fastmath=_FMA, inline="always")
+def _int8_tile_4x2(x, q, scales, out, wf, j, jb, oa, ob, r0, last, k32, acc):  # pragma: no cover - compiled
+    """Weight rows ``j``, ``jb`` (float32 in ``wf`` from ``oa``, ``ob``) times input rows
+    ``r0 .. last``, four at a time (:func:`_int8_rows_4x2`); ``acc``: its eight 32-lane
+    accumulators."""
+    a0, a1, b0, b1, c0, c1, d0, d1 = acc
+    sa, sb = scales[j], scales[jb]
+    for t0 in range(r0, last + _U(1), _U(4)):
+        t1, t2, t3 = min(t0 + _U(1), last), min(t0 + _U(2), last), min(t0 + _U(3), last)
+        for lane in range(_U(LANES32)):
+            a0[lane] = a1[lane] = b0[lane] = b1[lane] = 0.0
+            c0[lane] = c1[lane] = d0[lane] = d1[lane] = 0.0
+        for i in range(_U(0), k32, _U(LANES32)):
+            for lane in range(_U(LANES32)):
+                col = i + lane
+                w0, w1 = wf[oa + col], wf[ob + col]
+                xa, xb, xc, xd = x[t0, col], x[t1, col], x[t2, col], x[t3, col]
+                a0[lane] += xa * w0
+                a1[lane] += xa * w1
+                b0[lane] += xb * w0
+                b1[lane] += xb * w1
+                c0[lane] += xc * w0
+                c1[lane] += xc * w1
+                d0[lane] += xd * w0
+                d1[lane] += xd * w1
+        _int8_store(x, q, out, t3, jb, k32, d1, sb)
+        _int8_store(x, q, out, t3, j, k32, d0, sa)
+        _int8_store(x, q, out, t2, jb, k32, c1, sb)
+        _int8_store(x, q, out, t2, j, k32, c0, sa)
+        _int8_store(x, q, out, t1, jb, k32, b1, sb)
+        _int8_store(x, q, out, t1, j, k32, b0, sa)
+        _int8_store(x, q, out, t0, jb, k32, a1, sb)
+        _int8_store(x, q, out, t0, j, k32, a0, sa)
 
 
 @parallel_kernel()
