@@ -391,8 +391,15 @@ def _transpose_keys(kf, first, row, count, dims, ktf, j0, k_tile):  # pragma: no
             f8_store(ktf, dst + _U(5) * k_tile, c5)
             f8_store(ktf, dst + _U(6) * k_tile, c6)
             f8_store(ktf, dst + _U(7) * k_tile, c7)
-    for d in range(dims):  # the rest: contiguous stores, strided loads
-        for i in range(i8, count):
+    _key_columns(kf, first, row, i8, count, dims, ktf, j0, k_tile)
+
+
+@njit(inline="always")
+def _key_columns(kf, first, row, i0, count, dims, ktf, j0, k_tile):  # pragma: no cover - compiled
+    """:func:`_transpose_keys` element by element, for keys ``i0 .. count - 1``: contiguous
+    stores, strided loads."""
+    for d in range(dims):
+        for i in range(i0, count):
             ktf[d * k_tile + j0 + i] = kf[first + i * row + d]
 
 
@@ -404,9 +411,7 @@ def _transpose_keys_impl(kf, first, row, count, dims, ktf, j0, k_tile):
         return _transpose_keys
 
     def plain(kf, first, row, count, dims, ktf, j0, k_tile):
-        for d in range(dims):
-            for i in range(count):
-                ktf[d * k_tile + j0 + i] = kf[first + i * row + d]
+        _key_columns(kf, first, row, _U(0), count, dims, ktf, j0, k_tile)
 
     return plain
 
@@ -457,22 +462,22 @@ def _prefill_task(task, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq
         n_keys = min(k_tile, end_key - k0)
         for b in range(k0 // block_size, (k0 + n_keys + block_size - 1) // block_size):
             block = _U(block_tables[seq, b])
-            p0, p1 = max(k0, b * block_size), min(k0 + n_keys, (b + 1) * block_size)  # this block's keys
-            o0, j0 = _U(p0 - b * block_size), _U(p0 - k0)
-            count = _U(p1 - p0)
-            first = ((block * _U(block_size) + o0) * _U(num_kv) + _U(h)) * dims  # key p0's row in kf, vf
+            lo, hi = max(k0, b * block_size), min(k0 + n_keys, (b + 1) * block_size)  # this block's keys
+            b_off, t_off = _U(lo - b * block_size), _U(lo - k0)  # key lo's slot in the block, column in the tile
+            count = _U(hi - lo)
+            first = ((block * _U(block_size) + b_off) * _U(num_kv) + _U(h)) * dims  # key lo's row in kf, vf
             row = _U(num_kv) * dims  # from one position's row to the next
             if k_scale is None:
                 for i in range(count):
                     for d in range(dims):
-                        vt[j0 + i, d] = vf[first + i * row + d]
-                _transpose_keys(kf, first, row, count, dims, ktf, j0, _U(k_tile))
+                        vt[t_off + i, d] = vf[first + i * row + d]
+                _transpose_keys(kf, first, row, count, dims, ktf, t_off, _U(k_tile))
             else:  # dequantize into the tiles
                 for i in range(count):
-                    ks, vs = k_scale[block, o0 + i, h], v_scale[block, o0 + i, h]
+                    ks, vs = k_scale[block, b_off + i, h], v_scale[block, b_off + i, h]
                     for d in range(dims):
-                        kt[d, j0 + i] = kf[first + i * row + d] * ks
-                        vt[j0 + i, d] = vf[first + i * row + d] * vs
+                        kt[d, t_off + i] = kf[first + i * row + d] * ks
+                        vt[t_off + i, d] = vf[first + i * row + d] * vs
         for r in range(n_rows):
             pos = first_pos + q0 + r
             j0 = max(0, pos - window + 1 - k0)  # this row's keys in the tile: j0 .. j1 - 1
@@ -486,10 +491,10 @@ def _prefill_task(task, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq
                 for d in range(0, d4, 4):  # four dims per pass: one load/store of s per four FMAs
                     x0, x1, x2, x3 = qr[d], qr[d + 1], qr[d + 2], qr[d + 3]
                     # flat offsets into the tile, not row views (each view costs reference-count updates)
-                    o0 = _U(d) * _U(k_tile) + _U(j0)
-                    o1, o2, o3 = o0 + _U(k_tile), o0 + _U(2 * k_tile), o0 + _U(3 * k_tile)
+                    ko0 = _U(d) * _U(k_tile) + _U(j0)
+                    ko1, ko2, ko3 = ko0 + _U(k_tile), ko0 + _U(2 * k_tile), ko0 + _U(3 * k_tile)
                     for j in range(_U(n_valid)):
-                        s[j] += x0 * ktf[o0 + j] + x1 * ktf[o1 + j] + x2 * ktf[o2 + j] + x3 * ktf[o3 + j]
+                        s[j] += x0 * ktf[ko0 + j] + x1 * ktf[ko1 + j] + x2 * ktf[ko2 + j] + x3 * ktf[ko3 + j]
                 for d in range(d4, head_dim):
                     qd = qr[d]
                     for j in range(n_valid):
@@ -507,15 +512,15 @@ def _prefill_task(task, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq
                 j4 = n_valid - n_valid % 4
                 for j in range(0, j4, 4):  # four keys per pass: one load/store of acc per four FMAs
                     p0, p1, p2, p3 = s[j], s[j + 1], s[j + 2], s[j + 3]
-                    v0 = _U(j0 + j) * dims  # value rows by flat offsets, as the keys above
-                    v1, v2, v3 = v0 + dims, v0 + _U(2) * dims, v0 + _U(3) * dims
+                    vo0 = _U(j0 + j) * dims  # value rows by flat offsets, as the keys above
+                    vo1, vo2, vo3 = vo0 + dims, vo0 + _U(2) * dims, vo0 + _U(3) * dims
                     for d in range(dims):
-                        a[d] += p0 * vtf[v0 + d] + p1 * vtf[v1 + d] + p2 * vtf[v2 + d] + p3 * vtf[v3 + d]
+                        a[d] += p0 * vtf[vo0 + d] + p1 * vtf[vo1 + d] + p2 * vtf[vo2 + d] + p3 * vtf[vo3 + d]
                 for j in range(j4, n_valid):
                     pj = s[j]
-                    v0 = _U(j0 + j) * dims
+                    vo0 = _U(j0 + j) * dims
                     for d in range(dims):
-                        a[d] += pj * vtf[v0 + d]
+                        a[d] += pj * vtf[vo0 + d]
     for r in range(n_rows):
         for g in range(group):
             inv = np.float32(1.0) / row_sum[r, g]
