@@ -109,14 +109,14 @@ def test_numba_kernel_matches_the_numpy_twin(shape):
 def test_dot_kernel_results_do_not_depend_on_the_batch(n_out):
     """Below the tile switch every row is summed in one fixed order: a row alone, in a pair,
     as the odd last row or in a 4 x 2 tile (from INT8_TILE_MIN_ROWS rows; an odd weight-row count
-    pairs the last row with itself) gives the same bits; batch-invariant, so do 300 rows,
-    whose tiles span several blocks of input rows with a partial last one."""
+    pairs the last row with itself) gives the same bits, over several blocks of input rows
+    with a partial last one; batch-invariant, so do rows past the tile switch."""
     pytest.importorskip("numba")
     from refengine.quant.numba_int import INT8_BLAS_MIN_ROWS, INT8_TILE_MIN_ROWS
 
     rng = np.random.default_rng(4)
     w = Int8Weight.quantize(_matrix(rng, (n_out, 200)))
-    x = rng.standard_normal((300, 200)).astype(np.float32)
+    x = rng.standard_normal((INT8_BLAS_MIN_ROWS + 8, 200)).astype(np.float32)
     batch = w.numba_linear(x[:INT8_BLAS_MIN_ROWS - 1])
     for t in (0, 1, 2, INT8_BLAS_MIN_ROWS - 2):
         np.testing.assert_array_equal(w.numba_linear(x[t:t + 1]), batch[t:t + 1])
@@ -124,7 +124,7 @@ def test_dot_kernel_results_do_not_depend_on_the_batch(n_out):
         np.testing.assert_array_equal(w.numba_linear(x[:rows]), batch[:rows])
     invariant = w.numba_linear(x, batch_invariant=True)
     np.testing.assert_array_equal(invariant[:INT8_BLAS_MIN_ROWS - 1], batch)
-    for t in (150, 299):
+    for t in (150, INT8_BLAS_MIN_ROWS + 7):
         np.testing.assert_array_equal(w.numba_linear(x[t:t + 1]), invariant[t:t + 1])
 
 
@@ -296,7 +296,7 @@ def test_int8_of_the_gguf_is_int8_of_its_float32_directory(gguf_path, smollm2_di
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_tile_path_rows_do_not_depend_on_the_batch(threads, monkeypatch):
-    """From INT8_BLAS_MIN_ROWS rows each thread multiplies all of ``x`` by its own tiles:
+    """On the tile path each thread multiplies all of ``x`` by its own tiles:
     whatever the thread count and the rows beside it, a row's result is the exact product's
     up to float32 rounding (not bit for bit: OpenBLAS's summation changes with the number
     of rows, one thread too, as before this path; the dot kernels below the switch are the
@@ -310,8 +310,9 @@ def test_tile_path_rows_do_not_depend_on_the_batch(threads, monkeypatch):
     x = rng.standard_normal((200, 576)).astype(np.float32)
     monkeypatch.setattr(blas, "_threads", threads)
     assert numba_int._balanced_tiles(960, 576, 2) == 480  # two equal tiles, one per thread
-    full = w.numba_linear(x)
-    part = w.numba_linear(x[:numba_int.INT8_BLAS_MIN_ROWS + 3])
+    switch = 64  # the tile path from 64 rows here (INT8_BLAS_MIN_ROWS is larger: 200 rows would not reach it)
+    full = numba_int.int8_linear(x, w.q, w.scales, switch)
+    part = numba_int.int8_linear(x[:switch + 3], w.q, w.scales, switch)
     want = x.astype(np.float64) @ w.dequantize().astype(np.float64).T
-    np.testing.assert_allclose(part, want[:numba_int.INT8_BLAS_MIN_ROWS + 3], rtol=0, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_allclose(part, want[:switch + 3], rtol=0, atol=1e-5 * np.abs(want).max())
     np.testing.assert_allclose(full, want, rtol=0, atol=1e-5 * np.abs(want).max())

@@ -48,12 +48,12 @@ from refengine.runtime.numba_support import get_num_threads, parallel_kernel, re
 
 _FMA = {"contract"}
 
-#: From this many rows an int8 product dequantizes tiles and runs BLAS; below it, the dot
-#: kernel. Measured on SmolLM2-135M's matrices (960 x 576 ... 49152 x 576, two threads,
-#: ``docs/quantization.md``): the dot kernel's time grows with the rows at about the rate
-#: of the float32 dot kernel; the tile path pays one dequantization, then BLAS's GEMM rate,
-#: which is ahead from about 64 rows.
-INT8_BLAS_MIN_ROWS = 64
+#: From this many rows an int8 product dequantizes tiles and runs BLAS (with
+#: ``batch_invariant=False``); below it, the dot kernel. Measured on SmolLM2-135M's matrices
+#: (576 x 576 ... 3072 x 576, two threads, the two paths side by side, AVX-512 code and
+#: AVX2 code alike): with the 4 x 2 tiles the dot kernel is ahead up to 512 rows (by
+#: 1.2-2x), level around 1024, behind at 2048 (the pair loop before them was behind from 64).
+INT8_BLAS_MIN_ROWS = 1024
 #: The same switch for int4, whose dot kernel spends more instructions per weight (nibble
 #: masks, the zero point, one more multiply): the tile path is ahead from about 32 rows.
 INT4_BLAS_MIN_ROWS = 32
@@ -171,8 +171,7 @@ def _int8_rows_4x2(x, q, scales, out, j0, j1):  # pragma: no cover - compiled
     :data:`~refengine.ops.numba_ops.X_BLOCK_BYTES` of input rows passes over the block, both
     in L2:
     per 32 columns 16 FMAs on 12 loads, all float32 (no conversions in the loop),
-    its partial sums in 16 AVX-512 registers (with AVX2's 16 they spill: the same results,
-    slower). Each output is the same sum in the same order as there (lanes of 32 columns,
+    its partial sums in 16 AVX-512 registers (AVX2 code, with 16 registers, measured as fast). Each output is the same sum in the same order as there (lanes of 32 columns,
     :func:`_fold32`, the tail, the scale), so a row's result does not depend on its batch.
     """
     rows, k_dim = x.shape
