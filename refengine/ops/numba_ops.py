@@ -48,7 +48,7 @@ from numba import carray, njit, prange
 from refengine.quant import StackedWeight, is_quantized, reference_linear
 from refengine.quant.numba_gguf import f8_add, f8_load, f8_sum
 from refengine.runtime import blas
-from refengine.runtime.numba_support import (ParallelKernel, get_num_threads, parallel_kernel, prefetch,
+from refengine.runtime.numba_support import (X_BLOCK_BYTES, ParallelKernel, get_num_threads, parallel_kernel, prefetch,
                                              register_kernels, stack_f32)
 
 
@@ -64,9 +64,6 @@ BLAS_MIN_ROWS = 160
 #: and its lead grows with the rows. Measured side by side: ``refengine bench kernels
 #: --sections linear`` (docs/PERFORMANCE.md).
 DOT_4X4_MIN_ROWS = 5
-#: Bytes of input rows :func:`_dot_rows_4x4` keeps in cache while it passes over a task's
-#: weight rows (with those rows, well inside any L2 of 256 KB or more).
-X_BLOCK_BYTES = 96 * 1024
 
 #: From this many rows RMSNorm, RoPE and SiLU-and-mul run over row blocks in parallel; below,
 #: on the calling thread (a parallel launch, waking sleeping threads, costs more than a

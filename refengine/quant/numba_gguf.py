@@ -8,8 +8,9 @@ block by block, never the whole matrix (:class:`refengine.quant.gguf_blocks.GGUF
   :func:`_half_rows` for F16 and BF16). Tasks own consecutive output rows (in parallel,
   ``prange``); per output row the kernel walks the row's blocks, decodes each block's
   quants into float32 vector registers and multiplies them with the activation rows, one
-  or four at a time (four share each decoded block), folding the block's scale in once per
-  block: ``d * sum(q * x)`` plus, for the types with a minimum, ``m * sum(x)`` from the
+  or four at a time (four share each decoded block; the 32-weight block types also eight,
+  and take the input rows in cache-sized blocks, each over all of a task's weight rows),
+  folding the block's scale in once per block: ``d * sum(q * x)`` plus, for the types with a minimum, ``m * sum(x)`` from the
   activations' block sums, computed once per call. At a few rows this reads each weight
   byte once, so it runs at the speed the compressed bytes stream in, or the decoding keeps
   up with, whichever is slower. At one activation row (decode at batch 1) the 32-weight
@@ -74,7 +75,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
 from refengine.runtime import blas
-from refengine.runtime.numba_support import get_num_threads, parallel_kernel, prefetch, register_kernels
+from refengine.runtime.numba_support import X_BLOCK_BYTES, get_num_threads, parallel_kernel, prefetch, register_kernels
 
 #: From this many activation rows the product dequantizes tiles and multiplies with BLAS
 #: (prefill); below, the fused kernels (decode). Measured on SmolLM2's shapes (576 x 576,
@@ -550,6 +551,88 @@ def _decode32(kind, qs, qh, j, b):  # pragma: no cover - compiled
 
 
 @njit(inline="always")
+def _store_row(out, t, j, s, with_min, sm, so, xsf, nb):  # pragma: no cover - compiled
+    """``out[t, j] = s`` plus, for the types with a minimum, the minimum terms (:func:`_weighted_sum`)."""
+    if with_min:
+        s += _weighted_sum(sm, so, xsf, t * nb, nb)
+    out[t, j] = s
+
+
+@njit(inline="always")
+def _blocks32_many(kind, x, xs, d, m, qh, qs, out, j0, j1, sd, sm):  # pragma: no cover - compiled
+    """:func:`_blocks32_rows` for two rows or more: input rows in blocks of about
+    :data:`~refengine.runtime.numba_support.X_BLOCK_BYTES`, each block over all the task's
+    weight rows (which stay in cache) before the next (a prefill chunk is megabytes:
+    streaming all of it for every weight row made the loop wait on the outer caches); in a
+    block, groups of eight rows share each decoded block of weights, then groups of four
+    (a last group of 2-3 rows repeats its last row), then single rows. Every output is the
+    same sum whatever its group."""
+    rows, k = x.shape
+    nb = _U(d.shape[1])
+    kk = _U(k)
+    xf, xsf = x.reshape(-1), xs.reshape(-1)
+    with_min = kind == Q4_1 or kind == Q5_1
+    x_block = _U(max(8, X_BLOCK_BYTES // (4 * max(k, 1)) // 8 * 8))
+    for r0 in range(_U(0), _U(rows), x_block):
+        r1 = min(r0 + x_block, _U(rows))
+        eights = r0 + (r1 - r0) // _U(8) * _U(8)  # groups of eight rows first, then of four
+        fours = eights + (r1 - eights) // _U(4) * _U(4)
+        if r1 - fours >= _U(2):
+            fours = r1  # a last group of 2-3 rows runs as four (repeating its last row)
+        last = r1 - _U(1)
+        for j in range(_U(j0), _U(j1)):
+            jc = (j - _U(j0)) % _U(CHUNK_ROWS)
+            if jc == _U(0):
+                je = min(j + _U(CHUNK_ROWS), _U(j1))
+                _f16_plane_rows(d, j, je, sd)
+                if with_min:
+                    _f16_plane_rows(m, j, je, sm)
+            so = jc * nb  # this row's scales in sd, sm
+            for t0 in range(r0, eights, _U(8)):
+                a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = f8_zero()
+                a4 = b4 = a5 = b5 = a6 = b6 = a7 = b7 = f8_zero()
+                for b in range(nb):
+                    w0, w1, w2, w3 = _decode32(kind, qs, qh, j, b)
+                    c, db = b * _U(32), sd[so + b]
+                    a0, b0 = _block_dot(w0, w1, w2, w3, xf, t0 * kk + c, db, a0, b0)
+                    a1, b1 = _block_dot(w0, w1, w2, w3, xf, (t0 + _U(1)) * kk + c, db, a1, b1)
+                    a2, b2 = _block_dot(w0, w1, w2, w3, xf, (t0 + _U(2)) * kk + c, db, a2, b2)
+                    a3, b3 = _block_dot(w0, w1, w2, w3, xf, (t0 + _U(3)) * kk + c, db, a3, b3)
+                    a4, b4 = _block_dot(w0, w1, w2, w3, xf, (t0 + _U(4)) * kk + c, db, a4, b4)
+                    a5, b5 = _block_dot(w0, w1, w2, w3, xf, (t0 + _U(5)) * kk + c, db, a5, b5)
+                    a6, b6 = _block_dot(w0, w1, w2, w3, xf, (t0 + _U(6)) * kk + c, db, a6, b6)
+                    a7, b7 = _block_dot(w0, w1, w2, w3, xf, (t0 + _U(7)) * kk + c, db, a7, b7)
+                _store_row(out, t0, j, f8_sum(f8_add(a0, b0)), with_min, sm, so, xsf, nb)
+                _store_row(out, t0 + _U(1), j, f8_sum(f8_add(a1, b1)), with_min, sm, so, xsf, nb)
+                _store_row(out, t0 + _U(2), j, f8_sum(f8_add(a2, b2)), with_min, sm, so, xsf, nb)
+                _store_row(out, t0 + _U(3), j, f8_sum(f8_add(a3, b3)), with_min, sm, so, xsf, nb)
+                _store_row(out, t0 + _U(4), j, f8_sum(f8_add(a4, b4)), with_min, sm, so, xsf, nb)
+                _store_row(out, t0 + _U(5), j, f8_sum(f8_add(a5, b5)), with_min, sm, so, xsf, nb)
+                _store_row(out, t0 + _U(6), j, f8_sum(f8_add(a6, b6)), with_min, sm, so, xsf, nb)
+                _store_row(out, t0 + _U(7), j, f8_sum(f8_add(a7, b7)), with_min, sm, so, xsf, nb)
+            for t0 in range(eights, fours, _U(4)):
+                t1, t2, t3 = min(t0 + _U(1), last), min(t0 + _U(2), last), min(t0 + _U(3), last)
+                a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = f8_zero()
+                for b in range(nb):
+                    w0, w1, w2, w3 = _decode32(kind, qs, qh, j, b)
+                    c, db = b * _U(32), sd[so + b]
+                    a0, b0 = _block_dot(w0, w1, w2, w3, xf, t0 * kk + c, db, a0, b0)
+                    a1, b1 = _block_dot(w0, w1, w2, w3, xf, t1 * kk + c, db, a1, b1)
+                    a2, b2 = _block_dot(w0, w1, w2, w3, xf, t2 * kk + c, db, a2, b2)
+                    a3, b3 = _block_dot(w0, w1, w2, w3, xf, t3 * kk + c, db, a3, b3)
+                _store_row(out, t3, j, f8_sum(f8_add(a3, b3)), with_min, sm, so, xsf, nb)
+                _store_row(out, t2, j, f8_sum(f8_add(a2, b2)), with_min, sm, so, xsf, nb)
+                _store_row(out, t1, j, f8_sum(f8_add(a1, b1)), with_min, sm, so, xsf, nb)
+                _store_row(out, t0, j, f8_sum(f8_add(a0, b0)), with_min, sm, so, xsf, nb)
+            for t in range(fours, r1):
+                a0 = b0 = f8_zero()
+                for b in range(nb):
+                    w0, w1, w2, w3 = _decode32(kind, qs, qh, j, b)
+                    a0, b0 = _block_dot(w0, w1, w2, w3, xf, t * kk + b * _U(32), sd[so + b], a0, b0)
+                _store_row(out, t, j, f8_sum(f8_add(a0, b0)), with_min, sm, so, xsf, nb)
+
+
+@njit(inline="always")
 def _blocks32_rows(kind, x, xs, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
     """``out[:, j] = x @ w[j]`` for ``j0 <= j < j1``: the fused kernel of the 32-weight block
     types (the task of ``_q8_0_linear`` ... ``_q5_1_linear``; ``kind`` a constant).
@@ -558,8 +641,8 @@ def _blocks32_rows(kind, x, xs, d, m, qh, qs, out, j0, j1, scratch):  # pragma: 
     with a minimum); ``d``, ``m`` uint16 ``[N, K/32]`` (``m`` unused without a minimum);
     ``qh`` uint32 ``[N, K/32]`` (Q5 only); ``qs`` the quants plane; ``out`` float32
     ``[T, N]``; ``scratch`` float32 ``[>= 2 * (CHUNK_ROWS * K/32 + 8)]``: the scales (and
-    minimums) of :data:`CHUNK_ROWS` rows at a time. Activation rows four at a time (a last
-    group of two or three repeats its last row), a last single row on its own; a batch of
+    minimums) of :data:`CHUNK_ROWS` rows at a time. Two activation rows or more go through
+    :func:`_blocks32_many` (blocks of input rows; groups of eight, four, one); a batch of
     one row (decode at batch 1) in a loop of its own over two weight rows at a time, which
     computes each row's sums in the same order, so a row's result is the same bits
     whichever way it ran.
@@ -571,54 +654,12 @@ def _blocks32_rows(kind, x, xs, d, m, qh, qs, out, j0, j1, scratch):  # pragma: 
     half = _U(CHUNK_ROWS) * nb + _U(8)
     sd, sm = scratch[:half], scratch[half:]
     with_min = kind == Q4_1 or kind == Q5_1
-    fours = _U(rows) // _U(4) * _U(4)
-    if _U(rows) - fours >= _U(2):
-        fours = _U(rows)  # a last group of 2-3 rows runs as four (repeating its last row)
-    last = _U(rows - 1)
-    j_end = _U(j1) if _U(rows) > _U(1) else _U(j0)  # one row: only the pass below
-    for j in range(_U(j0), j_end):
-        jc = (j - _U(j0)) % _U(CHUNK_ROWS)
-        if jc == _U(0):
-            je = min(j + _U(CHUNK_ROWS), _U(j1))
-            _f16_plane_rows(d, j, je, sd)
-            if with_min:
-                _f16_plane_rows(m, j, je, sm)
-        so = jc * nb  # this row's scales in sd, sm
-        for t0 in range(_U(0), fours, _U(4)):
-            t1, t2, t3 = min(t0 + _U(1), last), min(t0 + _U(2), last), min(t0 + _U(3), last)
-            a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = f8_zero()
-            for b in range(nb):
-                w0, w1, w2, w3 = _decode32(kind, qs, qh, j, b)
-                c, db = b * _U(32), sd[so + b]
-                a0, b0 = _block_dot(w0, w1, w2, w3, xf, t0 * kk + c, db, a0, b0)
-                a1, b1 = _block_dot(w0, w1, w2, w3, xf, t1 * kk + c, db, a1, b1)
-                a2, b2 = _block_dot(w0, w1, w2, w3, xf, t2 * kk + c, db, a2, b2)
-                a3, b3 = _block_dot(w0, w1, w2, w3, xf, t3 * kk + c, db, a3, b3)
-            s0, s1 = f8_sum(f8_add(a0, b0)), f8_sum(f8_add(a1, b1))
-            s2, s3 = f8_sum(f8_add(a2, b2)), f8_sum(f8_add(a3, b3))
-            if with_min:
-                s0 += _weighted_sum(sm, so, xsf, t0 * nb, nb)
-                s1 += _weighted_sum(sm, so, xsf, t1 * nb, nb)
-                s2 += _weighted_sum(sm, so, xsf, t2 * nb, nb)
-                s3 += _weighted_sum(sm, so, xsf, t3 * nb, nb)
-            out[t3, j] = s3
-            out[t2, j] = s2
-            out[t1, j] = s1
-            out[t0, j] = s0
-        for t in range(fours, _U(rows)):
-            a0 = b0 = f8_zero()
-            for b in range(nb):
-                w0, w1, w2, w3 = _decode32(kind, qs, qh, j, b)
-                a0, b0 = _block_dot(w0, w1, w2, w3, xf, t * kk + b * _U(32), sd[so + b], a0, b0)
-            s0 = f8_sum(f8_add(a0, b0))
-            if with_min:
-                s0 += _weighted_sum(sm, so, xsf, t * nb, nb)
-            out[t, j] = s0
-    if _U(rows) != _U(1):
+    if _U(rows) > _U(1):
+        _blocks32_many(kind, x, xs, d, m, qh, qs, out, j0, j1, sd, sm)
         return
     # One activation row (decode at batch 1): weight rows two at a time, sharing the
     # activation loads; two rows' accumulators are four independent FMA chains (one row's two
-    # chains alone wait on the FMA latency). Each row's sums are the same as in the loop above.
+    # chains alone wait on the FMA latency). Each row's sums are the same as in _blocks32_many.
     t = _U(0)
     xo = t * kk
     qrow = _U(qs.shape[1])  # one row's quants, in bytes (one byte each)

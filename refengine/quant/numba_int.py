@@ -41,10 +41,10 @@ import sys
 import numpy as np
 from numba import carray, njit, prange
 
-from refengine.ops.numba_ops import LANES, X_BLOCK_BYTES, _U
+from refengine.ops.numba_ops import LANES, _U
 from refengine.quant.numba_gguf import f8_add, f8_load, f8_sum
 from refengine.runtime import blas
-from refengine.runtime.numba_support import get_num_threads, parallel_kernel, register_kernels, stack_f32
+from refengine.runtime.numba_support import X_BLOCK_BYTES, get_num_threads, parallel_kernel, register_kernels, stack_f32
 
 _FMA = {"contract"}
 
@@ -168,7 +168,7 @@ def _int8_rows_4x2(x, q, scales, out, j0, j1):  # pragma: no cover - compiled
 
     Blocked as a GEMM: blocks of :data:`W_BLOCK_BYTES` of weight rows are converted to
     float32 once each (not once per four input rows), and every block of about
-    :data:`~refengine.ops.numba_ops.X_BLOCK_BYTES` of input rows passes over the block, both
+    :data:`~refengine.runtime.numba_support.X_BLOCK_BYTES` of input rows passes over the block, both
     in L2:
     per 32 columns 16 FMAs on 12 loads, all float32 (no conversions in the loop),
     its partial sums in 16 AVX-512 registers (AVX2 code, with 16 registers, measured as fast). Each output is the same sum in the same order as there (lanes of 32 columns,

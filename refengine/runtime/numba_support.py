@@ -117,6 +117,11 @@ def prefetch(typingctx, array, index):
     return types.void(array, index), codegen
 
 
+#: Bytes of input rows a multi-row dot kernel keeps in cache while it passes over a task's
+#: weight rows (:func:`refengine.ops.numba_ops._dot_rows_4x4`, the int8 and GGUF block
+#: kernels): with those rows, well inside any L2 of 256 KB or more.
+X_BLOCK_BYTES = 96 * 1024
+
 _KERNEL_MODULES: list[ModuleType] = []
 
 
