@@ -895,38 +895,41 @@ def _k_rows(kind, x, xs, d, dmin, scales, qh, qs, out, j0, j1, scratch):  # prag
     kk = _U(k)
     xf, xsf = x.reshape(-1), xs.reshape(-1)
     sd, sm = scratch[:nsub + _U(8)], scratch[nsub + _U(8):]
-    fours = _U(rows) // _U(4) * _U(4)
-    if _U(rows) - fours >= _U(2):
-        fours = _U(rows)
-    last = _U(rows - 1)
-    for j in range(_U(j0), _U(j1)):
-        _k_sub_scales(d, dmin, scales, j, sd, sm)
-        for t0 in range(_U(0), fours, _U(4)):
-            t1, t2, t3 = min(t0 + _U(1), last), min(t0 + _U(2), last), min(t0 + _U(3), last)
-            a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = f8_zero()
-            for s2 in range(_U(0), nsub, _U(2)):
-                ev, od = _decode_k64(kind, qs, qh, j, s2 // _U(8), (s2 % _U(8)) // _U(2))
-                for h in range(_U(2)):
-                    w0, w1, w2, w3 = ev if h == 0 else od
-                    s = s2 + _U(h)
-                    c = s * _U(32)
-                    a0, b0 = _block_dot(w0, w1, w2, w3, xf, t0 * kk + c, sd[s], a0, b0)
-                    a1, b1 = _block_dot(w0, w1, w2, w3, xf, t1 * kk + c, sd[s], a1, b1)
-                    a2, b2 = _block_dot(w0, w1, w2, w3, xf, t2 * kk + c, sd[s], a2, b2)
-                    a3, b3 = _block_dot(w0, w1, w2, w3, xf, t3 * kk + c, sd[s], a3, b3)
-            out[t3, j] = f8_sum(f8_add(a3, b3)) + _weighted_sum(sm, 0, xsf, t3 * nsub, nsub)
-            out[t2, j] = f8_sum(f8_add(a2, b2)) + _weighted_sum(sm, 0, xsf, t2 * nsub, nsub)
-            out[t1, j] = f8_sum(f8_add(a1, b1)) + _weighted_sum(sm, 0, xsf, t1 * nsub, nsub)
-            out[t0, j] = f8_sum(f8_add(a0, b0)) + _weighted_sum(sm, 0, xsf, t0 * nsub, nsub)
-        for t in range(fours, _U(rows)):
-            a0 = b0 = f8_zero()
-            for s2 in range(_U(0), nsub, _U(2)):
-                ev, od = _decode_k64(kind, qs, qh, j, s2 // _U(8), (s2 % _U(8)) // _U(2))
-                for h in range(_U(2)):
-                    w0, w1, w2, w3 = ev if h == 0 else od
-                    s = s2 + _U(h)
-                    a0, b0 = _block_dot(w0, w1, w2, w3, xf, t * kk + s * _U(32), sd[s], a0, b0)
-            out[t, j] = f8_sum(f8_add(a0, b0)) + _weighted_sum(sm, 0, xsf, t * nsub, nsub)
+    x_block = _U(max(4, X_BLOCK_BYTES // (4 * max(k, 1)) // 4 * 4))
+    for r0 in range(_U(0), _U(rows), x_block):  # input rows in cache-sized blocks, as _blocks32_many
+        r1 = min(r0 + x_block, _U(rows))
+        fours = r0 + (r1 - r0) // _U(4) * _U(4)
+        if r1 - fours >= _U(2):
+            fours = r1
+        last = r1 - _U(1)
+        for j in range(_U(j0), _U(j1)):
+            _k_sub_scales(d, dmin, scales, j, sd, sm)
+            for t0 in range(r0, fours, _U(4)):
+                t1, t2, t3 = min(t0 + _U(1), last), min(t0 + _U(2), last), min(t0 + _U(3), last)
+                a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = f8_zero()
+                for s2 in range(_U(0), nsub, _U(2)):
+                    ev, od = _decode_k64(kind, qs, qh, j, s2 // _U(8), (s2 % _U(8)) // _U(2))
+                    for h in range(_U(2)):
+                        w0, w1, w2, w3 = ev if h == 0 else od
+                        s = s2 + _U(h)
+                        c = s * _U(32)
+                        a0, b0 = _block_dot(w0, w1, w2, w3, xf, t0 * kk + c, sd[s], a0, b0)
+                        a1, b1 = _block_dot(w0, w1, w2, w3, xf, t1 * kk + c, sd[s], a1, b1)
+                        a2, b2 = _block_dot(w0, w1, w2, w3, xf, t2 * kk + c, sd[s], a2, b2)
+                        a3, b3 = _block_dot(w0, w1, w2, w3, xf, t3 * kk + c, sd[s], a3, b3)
+                out[t3, j] = f8_sum(f8_add(a3, b3)) + _weighted_sum(sm, 0, xsf, t3 * nsub, nsub)
+                out[t2, j] = f8_sum(f8_add(a2, b2)) + _weighted_sum(sm, 0, xsf, t2 * nsub, nsub)
+                out[t1, j] = f8_sum(f8_add(a1, b1)) + _weighted_sum(sm, 0, xsf, t1 * nsub, nsub)
+                out[t0, j] = f8_sum(f8_add(a0, b0)) + _weighted_sum(sm, 0, xsf, t0 * nsub, nsub)
+            for t in range(fours, r1):
+                a0 = b0 = f8_zero()
+                for s2 in range(_U(0), nsub, _U(2)):
+                    ev, od = _decode_k64(kind, qs, qh, j, s2 // _U(8), (s2 % _U(8)) // _U(2))
+                    for h in range(_U(2)):
+                        w0, w1, w2, w3 = ev if h == 0 else od
+                        s = s2 + _U(h)
+                        a0, b0 = _block_dot(w0, w1, w2, w3, xf, t * kk + s * _U(32), sd[s], a0, b0)
+                out[t, j] = f8_sum(f8_add(a0, b0)) + _weighted_sum(sm, 0, xsf, t * nsub, nsub)
 
 
 @njit(inline="always")
@@ -1053,40 +1056,43 @@ def _q6_k_rows(x, d, ql, qh, scales, out, j0, j1, scratch):  # pragma: no cover 
     nb = _U(d.shape[1])
     kk = _U(k)
     xf = x.reshape(-1)
-    fours = _U(rows) // _U(4) * _U(4)
-    if _U(rows) - fours >= _U(2):
-        fours = _U(rows)
-    last = _U(rows - 1)
-    for j in range(_U(j0), _U(j1)):
-        _q6_scales(d, scales, j, scratch)
-        for t0 in range(_U(0), fours, _U(4)):
-            t1, t2, t3 = min(t0 + _U(1), last), min(t0 + _U(2), last), min(t0 + _U(3), last)
-            a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = f8_zero()
-            for q in range(nb * _U(8)):  # quarters of 32 weights: superblock i, half, k
-                i, half, kq = q // _U(8), (q // _U(4)) % _U(2), q % _U(4)
-                w0, w1, w2, w3 = _decode_q6_32(ql, qh, j, i, half, kq)
-                c, g = q * _U(32), q * _U(2)
-                a0, b0 = _group_dot(w0, w1, xf, t0 * kk + c, scratch[g], a0, b0)
-                a0, b0 = _group_dot(w2, w3, xf, t0 * kk + c + _U(16), scratch[g + _U(1)], a0, b0)
-                a1, b1 = _group_dot(w0, w1, xf, t1 * kk + c, scratch[g], a1, b1)
-                a1, b1 = _group_dot(w2, w3, xf, t1 * kk + c + _U(16), scratch[g + _U(1)], a1, b1)
-                a2, b2 = _group_dot(w0, w1, xf, t2 * kk + c, scratch[g], a2, b2)
-                a2, b2 = _group_dot(w2, w3, xf, t2 * kk + c + _U(16), scratch[g + _U(1)], a2, b2)
-                a3, b3 = _group_dot(w0, w1, xf, t3 * kk + c, scratch[g], a3, b3)
-                a3, b3 = _group_dot(w2, w3, xf, t3 * kk + c + _U(16), scratch[g + _U(1)], a3, b3)
-            out[t3, j] = f8_sum(f8_add(a3, b3))
-            out[t2, j] = f8_sum(f8_add(a2, b2))
-            out[t1, j] = f8_sum(f8_add(a1, b1))
-            out[t0, j] = f8_sum(f8_add(a0, b0))
-        for t in range(fours, _U(rows)):
-            a0 = b0 = f8_zero()
-            for q in range(nb * _U(8)):
-                i, half, kq = q // _U(8), (q // _U(4)) % _U(2), q % _U(4)
-                w0, w1, w2, w3 = _decode_q6_32(ql, qh, j, i, half, kq)
-                c, g = q * _U(32), q * _U(2)
-                a0, b0 = _group_dot(w0, w1, xf, t * kk + c, scratch[g], a0, b0)
-                a0, b0 = _group_dot(w2, w3, xf, t * kk + c + _U(16), scratch[g + _U(1)], a0, b0)
-            out[t, j] = f8_sum(f8_add(a0, b0))
+    x_block = _U(max(4, X_BLOCK_BYTES // (4 * max(k, 1)) // 4 * 4))
+    for r0 in range(_U(0), _U(rows), x_block):  # input rows in cache-sized blocks, as _blocks32_many
+        r1 = min(r0 + x_block, _U(rows))
+        fours = r0 + (r1 - r0) // _U(4) * _U(4)
+        if r1 - fours >= _U(2):
+            fours = r1
+        last = r1 - _U(1)
+        for j in range(_U(j0), _U(j1)):
+            _q6_scales(d, scales, j, scratch)
+            for t0 in range(r0, fours, _U(4)):
+                t1, t2, t3 = min(t0 + _U(1), last), min(t0 + _U(2), last), min(t0 + _U(3), last)
+                a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = f8_zero()
+                for q in range(nb * _U(8)):  # quarters of 32 weights: superblock i, half, k
+                    i, half, kq = q // _U(8), (q // _U(4)) % _U(2), q % _U(4)
+                    w0, w1, w2, w3 = _decode_q6_32(ql, qh, j, i, half, kq)
+                    c, g = q * _U(32), q * _U(2)
+                    a0, b0 = _group_dot(w0, w1, xf, t0 * kk + c, scratch[g], a0, b0)
+                    a0, b0 = _group_dot(w2, w3, xf, t0 * kk + c + _U(16), scratch[g + _U(1)], a0, b0)
+                    a1, b1 = _group_dot(w0, w1, xf, t1 * kk + c, scratch[g], a1, b1)
+                    a1, b1 = _group_dot(w2, w3, xf, t1 * kk + c + _U(16), scratch[g + _U(1)], a1, b1)
+                    a2, b2 = _group_dot(w0, w1, xf, t2 * kk + c, scratch[g], a2, b2)
+                    a2, b2 = _group_dot(w2, w3, xf, t2 * kk + c + _U(16), scratch[g + _U(1)], a2, b2)
+                    a3, b3 = _group_dot(w0, w1, xf, t3 * kk + c, scratch[g], a3, b3)
+                    a3, b3 = _group_dot(w2, w3, xf, t3 * kk + c + _U(16), scratch[g + _U(1)], a3, b3)
+                out[t3, j] = f8_sum(f8_add(a3, b3))
+                out[t2, j] = f8_sum(f8_add(a2, b2))
+                out[t1, j] = f8_sum(f8_add(a1, b1))
+                out[t0, j] = f8_sum(f8_add(a0, b0))
+            for t in range(fours, r1):
+                a0 = b0 = f8_zero()
+                for q in range(nb * _U(8)):
+                    i, half, kq = q // _U(8), (q // _U(4)) % _U(2), q % _U(4)
+                    w0, w1, w2, w3 = _decode_q6_32(ql, qh, j, i, half, kq)
+                    c, g = q * _U(32), q * _U(2)
+                    a0, b0 = _group_dot(w0, w1, xf, t * kk + c, scratch[g], a0, b0)
+                    a0, b0 = _group_dot(w2, w3, xf, t * kk + c + _U(16), scratch[g + _U(1)], a0, b0)
+                out[t, j] = f8_sum(f8_add(a0, b0))
 
 
 @parallel_kernel()
