@@ -34,8 +34,8 @@ logger = logging.getLogger("refengine")
 DEFAULT_MODEL = "weights/SmolLM2-135M-Instruct"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEVICES = ("cpu", "cuda", "auto")
-#: ``--dtype`` choices; bfloat16 is ``ml_dtypes.bfloat16``, imported only when asked for (it costs
-#: ~0.7 s and ~8 MB of memory at start-up).
+#: ``--dtype`` choices; bfloat16 is ``ml_dtypes.bfloat16``, imported only when asked for (not
+#: every engine's start-up).
 DTYPES = ("float32", "float16", "bfloat16")
 # Which attention backends run on which device, and the layer operations that go with them.
 BACKENDS = {"numpy": "cpu", "numba": "cpu", "cuda-emulated": "cpu", "cuda": "cuda"}

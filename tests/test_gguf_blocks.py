@@ -238,6 +238,24 @@ def test_product_paths_and_threads(weights, name):
         blas.set_threads(before[1])
 
 
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("extra", [1, 2, 5, 7])
+def test_fused_rows_do_not_depend_on_the_batch_across_input_blocks(weights, name, extra):
+    """Batch-invariant products run the fused kernels at every row count, taking the input
+    rows in cache-sized blocks and, in a block, in groups of eight (32-weight types), four
+    and one: past the first block, with a last block of 1, 2, 5 or 7 rows, each row alone
+    gives its bits in the batch."""
+    from refengine.runtime.numba_support import x_block_rows
+
+    w = weights[name, 7][0]
+    block = int(x_block_rows(w.shape[1], 8 if name[-1] != "K" else 4))
+    x = np.random.default_rng(extra).standard_normal((block + extra, w.shape[1])).astype(np.float32)
+    batch = w.numba_linear(x, batch_invariant=True)
+    for i in sorted({0, 1, block - 1, block, block + extra - 1}):
+        alone = w.numba_linear(x[i:i + 1], batch_invariant=True)
+        assert np.array_equal(bits(alone), bits(batch[i:i + 1])), f"{name} T={block + extra} row {i}"
+
+
 def test_smollm2_gguf_tensors(gguf_path):
     """The real file: its Q8_0 embedding (tied lm_head) and a layer's Q4_1 matrices as stored,
     against gguf-py, and their products against the NumPy twin."""

@@ -46,10 +46,9 @@ import numpy as np
 from numba import carray, njit, prange
 
 from refengine.quant import StackedWeight, is_quantized, reference_linear
-from refengine.quant.numba_gguf import f8_add, f8_load, f8_sum
 from refengine.runtime import blas
-from refengine.runtime.numba_support import (X_BLOCK_BYTES, ParallelKernel, get_num_threads, parallel_kernel, prefetch,
-                                             register_kernels, stack_f32)
+from refengine.runtime.numba_support import (ParallelKernel, get_num_threads, parallel_kernel, prefetch,
+                                             register_kernels, stack_f32, x_block_rows)
 
 
 #: From this many rows ``linear`` hands the product to BLAS, and the step gives BLAS the
@@ -132,12 +131,14 @@ def _lanes():  # pragma: no cover - compiled
 
 @njit(fastmath=_FMA, inline="always")
 def _fold(acc):  # pragma: no cover - compiled
-    """The sum of the ``LANES`` partial sums in a fixed tree: halves added lane-wise (16 -> 8 -> 4 -> 2 -> 1).
-
-    In vector registers (:func:`~refengine.quant.numba_gguf.f8_sum` sums eight lanes in the
-    same tree): a loop over the lanes of a stack array became ~30 scalar adds and extracts
-    per output, a third of a prefill tile's time."""
-    return f8_sum(f8_add(f8_load(acc, _U(0)), f8_load(acc, _U(8))))
+    """The sum of the ``LANES`` partial sums in a fixed tree: halves added lane-wise (16 -> 8 -> 4 -> 2 -> 1)."""
+    for lane in range(_U(8)):
+        acc[lane] += acc[lane + _U(8)]
+    for lane in range(_U(4)):
+        acc[lane] += acc[lane + _U(4)]
+    for lane in range(_U(2)):
+        acc[lane] += acc[lane + _U(2)]
+    return acc[0] + acc[1]
 
 
 @njit(fastmath=_FMA, inline="always")
@@ -203,7 +204,8 @@ def _dot_rows_4x4(x, wt, out, j0, j1):  # pragma: no cover - compiled
     pass only, or a tile two ahead; ``refengine bench kernels --sections linear``).
     A last ``(j1 - j0) % 4`` weight rows go through :func:`_dot_rows_4x1`.
 
-    The input rows are taken in blocks of about :data:`X_BLOCK_BYTES` (a multiple of four
+    The input rows are taken in blocks of about
+    :data:`~refengine.runtime.numba_support.X_BLOCK_BYTES` (a multiple of four
     rows), each block over all the task's weight rows before the next: a long prefill chunk
     is megabytes, and streaming all of it from the outer caches for every four weight rows
     made the tile wait on memory. A block and the task's weight rows stay in L2. Blocking
@@ -212,7 +214,7 @@ def _dot_rows_4x4(x, wt, out, j0, j1):  # pragma: no cover - compiled
     rows, k_dim = x.shape
     k_lanes = _U(k_dim // LANES * LANES)
     j4 = _U(j0) + _U(j1 - j0) // _U(4) * _U(4)
-    x_block = _U(max(4, X_BLOCK_BYTES // (4 * max(k_dim, 1)) // 4 * 4))
+    x_block = x_block_rows(k_dim, 4)
     a0, a1, a2, a3 = _lanes(), _lanes(), _lanes(), _lanes()
     b0, b1, b2, b3 = _lanes(), _lanes(), _lanes(), _lanes()
     c0, c1, c2, c3 = _lanes(), _lanes(), _lanes(), _lanes()

@@ -8,15 +8,16 @@ block by block, never the whole matrix (:class:`refengine.quant.gguf_blocks.GGUF
   :func:`_half_rows` for F16 and BF16). Tasks own consecutive output rows (in parallel,
   ``prange``); per output row the kernel walks the row's blocks, decodes each block's
   quants into float32 vector registers and multiplies them with the activation rows, one
-  or four at a time (four share each decoded block; the 32-weight block types also eight,
-  and take the input rows in cache-sized blocks, each over all of a task's weight rows),
-  folding the block's scale in once per block: ``d * sum(q * x)`` plus, for the types with a minimum, ``m * sum(x)`` from the
-  activations' block sums, computed once per call. At a few rows this reads each weight
-  byte once, so it runs at the speed the compressed bytes stream in, or the decoding keeps
-  up with, whichever is slower. At one activation row (decode at batch 1) the 32-weight
-  block kernels take two weight rows per pass instead (four FMA chains rather than two,
-  one load of each activation vector for both) and prefetch their quants
-  :data:`PREFETCH_BYTES` ahead; each row's sums are computed in the same order as in a batch.
+  or four at a time (four share each decoded block; the 32-weight block types also eight),
+  the input rows in cache-sized blocks, each over all of a task's weight rows, folding
+  the block's scale in once per block: ``d * sum(q * x)`` plus, for the types with a
+  minimum, ``m * sum(x)`` from the activations' block sums, computed once per call.
+  At a few rows this reads each weight byte once, so it runs at the speed the compressed
+  bytes stream in, or the decoding keeps up with, whichever is slower. At one activation
+  row (decode at batch 1) the 32-weight block kernels take two weight rows per pass
+  instead (four FMA chains rather than two, one load of each activation vector for both)
+  and prefetch their quants :data:`PREFETCH_BYTES` ahead; each row's sums are computed in
+  the same order as in a batch.
 * **Many rows (prefill)**, from :data:`PREFILL_MIN_ROWS` rows: each of refengine's BLAS
   threads (:mod:`refengine.runtime.blas`) dequantizes tiles of :data:`TILE_BYTES` worth of
   weight rows into a float32 buffer of its own and multiplies ``x @ tile.T`` with
@@ -75,7 +76,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
 from refengine.runtime import blas
-from refengine.runtime.numba_support import X_BLOCK_BYTES, get_num_threads, parallel_kernel, prefetch, register_kernels
+from refengine.runtime.numba_support import get_num_threads, parallel_kernel, prefetch, register_kernels, x_block_rows
 
 #: From this many activation rows the product dequantizes tiles and multiplies with BLAS
 #: (prefill); below, the fused kernels (decode). Measured on SmolLM2's shapes (576 x 576,
@@ -551,6 +552,29 @@ def _decode32(kind, qs, qh, j, b):  # pragma: no cover - compiled
 
 
 @njit(inline="always")
+def _fours_end(start, r1):  # pragma: no cover - compiled
+    """Where the groups of four rows from ``start`` end in a block ending at ``r1`` (a last
+    group of 2-3 rows counts as four, repeating its last row), and that last row."""
+    fours = start + (r1 - start) // _U(4) * _U(4)
+    if r1 - fours >= _U(2):
+        fours = r1
+    return fours, r1 - _U(1)
+
+
+@njit(inline="always")
+def _chunk_scales(d, m, j, j0, j1, sd, sm, with_min, nb):  # pragma: no cover - compiled
+    """Row ``j``'s offset into ``sd``, ``sm``; where ``j`` starts a chunk of :data:`CHUNK_ROWS`
+    rows (counted from ``j0``), the chunk's f16 scales (and minimums) decoded there first."""
+    jc = (_U(j) - _U(j0)) % _U(CHUNK_ROWS)
+    if jc == _U(0):
+        je = min(_U(j) + _U(CHUNK_ROWS), _U(j1))
+        _f16_plane_rows(d, j, je, sd)
+        if with_min:
+            _f16_plane_rows(m, j, je, sm)
+    return jc * nb
+
+
+@njit(inline="always")
 def _store_row(out, t, j, s, with_min, sm, so, xsf, nb):  # pragma: no cover - compiled
     """``out[t, j] = s`` plus, for the types with a minimum, the minimum terms (:func:`_weighted_sum`)."""
     if with_min:
@@ -572,22 +596,13 @@ def _blocks32_many(kind, x, xs, d, m, qh, qs, out, j0, j1, sd, sm):  # pragma: n
     kk = _U(k)
     xf, xsf = x.reshape(-1), xs.reshape(-1)
     with_min = kind == Q4_1 or kind == Q5_1
-    x_block = _U(max(8, X_BLOCK_BYTES // (4 * max(k, 1)) // 8 * 8))
+    x_block = x_block_rows(k, 8)
     for r0 in range(_U(0), _U(rows), x_block):
         r1 = min(r0 + x_block, _U(rows))
         eights = r0 + (r1 - r0) // _U(8) * _U(8)  # groups of eight rows first, then of four
-        fours = eights + (r1 - eights) // _U(4) * _U(4)
-        if r1 - fours >= _U(2):
-            fours = r1  # a last group of 2-3 rows runs as four (repeating its last row)
-        last = r1 - _U(1)
+        fours, last = _fours_end(eights, r1)
         for j in range(_U(j0), _U(j1)):
-            jc = (j - _U(j0)) % _U(CHUNK_ROWS)
-            if jc == _U(0):
-                je = min(j + _U(CHUNK_ROWS), _U(j1))
-                _f16_plane_rows(d, j, je, sd)
-                if with_min:
-                    _f16_plane_rows(m, j, je, sm)
-            so = jc * nb  # this row's scales in sd, sm
+            so = _chunk_scales(d, m, j, j0, j1, sd, sm, with_min, nb)  # this row's scales in sd, sm
             for t0 in range(r0, eights, _U(8)):
                 a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = f8_zero()
                 a4 = b4 = a5 = b5 = a6 = b6 = a7 = b7 = f8_zero()
@@ -654,8 +669,9 @@ def _blocks32_rows(kind, x, xs, d, m, qh, qs, out, j0, j1, scratch):  # pragma: 
     half = _U(CHUNK_ROWS) * nb + _U(8)
     sd, sm = scratch[:half], scratch[half:]
     with_min = kind == Q4_1 or kind == Q5_1
-    if _U(rows) > _U(1):
-        _blocks32_many(kind, x, xs, d, m, qh, qs, out, j0, j1, sd, sm)
+    if _U(rows) != _U(1):
+        if _U(rows) > _U(1):
+            _blocks32_many(kind, x, xs, d, m, qh, qs, out, j0, j1, sd, sm)
         return
     # One activation row (decode at batch 1): weight rows two at a time, sharing the
     # activation loads; two rows' accumulators are four independent FMA chains (one row's two
@@ -664,13 +680,7 @@ def _blocks32_rows(kind, x, xs, d, m, qh, qs, out, j0, j1, scratch):  # pragma: 
     xo = t * kk
     qrow = _U(qs.shape[1])  # one row's quants, in bytes (one byte each)
     for j in range(_U(j0), _U(j1), _U(2)):
-        jc = (j - _U(j0)) % _U(CHUNK_ROWS)
-        if jc == _U(0):
-            je = min(j + _U(CHUNK_ROWS), _U(j1))
-            _f16_plane_rows(d, j, je, sd)
-            if with_min:
-                _f16_plane_rows(m, j, je, sm)
-        so = jc * nb
+        so = _chunk_scales(d, m, j, j0, j1, sd, sm, with_min, nb)
         # Two rows are two interleaved streams whose jumps from row to row the hardware
         # prefetcher does not follow: fetch the quants PREFETCH_BYTES ahead of this pair.
         ahead = j * qrow + _U(PREFETCH_BYTES)
@@ -887,21 +897,20 @@ def _decode_k64(kind, qs, qh, j, i, c):  # pragma: no cover - compiled
 @njit(inline="always")
 def _k_rows(kind, x, xs, d, dmin, scales, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
     """``out[:, j] = x @ w[j]`` for ``j0 <= j < j1``, Q4_K or Q5_K (the task of
-    ``_q4_k_linear``/``_q5_k_linear``; ``kind`` a constant): as :func:`_blocks32_rows` over
-    the sub-blocks of 32, their scales ``d * sc`` and minimums ``-dmin * m`` decoded per row
-    into ``scratch`` (float32 ``[>= 2 * (K/32 + 8)]``); ``xs`` the activations' 32-weight sums."""
+    ``_q4_k_linear``/``_q5_k_linear``; ``kind`` a constant): the sums of
+    :func:`_blocks32_rows` over the sub-blocks of 32, their scales ``d * sc`` and minimums
+    ``-dmin * m`` decoded per row into ``scratch`` (float32 ``[>= 2 * (K/32 + 8)]``); ``xs``
+    the activations' 32-weight sums. Input rows in cache-sized blocks, four at a time (a
+    last group of 2-3 repeats its last row), then single rows."""
     rows, k = x.shape
     nsub = _U(d.shape[1]) * _U(8)
     kk = _U(k)
     xf, xsf = x.reshape(-1), xs.reshape(-1)
     sd, sm = scratch[:nsub + _U(8)], scratch[nsub + _U(8):]
-    x_block = _U(max(4, X_BLOCK_BYTES // (4 * max(k, 1)) // 4 * 4))
+    x_block = x_block_rows(k, 4)
     for r0 in range(_U(0), _U(rows), x_block):  # input rows in cache-sized blocks, as _blocks32_many
         r1 = min(r0 + x_block, _U(rows))
-        fours = r0 + (r1 - r0) // _U(4) * _U(4)
-        if r1 - fours >= _U(2):
-            fours = r1
-        last = r1 - _U(1)
+        fours, last = _fours_end(r0, r1)
         for j in range(_U(j0), _U(j1)):
             _k_sub_scales(d, dmin, scales, j, sd, sm)
             for t0 in range(r0, fours, _U(4)):
@@ -1051,18 +1060,16 @@ def _group_dot(w0, w1, x, xo, d, acc_a, acc_b):  # pragma: no cover - compiled
 def _q6_k_rows(x, d, ql, qh, scales, out, j0, j1, scratch):  # pragma: no cover - compiled
     """``out[:, j] = x @ w[j]`` for ``j0 <= j < j1``, Q6_K (one task of :func:`_q6_k_linear`):
     per 16-weight group ``acc = fma(d * sc, q * x, acc)`` on two eight-lane accumulators;
-    activation rows four at a time as :func:`_blocks32_rows`. ``scratch``: float32 ``[>= K/16]``."""
+    input rows in cache-sized blocks, four at a time (a last group of 2-3 repeats its last
+    row), then single rows. ``scratch``: float32 ``[>= K/16]``."""
     rows, k = x.shape
     nb = _U(d.shape[1])
     kk = _U(k)
     xf = x.reshape(-1)
-    x_block = _U(max(4, X_BLOCK_BYTES // (4 * max(k, 1)) // 4 * 4))
+    x_block = x_block_rows(k, 4)
     for r0 in range(_U(0), _U(rows), x_block):  # input rows in cache-sized blocks, as _blocks32_many
         r1 = min(r0 + x_block, _U(rows))
-        fours = r0 + (r1 - r0) // _U(4) * _U(4)
-        if r1 - fours >= _U(2):
-            fours = r1
-        last = r1 - _U(1)
+        fours, last = _fours_end(r0, r1)
         for j in range(_U(j0), _U(j1)):
             _q6_scales(d, scales, j, scratch)
             for t0 in range(r0, fours, _U(4)):
@@ -1147,7 +1154,8 @@ def _half_rows(kind, x, bits, out, j0, j1):  # pragma: no cover - compiled
     """``out[:, j] = x @ w[j]`` for ``j0 <= j < j1``, F16 or BF16 ``bits`` uint16 ``[N, K]``
     (the task of ``_f16_linear``/``_bf16_linear``; ``kind`` a constant): sixteen weights at
     a time into two eight-lane FMA accumulators, :func:`f8_sum`, then the last ``K % 16``
-    products in order. Activation rows four at a time as :func:`_blocks32_rows`."""
+    products in order. Activation rows four at a time (a last group of 2-3 repeats its last
+    row), then single rows."""
     rows, k = x.shape
     kk = _U(k)
     k16 = kk // _U(16) * _U(16)

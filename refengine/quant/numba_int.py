@@ -3,8 +3,9 @@
 
 Two paths, picked by the number of rows ``T``:
 
-* **Few rows (decode), the dot kernels** :func:`_int8_rows` and :func:`_int4_rows`: at a
-  few rows the product is bound by reading the weights from memory, and int8 / int4
+* **Few rows (decode; int8 up to :data:`INT8_BLAS_MIN_ROWS`), the dot kernels**
+  :func:`_int8_rows` and :func:`_int4_rows`: at a few rows the product is bound by reading
+  the weights from memory, and int8 / int4
   read a quarter / an eighth of float32's bytes. One weight row is streamed at a time,
   32 columns a step: the stored integers are widened and converted to float32 in
   registers (``vpmovsxbd``/``vpmovzxbd`` + ``vcvtdq2ps``) and multiplied into
@@ -20,10 +21,10 @@ Two paths, picked by the number of rows ``T``:
   :func:`refengine.ops.numba_ops._matmul_dot`.
 * **Many rows (prefill), dequantized tiles on BLAS**: from :data:`INT8_BLAS_MIN_ROWS` /
   :data:`INT4_BLAS_MIN_ROWS` rows the product is bound by arithmetic, where BLAS's GEMM
-  beats any dot kernel: tiles of :data:`TILE_BYTES` of weight rows are dequantized to float32
-  and multiplied by ``x @ tile.T``. int8: each of refengine's BLAS threads dequantizes and
-  multiplies its own tiles (:func:`int8_linear`); int4: tiles dequantized in parallel, then
-  :func:`refengine.runtime.blas.matmul`.
+  beats the dot kernels (with ``batch_invariant=False``): tiles of :data:`TILE_BYTES` of
+  weight rows are dequantized to float32 and multiplied by ``x @ tile.T``. int8: each of
+  refengine's BLAS threads dequantizes and multiplies its own tiles (:func:`int8_linear`);
+  int4: tiles dequantized in parallel, then :func:`refengine.runtime.blas.matmul`.
   The thresholds were measured on the SmolLM2-135M shapes, dot kernel against the tile
   path (``docs/quantization.md``).
 
@@ -44,7 +45,7 @@ from numba import carray, njit, prange
 from refengine.ops.numba_ops import LANES, _U
 from refengine.quant.numba_gguf import f8_add, f8_load, f8_sum
 from refengine.runtime import blas
-from refengine.runtime.numba_support import X_BLOCK_BYTES, get_num_threads, parallel_kernel, register_kernels, stack_f32
+from refengine.runtime.numba_support import get_num_threads, parallel_kernel, register_kernels, stack_f32, x_block_rows
 
 _FMA = {"contract"}
 
@@ -97,8 +98,10 @@ def _zero32(acc):  # pragma: no cover - compiled
 
 @njit(fastmath=_FMA, inline="always")
 def _fold32(acc):  # pragma: no cover - compiled
-    """The sum of the 32 partial sums in a fixed tree: the halves added lane-wise, then
-    :func:`~refengine.ops.numba_ops._fold` (in vector registers, as there)."""
+    """The sum of the 32 partial sums in a fixed tree: the halves added lane-wise, then the
+    tree of :func:`~refengine.ops.numba_ops._fold`, in vector registers (:func:`f8_sum` sums
+    eight lanes in that tree): LLVM compiled the loops over the stack array into ~30 scalar
+    adds and extracts per output."""
     lo = f8_add(f8_load(acc, _U(0)), f8_load(acc, _U(16)))
     hi = f8_add(f8_load(acc, _U(8)), f8_load(acc, _U(24)))
     return f8_sum(f8_add(lo, hi))
@@ -163,20 +166,21 @@ def _int8_store(x, q, out, t, j, k32, acc, s):  # pragma: no cover - compiled
 @njit(cache=True, fastmath=_FMA)
 def _int8_rows_4x2(x, q, scales, out, j0, j1):  # pragma: no cover - compiled
     """:func:`_int8_rows` for ``x`` of :data:`INT8_TILE_MIN_ROWS` rows or more (prefill
-    chunks), in tiles of four input rows by two weight rows (a last group of rows repeats its last row; an odd last
-    weight row pairs with itself).
+    chunks), in tiles of four input rows by two weight rows (a last group of rows repeats
+    its last row; an odd last weight row pairs with itself).
 
     Blocked as a GEMM: blocks of :data:`W_BLOCK_BYTES` of weight rows are converted to
     float32 once each (not once per four input rows), and every block of about
-    :data:`~refengine.runtime.numba_support.X_BLOCK_BYTES` of input rows passes over the block, both
-    in L2:
-    per 32 columns 16 FMAs on 12 loads, all float32 (no conversions in the loop),
-    its partial sums in 16 AVX-512 registers (AVX2 code, with 16 registers, measured as fast). Each output is the same sum in the same order as there (lanes of 32 columns,
-    :func:`_fold32`, the tail, the scale), so a row's result does not depend on its batch.
+    :data:`~refengine.runtime.numba_support.X_BLOCK_BYTES` of input rows passes over the
+    block, both in L2. With AVX-512, per 32 columns: 16 FMAs on 12 loads, all float32 (no
+    conversions in the loop), the partial sums in 16 of its 32 registers (AVX2 code, with
+    16 registers, spills some: the same results). Each output is the same sum in the same order as in the pair loop
+    (lanes of 32 columns, :func:`_fold32`, the tail, the scale), so a row's result does not
+    depend on its batch.
     """
     rows, k_dim = x.shape
     k32 = _U(k_dim // LANES32 * LANES32)
-    x_block = _U(max(4, X_BLOCK_BYTES // (4 * max(k_dim, 1)) // 4 * 4))
+    x_block = x_block_rows(k_dim, 4)
     acc = (_lanes32(), _lanes32(), _lanes32(), _lanes32(), _lanes32(), _lanes32(), _lanes32(), _lanes32())
     w_block = _U(max(2, W_BLOCK_BYTES // (4 * max(k32, 1)) // 2 * 2))
     wf = np.empty(w_block * k32, dtype=np.float32)

@@ -122,6 +122,13 @@ def prefetch(typingctx, array, index):
 #: kernels): with those rows, well inside any L2 of 256 KB or more.
 X_BLOCK_BYTES = 96 * 1024
 
+
+@njit(inline="always")
+def x_block_rows(k, multiple):  # pragma: no cover - compiled
+    """Input rows of ``k`` float32 columns per block of :data:`X_BLOCK_BYTES`, rounded down
+    to a multiple of ``multiple`` (at least one ``multiple``), as an unsigned integer."""
+    return np.uintp(max(multiple, X_BLOCK_BYTES // (4 * max(k, 1)) // multiple * multiple))
+
 _KERNEL_MODULES: list[ModuleType] = []
 
 
