@@ -31,7 +31,12 @@ use two small vector types of eight lanes, :data:`f32x8` and :data:`i32x8` (one 
 register; LLVM's ``<8 x float>``/``<8 x i32>``), and intrinsics for their loads, integer
 decoding, conversions and fused multiply-adds. That fixes the machine code whatever LLVM's
 unrolling heuristics decide: ``vpmovzxbd`` loads of quants, ``vcvtdq2ps``, ``vfmadd231ps``
-on ``ymm`` registers, the accumulators in registers.
+on ``ymm`` registers, the accumulators in registers. The 32-weight block types use two
+vector types of sixteen lanes, :data:`f32x16` and :data:`i32x16`, instead: a block is two
+of them (weights 0-15 and 16-31), half the instructions per block (``zmm`` registers on an
+AVX-512 CPU; LLVM splits them into ``ymm`` pairs elsewhere). Lane ``l`` of a sixteen-lane
+partial product is lane ``l % 8`` of the eight-lane pair described below, so the sums are
+the same bits either way.
 
 Why one compiled function per type (``_q4_1_rows``, ``_q4_1_linear``, ``_q4_1_dequant``
 ...): the family's code is written once (``_blocks32_rows(kind, ...)``, inlined) and each
@@ -371,6 +376,221 @@ def i8_to_f8(typingctx, v):
     return f32x8(v), codegen
 
 
+# ---------------------------------------------------------------------------------------
+# Sixteen-lane vectors (one AVX-512 ``zmm`` register; two ``ymm`` where LLVM splits them):
+# the 32-weight block kernels hold a block as two of them, weights 0-15 and 16-31. Lane
+# ``l`` of a sixteen-lane sum is lane ``l % 8`` of the eight-lane pair it replaces (weights
+# 0-7 with 16-23, 8-15 with 24-31), so the sums are the same bits (:func:`v16_halves`).
+
+_F16L = ir.VectorType(ir.FloatType(), 16)
+_I16L = ir.VectorType(ir.IntType(32), 16)
+
+
+class _F32x16(types.Type):
+    def __init__(self):
+        super().__init__(name="f32x16")
+
+
+class _I32x16(types.Type):
+    def __init__(self):
+        super().__init__(name="i32x16")
+
+
+#: Sixteen float32 lanes (LLVM ``<16 x float>``).
+f32x16 = _F32x16()
+#: Sixteen int32 lanes (LLVM ``<16 x i32>``).
+i32x16 = _I32x16()
+
+
+@register_model(_F32x16)
+class _F32x16Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _F16L)
+
+
+@register_model(_I32x16)
+class _I32x16Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _I16L)
+
+
+@intrinsic
+def v16_zero(typingctx):
+    """Sixteen float32 zeros."""
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_F16L, None)
+
+    return f32x16(), codegen
+
+
+@intrinsic
+def v16_splat(typingctx, value):
+    """``value`` (a float) in all sixteen lanes."""
+    if not isinstance(value, types.Float):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _splat(builder, context.cast(builder, args[0], sig.args[0], types.float32), _F16L)
+
+    return f32x16(value), codegen
+
+
+@intrinsic
+def v16_load(typingctx, arr, idx):
+    """Elements ``idx .. idx + 15`` (flat) of a C-contiguous float32 array. Not bounds-checked."""
+    if not (_is_c_array(arr, types.float32) and isinstance(idx, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _F16L), align=4)
+
+    return f32x16(arr, idx), codegen
+
+
+@intrinsic
+def v16_store(typingctx, arr, idx, v):
+    """Write ``v`` to elements ``idx .. idx + 15`` (flat) of a C-contiguous float32 array. Not bounds-checked."""
+    if not (_is_c_array(arr, types.float32) and isinstance(idx, types.Integer) and v == f32x16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        builder.store(args[2], _vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _F16L), align=4)
+        return context.get_dummy_value()
+
+    return types.void(arr, idx, v), codegen
+
+
+def _float16_binop(op):
+    """An intrinsic ``(a: f32x16, b: f32x16) -> f32x16`` applying the IR builder's ``op``."""
+    @intrinsic
+    def binop(typingctx, a, b):
+        if not (a == f32x16 and b == f32x16):
+            return None
+
+        def codegen(context, builder, sig, args):
+            return getattr(builder, op)(args[0], args[1])
+
+        return f32x16(a, b), codegen
+
+    return binop
+
+
+v16_mul = _float16_binop("fmul")
+v16_add = _float16_binop("fadd")
+v16_mul.__doc__ = "``a * b`` lane-wise (rounded, never fused with a later add)."
+v16_add.__doc__ = "``a + b`` lane-wise."
+
+
+@intrinsic
+def v16_fma(typingctx, a, b, c):
+    """``a * b + c`` lane-wise, one rounding (``llvm.fma``)."""
+    if not (a == f32x16 and b == f32x16 and c == f32x16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F16L, [_F16L] * 3), "llvm.fma.v16f32")
+        return builder.call(fn, args)
+
+    return f32x16(a, b, c), codegen
+
+
+@intrinsic
+def v16_halves(typingctx, v):
+    """Lanes 0-7 plus lanes 8-15: an :data:`f32x8` (then :func:`f8_sum` gives the sum)."""
+    if v != f32x16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        def lanes(first):
+            mask = ir.Constant(ir.VectorType(_I32, 8), [_I32(first + i) for i in range(8)])
+            return builder.shuffle_vector(args[0], args[0], mask)
+
+        return builder.fadd(lanes(0), lanes(8))
+
+    return f32x8(v), codegen
+
+
+@intrinsic
+def q16_load_bytes(typingctx, arr, idx):
+    """Bytes ``idx .. idx + 15`` (flat) of a C-contiguous uint8 (zero-extended) or int8
+    (sign-extended) array, as sixteen int32. Not bounds-checked."""
+    if not (_is_c_array(arr, types.uint8, types.int8) and isinstance(idx, types.Integer)):
+        return None
+    signed = arr.dtype == types.int8
+
+    def codegen(context, builder, sig, args):
+        v16 = ir.VectorType(ir.IntType(8), 16)
+        raw = builder.load(_vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], v16), align=1)
+        return builder.sext(raw, _I16L) if signed else builder.zext(raw, _I16L)
+
+    return i32x16(arr, idx), codegen
+
+
+def _int16_binop(op):
+    """An intrinsic ``(v: i32x16, n: integer) -> i32x16`` applying ``op`` with ``n`` in every lane."""
+    @intrinsic
+    def binop(typingctx, v, n):
+        if not (v == i32x16 and isinstance(n, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            k = context.cast(builder, args[1], sig.args[1], types.int32)
+            return getattr(builder, op)(args[0], _splat(builder, k, _I16L))
+
+        return i32x16(v, n), codegen
+
+    return binop
+
+
+q16_and = _int16_binop("and_")
+q16_add = _int16_binop("add")
+q16_shr = _int16_binop("lshr")
+q16_shl = _int16_binop("shl")
+q16_and.__doc__ = "``v & n`` lane-wise."
+q16_add.__doc__ = "``v + n`` lane-wise."
+q16_shr.__doc__ = "``v >> n`` lane-wise (logical)."
+q16_shl.__doc__ = "``v << n`` lane-wise."
+
+
+@intrinsic
+def q16_or(typingctx, a, b):
+    """``a | b`` lane-wise."""
+    if not (a == i32x16 and b == i32x16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.or_(args[0], args[1])
+
+    return i32x16(a, b), codegen
+
+
+@intrinsic
+def q16_bits(typingctx, word, first):
+    """Lane ``l``: bit ``first + l`` of the 32-bit ``word`` (0 or 1)."""
+    if not (isinstance(word, types.Integer) and isinstance(first, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        w = _splat(builder, context.cast(builder, args[0], sig.args[0], types.uint32), _I16L)
+        f = _splat(builder, context.cast(builder, args[1], sig.args[1], types.int32), _I16L)
+        lanes = ir.Constant(_I16L, [_I32(i) for i in range(16)])
+        return builder.and_(builder.lshr(w, builder.add(f, lanes)), _splat(builder, _I32(1), _I16L))
+
+    return i32x16(word, first), codegen
+
+
+@intrinsic
+def q16_to_f(typingctx, v):
+    """int32 lanes -> float32 (exact below 2**24)."""
+    if v != i32x16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.sitofp(args[0], _F16L)
+
+    return f32x16(v), codegen
+
+
 def _halves_to_f8(builder, h):
     """Eight f16 bit patterns (zero-extended to i32 lanes) -> float32, exactly (module docstring)."""
     const = lambda c: _splat(builder, _I32(c), _I8)  # noqa: E731
@@ -527,28 +747,33 @@ Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 = 0, 1, 2, 3, 4
 
 
 @njit(inline="always")
+def _block_dot16(w_lo, w_hi, x, xo, d, acc):  # pragma: no cover - compiled
+    """One 32-weight block (decoded ``w_lo``: weights 0-15, ``w_hi``: 16-31) times
+    ``x[xo : xo + 32]`` (flat), scaled by ``d`` and added to ``acc``: lane ``l`` is
+    ``w[l + 16] * x[l + 16] + w[l] * x[l]``, the sums :func:`_block_dot` forms in two halves."""
+    p = v16_fma(w_hi, v16_load(x, xo + _U(16)), v16_mul(w_lo, v16_load(x, xo)))
+    return v16_fma(v16_splat(d), p, acc)
+
+
+@njit(inline="always")
 def _decode32(kind, qs, qh, j, b):  # pragma: no cover - compiled
     """Block ``b`` of row ``j``: its 32 quants as float32 (``q`` for Q8_0, ``q - 8`` Q4_0,
-    ``q`` Q4_1, ``q - 16`` Q5_0, ``q`` Q5_1), as four vectors of weights 0-7, 8-15, 16-23, 24-31."""
+    ``q`` Q4_1, ``q - 16`` Q5_0, ``q`` Q5_1), as two vectors of weights 0-15 and 16-31."""
     if kind == Q8_0:
         base = (_U(j) * _U(qs.shape[1] // 32) + _U(b)) * _U(32)
-        return (i8_to_f8(i8_load_bytes(qs, base)), i8_to_f8(i8_load_bytes(qs, base + _U(8))),
-                i8_to_f8(i8_load_bytes(qs, base + _U(16))), i8_to_f8(i8_load_bytes(qs, base + _U(24))))
+        return q16_to_f(q16_load_bytes(qs, base)), q16_to_f(q16_load_bytes(qs, base + _U(16)))
     base = (_U(j) * _U(qs.shape[1] // 16) + _U(b)) * _U(16)
-    lo_bytes, hi_bytes = i8_load_bytes(qs, base), i8_load_bytes(qs, base + _U(8))
-    q0, q2 = i8_and(lo_bytes, 15), i8_shr(lo_bytes, 4)  # weights 0-7 and 16-23 share bytes 0-7
-    q1, q3 = i8_and(hi_bytes, 15), i8_shr(hi_bytes, 4)
+    v = q16_load_bytes(qs, base)
+    q_lo, q_hi = q16_and(v, 15), q16_shr(v, 4)  # byte i holds weights i and i + 16
     if kind == Q5_0 or kind == Q5_1:
         h = qh[j, b]
-        q0 = i8_or(q0, i8_shl(i8_bits(h, 0), 4))
-        q1 = i8_or(q1, i8_shl(i8_bits(h, 8), 4))
-        q2 = i8_or(q2, i8_shl(i8_bits(h, 16), 4))
-        q3 = i8_or(q3, i8_shl(i8_bits(h, 24), 4))
+        q_lo = q16_or(q_lo, q16_shl(q16_bits(h, 0), 4))
+        q_hi = q16_or(q_hi, q16_shl(q16_bits(h, 16), 4))
     if kind == Q4_0:
-        q0, q1, q2, q3 = i8_add(q0, -8), i8_add(q1, -8), i8_add(q2, -8), i8_add(q3, -8)
+        q_lo, q_hi = q16_add(q_lo, -8), q16_add(q_hi, -8)
     elif kind == Q5_0:
-        q0, q1, q2, q3 = i8_add(q0, -16), i8_add(q1, -16), i8_add(q2, -16), i8_add(q3, -16)
-    return i8_to_f8(q0), i8_to_f8(q1), i8_to_f8(q2), i8_to_f8(q3)
+        q_lo, q_hi = q16_add(q_lo, -16), q16_add(q_hi, -16)
+    return q16_to_f(q_lo), q16_to_f(q_hi)
 
 
 @njit(inline="always")
@@ -604,47 +829,46 @@ def _blocks32_many(kind, x, xs, d, m, qh, qs, out, j0, j1, sd, sm):  # pragma: n
         for j in range(_U(j0), _U(j1)):
             so = _chunk_scales(d, m, j, j0, j1, sd, sm, with_min, nb)  # this row's scales in sd, sm
             for t0 in range(r0, eights, _U(8)):
-                a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = f8_zero()
-                a4 = b4 = a5 = b5 = a6 = b6 = a7 = b7 = f8_zero()
+                a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = v16_zero()
                 for b in range(nb):
-                    w0, w1, w2, w3 = _decode32(kind, qs, qh, j, b)
+                    w_lo, w_hi = _decode32(kind, qs, qh, j, b)
                     c, db = b * _U(32), sd[so + b]
-                    a0, b0 = _block_dot(w0, w1, w2, w3, xf, t0 * kk + c, db, a0, b0)
-                    a1, b1 = _block_dot(w0, w1, w2, w3, xf, (t0 + _U(1)) * kk + c, db, a1, b1)
-                    a2, b2 = _block_dot(w0, w1, w2, w3, xf, (t0 + _U(2)) * kk + c, db, a2, b2)
-                    a3, b3 = _block_dot(w0, w1, w2, w3, xf, (t0 + _U(3)) * kk + c, db, a3, b3)
-                    a4, b4 = _block_dot(w0, w1, w2, w3, xf, (t0 + _U(4)) * kk + c, db, a4, b4)
-                    a5, b5 = _block_dot(w0, w1, w2, w3, xf, (t0 + _U(5)) * kk + c, db, a5, b5)
-                    a6, b6 = _block_dot(w0, w1, w2, w3, xf, (t0 + _U(6)) * kk + c, db, a6, b6)
-                    a7, b7 = _block_dot(w0, w1, w2, w3, xf, (t0 + _U(7)) * kk + c, db, a7, b7)
-                _store_row(out, t0, j, f8_sum(f8_add(a0, b0)), with_min, sm, so, xsf, nb)
-                _store_row(out, t0 + _U(1), j, f8_sum(f8_add(a1, b1)), with_min, sm, so, xsf, nb)
-                _store_row(out, t0 + _U(2), j, f8_sum(f8_add(a2, b2)), with_min, sm, so, xsf, nb)
-                _store_row(out, t0 + _U(3), j, f8_sum(f8_add(a3, b3)), with_min, sm, so, xsf, nb)
-                _store_row(out, t0 + _U(4), j, f8_sum(f8_add(a4, b4)), with_min, sm, so, xsf, nb)
-                _store_row(out, t0 + _U(5), j, f8_sum(f8_add(a5, b5)), with_min, sm, so, xsf, nb)
-                _store_row(out, t0 + _U(6), j, f8_sum(f8_add(a6, b6)), with_min, sm, so, xsf, nb)
-                _store_row(out, t0 + _U(7), j, f8_sum(f8_add(a7, b7)), with_min, sm, so, xsf, nb)
+                    a0 = _block_dot16(w_lo, w_hi, xf, t0 * kk + c, db, a0)
+                    a1 = _block_dot16(w_lo, w_hi, xf, (t0 + _U(1)) * kk + c, db, a1)
+                    a2 = _block_dot16(w_lo, w_hi, xf, (t0 + _U(2)) * kk + c, db, a2)
+                    a3 = _block_dot16(w_lo, w_hi, xf, (t0 + _U(3)) * kk + c, db, a3)
+                    a4 = _block_dot16(w_lo, w_hi, xf, (t0 + _U(4)) * kk + c, db, a4)
+                    a5 = _block_dot16(w_lo, w_hi, xf, (t0 + _U(5)) * kk + c, db, a5)
+                    a6 = _block_dot16(w_lo, w_hi, xf, (t0 + _U(6)) * kk + c, db, a6)
+                    a7 = _block_dot16(w_lo, w_hi, xf, (t0 + _U(7)) * kk + c, db, a7)
+                _store_row(out, t0, j, f8_sum(v16_halves(a0)), with_min, sm, so, xsf, nb)
+                _store_row(out, t0 + _U(1), j, f8_sum(v16_halves(a1)), with_min, sm, so, xsf, nb)
+                _store_row(out, t0 + _U(2), j, f8_sum(v16_halves(a2)), with_min, sm, so, xsf, nb)
+                _store_row(out, t0 + _U(3), j, f8_sum(v16_halves(a3)), with_min, sm, so, xsf, nb)
+                _store_row(out, t0 + _U(4), j, f8_sum(v16_halves(a4)), with_min, sm, so, xsf, nb)
+                _store_row(out, t0 + _U(5), j, f8_sum(v16_halves(a5)), with_min, sm, so, xsf, nb)
+                _store_row(out, t0 + _U(6), j, f8_sum(v16_halves(a6)), with_min, sm, so, xsf, nb)
+                _store_row(out, t0 + _U(7), j, f8_sum(v16_halves(a7)), with_min, sm, so, xsf, nb)
             for t0 in range(eights, fours, _U(4)):
                 t1, t2, t3 = min(t0 + _U(1), last), min(t0 + _U(2), last), min(t0 + _U(3), last)
-                a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = f8_zero()
+                a0 = a1 = a2 = a3 = v16_zero()
                 for b in range(nb):
-                    w0, w1, w2, w3 = _decode32(kind, qs, qh, j, b)
+                    w_lo, w_hi = _decode32(kind, qs, qh, j, b)
                     c, db = b * _U(32), sd[so + b]
-                    a0, b0 = _block_dot(w0, w1, w2, w3, xf, t0 * kk + c, db, a0, b0)
-                    a1, b1 = _block_dot(w0, w1, w2, w3, xf, t1 * kk + c, db, a1, b1)
-                    a2, b2 = _block_dot(w0, w1, w2, w3, xf, t2 * kk + c, db, a2, b2)
-                    a3, b3 = _block_dot(w0, w1, w2, w3, xf, t3 * kk + c, db, a3, b3)
-                _store_row(out, t3, j, f8_sum(f8_add(a3, b3)), with_min, sm, so, xsf, nb)
-                _store_row(out, t2, j, f8_sum(f8_add(a2, b2)), with_min, sm, so, xsf, nb)
-                _store_row(out, t1, j, f8_sum(f8_add(a1, b1)), with_min, sm, so, xsf, nb)
-                _store_row(out, t0, j, f8_sum(f8_add(a0, b0)), with_min, sm, so, xsf, nb)
+                    a0 = _block_dot16(w_lo, w_hi, xf, t0 * kk + c, db, a0)
+                    a1 = _block_dot16(w_lo, w_hi, xf, t1 * kk + c, db, a1)
+                    a2 = _block_dot16(w_lo, w_hi, xf, t2 * kk + c, db, a2)
+                    a3 = _block_dot16(w_lo, w_hi, xf, t3 * kk + c, db, a3)
+                _store_row(out, t3, j, f8_sum(v16_halves(a3)), with_min, sm, so, xsf, nb)
+                _store_row(out, t2, j, f8_sum(v16_halves(a2)), with_min, sm, so, xsf, nb)
+                _store_row(out, t1, j, f8_sum(v16_halves(a1)), with_min, sm, so, xsf, nb)
+                _store_row(out, t0, j, f8_sum(v16_halves(a0)), with_min, sm, so, xsf, nb)
             for t in range(fours, r1):
-                a0 = b0 = f8_zero()
+                a0 = v16_zero()
                 for b in range(nb):
-                    w0, w1, w2, w3 = _decode32(kind, qs, qh, j, b)
-                    a0, b0 = _block_dot(w0, w1, w2, w3, xf, t * kk + b * _U(32), sd[so + b], a0, b0)
-                _store_row(out, t, j, f8_sum(f8_add(a0, b0)), with_min, sm, so, xsf, nb)
+                    w_lo, w_hi = _decode32(kind, qs, qh, j, b)
+                    a0 = _block_dot16(w_lo, w_hi, xf, t * kk + b * _U(32), sd[so + b], a0)
+                _store_row(out, t, j, f8_sum(v16_halves(a0)), with_min, sm, so, xsf, nb)
 
 
 @njit(inline="always")
@@ -674,8 +898,8 @@ def _blocks32_rows(kind, x, xs, d, m, qh, qs, out, j0, j1, scratch):  # pragma: 
             _blocks32_many(kind, x, xs, d, m, qh, qs, out, j0, j1, sd, sm)
         return
     # One activation row (decode at batch 1): weight rows two at a time, sharing the
-    # activation loads; two rows' accumulators are four independent FMA chains (one row's two
-    # chains alone wait on the FMA latency). Each row's sums are the same as in _blocks32_many.
+    # activation loads; two rows' accumulators are two independent FMA chains (one row's
+    # chain alone waits on the FMA latency). Each row's sums are the same as in _blocks32_many.
     t = _U(0)
     xo = t * kk
     qrow = _U(qs.shape[1])  # one row's quants, in bytes (one byte each)
@@ -687,26 +911,26 @@ def _blocks32_rows(kind, x, xs, d, m, qh, qs, out, j0, j1, scratch):  # pragma: 
         for o in range(ahead, ahead + _U(2) * qrow, _U(64)):
             prefetch(qs, o)
         if j + _U(1) < _U(j1):
-            a0 = b0 = a1 = b1 = f8_zero()
+            a0 = a1 = v16_zero()
             so1 = so + nb
             for b in range(nb):
-                w0, w1, w2, w3 = _decode32(kind, qs, qh, j, b)
-                v0, v1, v2, v3 = _decode32(kind, qs, qh, j + _U(1), b)
+                w_lo, w_hi = _decode32(kind, qs, qh, j, b)
+                v_lo, v_hi = _decode32(kind, qs, qh, j + _U(1), b)
                 c = xo + b * _U(32)
-                a0, b0 = _block_dot(w0, w1, w2, w3, xf, c, sd[so + b], a0, b0)
-                a1, b1 = _block_dot(v0, v1, v2, v3, xf, c, sd[so1 + b], a1, b1)
-            s0, s1 = f8_sum(f8_add(a0, b0)), f8_sum(f8_add(a1, b1))
+                a0 = _block_dot16(w_lo, w_hi, xf, c, sd[so + b], a0)
+                a1 = _block_dot16(v_lo, v_hi, xf, c, sd[so1 + b], a1)
+            s0, s1 = f8_sum(v16_halves(a0)), f8_sum(v16_halves(a1))
             if with_min:
                 s0 += _weighted_sum(sm, so, xsf, t * nb, nb)
                 s1 += _weighted_sum(sm, so1, xsf, t * nb, nb)
             out[t, j + _U(1)] = s1
             out[t, j] = s0
         else:
-            a0 = b0 = f8_zero()
+            a0 = v16_zero()
             for b in range(nb):
-                w0, w1, w2, w3 = _decode32(kind, qs, qh, j, b)
-                a0, b0 = _block_dot(w0, w1, w2, w3, xf, xo + b * _U(32), sd[so + b], a0, b0)
-            s0 = f8_sum(f8_add(a0, b0))
+                w_lo, w_hi = _decode32(kind, qs, qh, j, b)
+                a0 = _block_dot16(w_lo, w_hi, xf, xo + b * _U(32), sd[so + b], a0)
+            s0 = f8_sum(v16_halves(a0))
             if with_min:
                 s0 += _weighted_sum(sm, so, xsf, t * nb, nb)
             out[t, j] = s0
@@ -724,17 +948,15 @@ def _blocks32_dequant(kind, d, m, qh, qs, j0, j1, buf):  # pragma: no cover - co
     for j in range(_U(j0), _U(j1)):
         o = (j - _U(j0)) * k
         for b in range(nb):
-            w0, w1, w2, w3 = _decode32(kind, qs, qh, j, b)
-            ds = f8_splat(f16_to_f32(d[j, b]))
-            w0, w1, w2, w3 = f8_mul(w0, ds), f8_mul(w1, ds), f8_mul(w2, ds), f8_mul(w3, ds)
+            w_lo, w_hi = _decode32(kind, qs, qh, j, b)
+            ds = v16_splat(f16_to_f32(d[j, b]))
+            w_lo, w_hi = v16_mul(w_lo, ds), v16_mul(w_hi, ds)
             if with_min:
-                ms = f8_splat(f16_to_f32(m[j, b]))
-                w0, w1, w2, w3 = f8_add(w0, ms), f8_add(w1, ms), f8_add(w2, ms), f8_add(w3, ms)
+                ms = v16_splat(f16_to_f32(m[j, b]))
+                w_lo, w_hi = v16_add(w_lo, ms), v16_add(w_hi, ms)
             c = o + b * _U(32)
-            f8_store(bf, c, w0)
-            f8_store(bf, c + _U(8), w1)
-            f8_store(bf, c + _U(16), w2)
-            f8_store(bf, c + _U(24), w3)
+            v16_store(bf, c, w_lo)
+            v16_store(bf, c + _U(16), w_hi)
 
 
 # One compiled version per type (the type a constant, so its branches fold away): task,
