@@ -34,9 +34,9 @@ unrolling heuristics decide: ``vpmovzxbd`` loads of quants, ``vcvtdq2ps``, ``vfm
 on ``ymm`` registers, the accumulators in registers. The 32-weight block types use two
 vector types of sixteen lanes, :data:`f32x16` and :data:`i32x16`, instead: a block is two
 of them (weights 0-15 and 16-31), half the instructions per block (``zmm`` registers on an
-AVX-512 CPU; LLVM splits them into ``ymm`` pairs elsewhere). Lane ``l`` of a sixteen-lane
-partial product is lane ``l % 8`` of the eight-lane pair described below, so the sums are
-the same bits either way.
+AVX-512 CPU; LLVM splits them into ``ymm`` pairs elsewhere). Lanes 0-7 of a sixteen-lane
+partial product are the eight-lane ``pA`` described below and lanes 8-15 are ``pB``, so the
+sums are the same bits either way.
 
 Why one compiled function per type (``_q4_1_rows``, ``_q4_1_linear``, ``_q4_1_dequant``
 ...): the family's code is written once (``_blocks32_rows(kind, ...)``, inlined) and each
@@ -157,10 +157,6 @@ def _splat(builder, scalar, vecty):
     undef = ir.Constant(vecty, ir.Undefined)
     one = builder.insert_element(undef, scalar, _I32(0))
     return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, vecty.count), None))
-
-
-def _lane_constants(values):
-    return ir.Constant(_I8, [_I32(v) for v in values])
 
 
 @intrinsic
@@ -347,21 +343,6 @@ def i8_or(typingctx, a, b):
         return builder.or_(args[0], args[1])
 
     return i32x8(a, b), codegen
-
-
-@intrinsic
-def i8_bits(typingctx, word, first):
-    """Lane ``l``: bit ``first + l`` of the 32-bit ``word`` (0 or 1)."""
-    if not (isinstance(word, types.Integer) and isinstance(first, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        w = _splat(builder, context.cast(builder, args[0], sig.args[0], types.uint32), _I8)
-        f = _splat(builder, context.cast(builder, args[1], sig.args[1], types.int32), _I8)
-        shifted = builder.lshr(w, builder.add(f, _lane_constants(range(8))))
-        return builder.and_(shifted, _splat(builder, _I32(1), _I8))
-
-    return i32x8(word, first), codegen
 
 
 @intrinsic
