@@ -105,9 +105,10 @@ def make_batch(rng, seqs, num_heads, num_kv_heads, head_dim, block_size, spare_b
     return Batch(q, np.concatenate(k_new), np.concatenate(v_new), kq[1:-1], vq[1:-1], meta, ks[1:-1], vs[1:-1])
 
 
-def run_both(batch: Batch, **options):
+def run_both(batch: Batch, invariant: bool = False, **options):
     """write_kv + forward through the twin and through numba (output poisoned with NaN);
-    ``options``: the per-layer keywords (``sliding_window``, ``logits_soft_cap``) for both."""
+    ``invariant``: numba in batch-invariant mode; ``options``: the per-layer keywords
+    (``sliding_window``, ``logits_soft_cap``) for both."""
     scale = 1.0 / np.sqrt(batch.q.shape[-1])
     caches = (batch.k_cache, batch.v_cache) + (() if batch.k_scale is None else (batch.k_scale, batch.v_scale))
     refs = [a.copy() for a in caches]
@@ -117,7 +118,7 @@ def run_both(batch: Batch, **options):
     want = twin.forward(batch.q, refs[0], refs[1], batch.meta, scale, **options, **scales)
     assert np.isfinite(want).all()
 
-    nb = NumbaAttention()
+    nb = NumbaAttention(batch_invariant=invariant)
     nb.prepare(batch.meta)
     scales = {} if batch.k_scale is None else {"k_scale": batch.k_scale, "v_scale": batch.v_scale}
     nb.write_kv(batch.k_cache, batch.v_cache, batch.k_new, batch.v_new, batch.meta, **scales)
@@ -323,6 +324,33 @@ def test_decode_partitions_cover_only_the_window():
             assert (start[1:] == end[:-1]).all()
         assert parts.tokens == sum(n if window is None else min(n, window) for n in lens)
     assert plan.decode_parts(10_000) is plan.decode_parts(None)  # a window past every context: the same work
+
+
+@pytest.mark.parametrize("window", [None, 70])
+def test_batch_invariant_rows_are_decode_rows(monkeypatch, window):
+    """Batch-invariant mode: every query row, prefill rows too, is a decode row of the paged
+    decode kernel whose context ends at its own position; a step's rows are split into
+    launches of whole rows, and the split changes no bit. Against the twin, int8 too."""
+    from refengine.attention import numba_cpu
+
+    rng = np.random.default_rng(5)
+    seqs = [(300, 37), (20, 1), (5, 5), (3 * PART + 7, 2), (PART + 1, PART)]
+    options = {"sliding_window": window, "logits_soft_cap": 30.0 if window else None}
+    b = make_batch(rng, seqs, 4, 2, 32, BS)
+    plan = _Plan(b.meta, BS, batch_invariant=True)
+    qsl, lens = b.meta.query_start_loc, b.meta.seq_lens
+    assert plan.tile_seq.size == 0 and plan.blas_prefill == []
+    assert plan.decode_rows.tolist() == list(range(qsl[-1]))
+    assert plan._decode_lens.tolist() == [int(lens[i] - (qsl[i + 1] - 1 - r))
+                                          for i in range(len(seqs)) for r in range(qsl[i], qsl[i + 1])]
+    whole = run_both(b, invariant=True, **options)
+    monkeypatch.setattr(numba_cpu, "DECODE_PARTS_PER_LAUNCH", 3)
+    parts = _Plan(b.meta, BS, batch_invariant=True).decode_parts(window)
+    assert len(parts.launches) > 10 and sum(t for *_, t in parts.launches) == parts.tokens
+    assert [p for a, e, _ in parts.launches for p in range(a, e)] == list(range(parts.seq.size))
+    assert all(parts.seq[a] != parts.seq[a - 1] for a, _, _ in parts.launches[1:])  # whole rows
+    np.testing.assert_array_equal(run_both(b, invariant=True, **options), whole)
+    run_both(make_batch(rng, seqs, 4, 2, 32, BS, int8=True), invariant=True, **options)
 
 
 def test_soft_cap_kernel_matches_tanh():

@@ -53,14 +53,19 @@ Decode rows and prefill sequences of one batch go to their kernels (one parallel
 each per layer, plus the BLAS products of long chunks).
 
 **Batch-invariant mode** (``NumbaAttention(batch_invariant=True)``, the engine's default with
-this backend): every query row, decode rows included, goes through the flash kernel, and
-no chunk takes the BLAS path. A row's result then depends only on its position and its
-keys: its key tiles start at multiples of :data:`PREFILL_K_TILE` positions, it scores
-exactly its own keys in each (never its tile companions'), and its sums run in one order
-(FMA, no reassociation, in ``_prefill_task``). So the same row gives the same bits alone,
-in any batch, in a chunk of any size, decoded or prefilled, on any number of threads. The
-paged decode kernel sums in another order (partitions merged afterwards) and the BLAS path
-in BLAS's, which is why they are left out.
+this backend): every query row, prefill rows included, is a decode row of the paged decode
+kernel, its context the keys up to its own position, and no chunk takes the flash or BLAS
+path. A row's partitions then depend only on its position (``DECODE_PARTITION`` tokens
+from its window start), each is summed in one order (``_decode_partition``), and they are
+merged in order (``_merge_partitions``). So the same row gives the same bits alone, in any
+batch, in a chunk of any size, decoded or prefilled, on any number of threads; how a step's
+rows are grouped into launches (:data:`DECODE_PARTS_PER_LAUNCH`) changes no sum. One
+kernel for every row, because the flash kernel sums in another order (online softmax over
+key tiles) and the BLAS path in BLAS's, which depends on the chunk. The mode's first form
+sent every row through the flash kernel (its key tiles start at fixed positions, so it is
+invariant too); the decode kernel serves decode rows better (its partitions spread a
+single row over the threads, and it reads the cache without copying tiles) and costs
+prefill rows more, as each reads its keys itself (no tile of rows shares them).
 
 Numerics: float32 throughout, as the twin; ``fastmath={"contract", "reassoc"}`` lets LLVM
 fuse multiply-adds and vectorise the dot products' sums (never ``nnan``/``ninf``: a NaN
@@ -89,6 +94,10 @@ DECODE_PARTITION = 128
 #: Decode batches whose contexts add up to fewer tokens than this run on the calling thread:
 #: their work is less than a parallel launch costs (waking spinning or sleeping threads).
 SERIAL_DECODE_MAX_TOKENS = 256
+#: Decode partitions per launch of :func:`_paged_decode` (its scratch is about 2.4 KB per
+#: partition at SmolLM2's 9 heads of 64): a long prefill chunk in batch-invariant mode is
+#: thousands of decode rows, each of up to ``context / DECODE_PARTITION`` partitions.
+DECODE_PARTS_PER_LAUNCH = 2048
 #: Query rows per prefill task.
 PREFILL_Q_TILE = 32
 #: Key positions per prefill key tile (transposed K and V scratch tiles of 32 KB each at head_dim 64).
@@ -601,17 +610,26 @@ class _DecodeParts:
         seq, start, end: ``[P]`` int32: partition ``p`` is context positions ``start[p] : end[p]``
             of decode sequence ``seq[p]``; a sequence's partitions are consecutive, of
             ``part`` tokens from ``max(0, seq_len - W)`` (the last may be shorter).
-        tokens: context tokens read in all (the serial-or-parallel choice).
+        launches: ``(a, b, tokens)``: partitions ``a : b`` (whole sequences) make one launch,
+            reading ``tokens`` context tokens (the serial-or-parallel choice).
+        tokens: context tokens read in all.
     """
 
     def __init__(self, lens: np.ndarray, window: int | None, part: int):
         first = np.zeros_like(lens) if window is None else np.maximum(lens - window, 0)
         counts = -(-(lens - first) // part)  # partitions per decode sequence
         self.seq = np.repeat(np.arange(lens.size), counts).astype(np.int32)
-        offset = np.repeat(np.cumsum(counts) - counts, counts)  # index of each sequence's first partition
+        firsts = np.cumsum(counts) - counts  # index of each sequence's first partition
+        offset = np.repeat(firsts, counts)
         self.start = (first[self.seq] + (np.arange(self.seq.size) - offset) * part).astype(np.int32)
         self.end = np.minimum(self.start + part, lens[self.seq]).astype(np.int32)
-        self.tokens = int((lens - first).sum())
+        # launches of whole sequences, about DECODE_PARTS_PER_LAUNCH partitions each (the
+        # kernel's scratch stays small); with each launch's context tokens (serial or parallel)
+        new = np.flatnonzero(np.diff(firsts // DECODE_PARTS_PER_LAUNCH)) + 1
+        edges = [0, *firsts[new].tolist(), self.seq.size]
+        tokens = np.concatenate([[0], np.cumsum(self.end - self.start)])
+        self.launches = [(a, b, int(tokens[b] - tokens[a])) for a, b in zip(edges[:-1], edges[1:]) if b > a]
+        self.tokens = int(tokens[-1])
 
 
 class _Plan:
@@ -638,16 +656,24 @@ class _Plan:
         self.min_block = int(ids.min(initial=0))
         self.max_block = int(ids.max(initial=-1))
 
-        # batch-invariant: every row, decode rows too, through the flash kernel (one algorithm per row)
-        decode = np.flatnonzero(q_lens == 1).astype(np.int32) if not batch_invariant else np.zeros(0, np.int32)
-        self.decode_seqs = decode
-        self.decode_rows = qsl[decode]
+        if batch_invariant:
+            # every query row, prefill rows too, is a decode row of the paged decode kernel: its
+            # context is its own position's keys, partitioned by its own length (one algorithm per row)
+            self.decode_seqs = np.repeat(np.arange(q_lens.size, dtype=np.int32), q_lens)
+            self.decode_rows = np.arange(int(qsl[-1]), dtype=np.int32)
+            # a row's context: its sequence's length less the rows after it in its chunk
+            self._decode_lens = (seq_lens[self.decode_seqs] - (qsl[self.decode_seqs + 1] - 1 - self.decode_rows)
+                                 ).astype(np.int64)
+        else:
+            decode = np.flatnonzero(q_lens == 1).astype(np.int32)
+            self.decode_seqs = decode
+            self.decode_rows = qsl[decode]
+            self._decode_lens = seq_lens[decode].astype(np.int64)
         self._part = max(block_size, DECODE_PARTITION // block_size * block_size)
-        self._decode_lens = seq_lens[decode].astype(np.int64)
         self._decode_parts: dict[int | None, _DecodeParts] = {}
         self.max_seq_len = int(seq_lens.max(initial=0))
 
-        prefill = np.flatnonzero(q_lens > 1) if not batch_invariant else np.arange(q_lens.size)
+        prefill = np.flatnonzero(q_lens > 1) if not batch_invariant else np.zeros(0, np.int64)
         to_blas = q_lens >= (BLAS_PREFILL_MIN_ROWS if not batch_invariant else sys.maxsize)
         self.blas_prefill = [int(i) for i in prefill if to_blas[i]]
         tiles = [(int(i), q0) for i in prefill if not to_blas[i]
@@ -777,9 +803,10 @@ class NumbaAttention:
         window = _NO_WINDOW if sliding_window is None else sliding_window
         if plan.decode_seqs.shape[0]:
             parts = plan.decode_parts(sliding_window)
-            decode = _paged_decode.serial if parts.tokens < SERIAL_DECODE_MAX_TOKENS else _paged_decode
-            decode(q, k_cache, v_cache, k_scale, v_scale, plan.block_tables, plan.decode_seqs, plan.decode_rows,
-                   parts.seq, parts.start, parts.end, float(scale), logits_soft_cap, out)
+            for a, b, tokens in parts.launches:
+                decode = _paged_decode.serial if tokens < SERIAL_DECODE_MAX_TOKENS else _paged_decode
+                decode(q, k_cache, v_cache, k_scale, v_scale, plan.block_tables, plan.decode_seqs, plan.decode_rows,
+                       parts.seq[a:b], parts.start[a:b], parts.end[a:b], float(scale), logits_soft_cap, out)
         if plan.tile_seq.shape[0]:
             _flash_prefill(q, k_cache, v_cache, k_scale, v_scale, plan.block_tables, plan.seq_lens,
                            plan.query_start_loc, plan.tile_seq, plan.tile_q0, float(scale), window, logits_soft_cap,
