@@ -73,6 +73,7 @@ with the weights exactly as stored.
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 from llvmlite import ir
@@ -113,33 +114,26 @@ _I8 = ir.VectorType(ir.IntType(32), 8)
 _I32 = ir.IntType(32)
 
 
-class _F32x8(types.Type):
+def _vector_type(name: str, ir_type) -> types.Type:
+    """A numba type ``name`` held in registers as the LLVM vector type ``ir_type``."""
     def __init__(self):
-        super().__init__(name="f32x8")
+        types.Type.__init__(self, name=name)
 
+    cls = type("_" + name.capitalize(), (types.Type,), {"__init__": __init__, "__module__": __name__})
+    globals()[cls.__name__] = cls  # importable by name, as pickling (numba's cache) needs
 
-class _I32x8(types.Type):
-    def __init__(self):
-        super().__init__(name="i32x8")
+    @register_model(cls)
+    class _Model(models.PrimitiveModel):
+        def __init__(self, dmm, fe_type):
+            super().__init__(dmm, fe_type, ir_type)
+
+    return cls()
 
 
 #: Eight float32 lanes (LLVM ``<8 x float>``, one AVX2 ``ymm`` register).
-f32x8 = _F32x8()
+f32x8 = _vector_type("f32x8", _F8)
 #: Eight int32 lanes (LLVM ``<8 x i32>``).
-i32x8 = _I32x8()
-
-
-@register_model(_F32x8)
-class _F32x8Model(models.PrimitiveModel):
-    def __init__(self, dmm, fe_type):
-        super().__init__(dmm, fe_type, _F8)
-
-
-@register_model(_I32x8)
-class _I32x8Model(models.PrimitiveModel):
-    def __init__(self, dmm, fe_type):
-        super().__init__(dmm, fe_type, _I8)
-
+i32x8 = _vector_type("i32x8", _I8)
 
 def _is_c_array(a, *dtypes) -> bool:
     return isinstance(a, types.Array) and a.layout == "C" and a.dtype in dtypes
@@ -157,90 +151,6 @@ def _splat(builder, scalar, vecty):
     undef = ir.Constant(vecty, ir.Undefined)
     one = builder.insert_element(undef, scalar, _I32(0))
     return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, vecty.count), None))
-
-
-@intrinsic
-def f8_zero(typingctx):
-    """Eight float32 zeros."""
-    def codegen(context, builder, sig, args):
-        return ir.Constant(_F8, None)
-
-    return f32x8(), codegen
-
-
-@intrinsic
-def f8_splat(typingctx, value):
-    """``value`` (a float) in all eight lanes."""
-    if not isinstance(value, types.Float):
-        return None
-
-    def codegen(context, builder, sig, args):
-        v = context.cast(builder, args[0], sig.args[0], types.float32)
-        return _splat(builder, v, _F8)
-
-    return f32x8(value), codegen
-
-
-@intrinsic
-def f8_load(typingctx, arr, idx):
-    """Elements ``idx .. idx + 7`` (flat) of a C-contiguous float32 array. Not bounds-checked."""
-    if not (_is_c_array(arr, types.float32) and isinstance(idx, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.load(_vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _F8), align=4)
-
-    return f32x8(arr, idx), codegen
-
-
-@intrinsic
-def f8_store(typingctx, arr, idx, v):
-    """Write ``v`` to elements ``idx .. idx + 7`` (flat) of a C-contiguous float32 array. Not bounds-checked."""
-    if not (_is_c_array(arr, types.float32) and isinstance(idx, types.Integer) and v == f32x8):
-        return None
-
-    def codegen(context, builder, sig, args):
-        builder.store(args[2], _vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _F8), align=4)
-        return context.get_dummy_value()
-
-    return types.void(arr, idx, v), codegen
-
-
-@intrinsic
-def f8_mul(typingctx, a, b):
-    """``a * b`` lane-wise (rounded, never fused with a later add)."""
-    if not (a == f32x8 and b == f32x8):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.fmul(args[0], args[1])
-
-    return f32x8(a, b), codegen
-
-
-@intrinsic
-def f8_add(typingctx, a, b):
-    """``a + b`` lane-wise."""
-    if not (a == f32x8 and b == f32x8):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.fadd(args[0], args[1])
-
-    return f32x8(a, b), codegen
-
-
-@intrinsic
-def f8_fma(typingctx, a, b, c):
-    """``a * b + c`` lane-wise, one rounding (``llvm.fma``: ``vfmadd`` on a CPU with FMA)."""
-    if not (a == f32x8 and b == f32x8 and c == f32x8):
-        return None
-
-    def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F8, [_F8, _F8, _F8]), "llvm.fma.v8f32")
-        return builder.call(fn, args)
-
-    return f32x8(a, b, c), codegen
 
 
 @intrinsic
@@ -291,72 +201,6 @@ def f8_transpose8(typingctx, r0, r1, r2, r3, r4, r5, r6, r7):
     return types.UniTuple(f32x8, 8)(*rows), codegen
 
 
-@intrinsic
-def i8_load_bytes(typingctx, arr, idx):
-    """Bytes ``idx .. idx + 7`` (flat) of a C-contiguous uint8 (zero-extended) or int8
-    (sign-extended) array, as eight int32. Not bounds-checked."""
-    if not (_is_c_array(arr, types.uint8, types.int8) and isinstance(idx, types.Integer)):
-        return None
-    signed = arr.dtype == types.int8
-
-    def codegen(context, builder, sig, args):
-        v8 = ir.VectorType(ir.IntType(8), 8)
-        raw = builder.load(_vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], v8), align=1)
-        return builder.sext(raw, _I8) if signed else builder.zext(raw, _I8)
-
-    return i32x8(arr, idx), codegen
-
-
-def _int_binop(op):
-    """An intrinsic ``(v: i32x8, n: integer) -> i32x8`` applying ``op`` with ``n`` in every lane."""
-    @intrinsic
-    def binop(typingctx, v, n):
-        if not (v == i32x8 and isinstance(n, types.Integer)):
-            return None
-
-        def codegen(context, builder, sig, args):
-            k = context.cast(builder, args[1], sig.args[1], types.int32)
-            return getattr(builder, op)(args[0], _splat(builder, k, _I8))
-
-        return i32x8(v, n), codegen
-
-    return binop
-
-
-i8_and = _int_binop("and_")
-i8_add = _int_binop("add")
-i8_shr = _int_binop("lshr")
-i8_shl = _int_binop("shl")
-i8_and.__doc__ = "``v & n`` lane-wise."
-i8_add.__doc__ = "``v + n`` lane-wise."
-i8_shr.__doc__ = "``v >> n`` lane-wise (logical)."
-i8_shl.__doc__ = "``v << n`` lane-wise."
-
-
-@intrinsic
-def i8_or(typingctx, a, b):
-    """``a | b`` lane-wise."""
-    if not (a == i32x8 and b == i32x8):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.or_(args[0], args[1])
-
-    return i32x8(a, b), codegen
-
-
-@intrinsic
-def i8_to_f8(typingctx, v):
-    """int32 lanes -> float32 (exact below 2**24)."""
-    if v != i32x8:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.sitofp(args[0], _F8)
-
-    return f32x8(v), codegen
-
-
 # ---------------------------------------------------------------------------------------
 # Sixteen-lane vectors (one AVX-512 ``zmm`` register; two ``ymm`` where LLVM splits them):
 # the 32-weight block kernels hold a block as two of them, weights 0-15 and 16-31. Lane
@@ -367,113 +211,10 @@ _F16L = ir.VectorType(ir.FloatType(), 16)
 _I16L = ir.VectorType(ir.IntType(32), 16)
 
 
-class _F32x16(types.Type):
-    def __init__(self):
-        super().__init__(name="f32x16")
-
-
-class _I32x16(types.Type):
-    def __init__(self):
-        super().__init__(name="i32x16")
-
-
 #: Sixteen float32 lanes (LLVM ``<16 x float>``).
-f32x16 = _F32x16()
+f32x16 = _vector_type("f32x16", _F16L)
 #: Sixteen int32 lanes (LLVM ``<16 x i32>``).
-i32x16 = _I32x16()
-
-
-@register_model(_F32x16)
-class _F32x16Model(models.PrimitiveModel):
-    def __init__(self, dmm, fe_type):
-        super().__init__(dmm, fe_type, _F16L)
-
-
-@register_model(_I32x16)
-class _I32x16Model(models.PrimitiveModel):
-    def __init__(self, dmm, fe_type):
-        super().__init__(dmm, fe_type, _I16L)
-
-
-@intrinsic
-def v16_zero(typingctx):
-    """Sixteen float32 zeros."""
-    def codegen(context, builder, sig, args):
-        return ir.Constant(_F16L, None)
-
-    return f32x16(), codegen
-
-
-@intrinsic
-def v16_splat(typingctx, value):
-    """``value`` (a float) in all sixteen lanes."""
-    if not isinstance(value, types.Float):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return _splat(builder, context.cast(builder, args[0], sig.args[0], types.float32), _F16L)
-
-    return f32x16(value), codegen
-
-
-@intrinsic
-def v16_load(typingctx, arr, idx):
-    """Elements ``idx .. idx + 15`` (flat) of a C-contiguous float32 array. Not bounds-checked."""
-    if not (_is_c_array(arr, types.float32) and isinstance(idx, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.load(_vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _F16L), align=4)
-
-    return f32x16(arr, idx), codegen
-
-
-@intrinsic
-def v16_store(typingctx, arr, idx, v):
-    """Write ``v`` to elements ``idx .. idx + 15`` (flat) of a C-contiguous float32 array. Not bounds-checked."""
-    if not (_is_c_array(arr, types.float32) and isinstance(idx, types.Integer) and v == f32x16):
-        return None
-
-    def codegen(context, builder, sig, args):
-        builder.store(args[2], _vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _F16L), align=4)
-        return context.get_dummy_value()
-
-    return types.void(arr, idx, v), codegen
-
-
-def _float16_binop(op):
-    """An intrinsic ``(a: f32x16, b: f32x16) -> f32x16`` applying the IR builder's ``op``."""
-    @intrinsic
-    def binop(typingctx, a, b):
-        if not (a == f32x16 and b == f32x16):
-            return None
-
-        def codegen(context, builder, sig, args):
-            return getattr(builder, op)(args[0], args[1])
-
-        return f32x16(a, b), codegen
-
-    return binop
-
-
-v16_mul = _float16_binop("fmul")
-v16_add = _float16_binop("fadd")
-v16_mul.__doc__ = "``a * b`` lane-wise (rounded, never fused with a later add)."
-v16_add.__doc__ = "``a + b`` lane-wise."
-
-
-@intrinsic
-def v16_fma(typingctx, a, b, c):
-    """``a * b + c`` lane-wise, one rounding (``llvm.fma``)."""
-    if not (a == f32x16 and b == f32x16 and c == f32x16):
-        return None
-
-    def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F16L, [_F16L] * 3), "llvm.fma.v16f32")
-        return builder.call(fn, args)
-
-    return f32x16(a, b, c), codegen
-
+i32x16 = _vector_type("i32x16", _I16L)
 
 @intrinsic
 def v16_halves(typingctx, v):
@@ -492,60 +233,6 @@ def v16_halves(typingctx, v):
 
 
 @intrinsic
-def q16_load_bytes(typingctx, arr, idx):
-    """Bytes ``idx .. idx + 15`` (flat) of a C-contiguous uint8 (zero-extended) or int8
-    (sign-extended) array, as sixteen int32. Not bounds-checked."""
-    if not (_is_c_array(arr, types.uint8, types.int8) and isinstance(idx, types.Integer)):
-        return None
-    signed = arr.dtype == types.int8
-
-    def codegen(context, builder, sig, args):
-        v16 = ir.VectorType(ir.IntType(8), 16)
-        raw = builder.load(_vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], v16), align=1)
-        return builder.sext(raw, _I16L) if signed else builder.zext(raw, _I16L)
-
-    return i32x16(arr, idx), codegen
-
-
-def _int16_binop(op):
-    """An intrinsic ``(v: i32x16, n: integer) -> i32x16`` applying ``op`` with ``n`` in every lane."""
-    @intrinsic
-    def binop(typingctx, v, n):
-        if not (v == i32x16 and isinstance(n, types.Integer)):
-            return None
-
-        def codegen(context, builder, sig, args):
-            k = context.cast(builder, args[1], sig.args[1], types.int32)
-            return getattr(builder, op)(args[0], _splat(builder, k, _I16L))
-
-        return i32x16(v, n), codegen
-
-    return binop
-
-
-q16_and = _int16_binop("and_")
-q16_add = _int16_binop("add")
-q16_shr = _int16_binop("lshr")
-q16_shl = _int16_binop("shl")
-q16_and.__doc__ = "``v & n`` lane-wise."
-q16_add.__doc__ = "``v + n`` lane-wise."
-q16_shr.__doc__ = "``v >> n`` lane-wise (logical)."
-q16_shl.__doc__ = "``v << n`` lane-wise."
-
-
-@intrinsic
-def q16_or(typingctx, a, b):
-    """``a | b`` lane-wise."""
-    if not (a == i32x16 and b == i32x16):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.or_(args[0], args[1])
-
-    return i32x16(a, b), codegen
-
-
-@intrinsic
 def q16_bits(typingctx, word, first):
     """Lane ``l``: bit ``first + l`` of the 32-bit ``word`` (0 or 1)."""
     if not (isinstance(word, types.Integer) and isinstance(first, types.Integer)):
@@ -560,16 +247,139 @@ def q16_bits(typingctx, word, first):
     return i32x16(word, first), codegen
 
 
-@intrinsic
-def q16_to_f(typingctx, v):
-    """int32 lanes -> float32 (exact below 2**24)."""
-    if v != i32x16:
-        return None
+# ---------------------------------------------------------------------------------------
+# The intrinsics of both widths, written once: loads, stores, arithmetic, integer decoding.
 
-    def codegen(context, builder, sig, args):
-        return builder.sitofp(args[0], _F16L)
 
-    return f32x16(v), codegen
+def _lane_intrinsics(fvec, ivec, f_ir, i_ir) -> SimpleNamespace:
+    """The intrinsics on ``fvec``/``ivec`` (float32 and int32 lanes, LLVM ``f_ir``/``i_ir``):
+    ``zero``, ``splat``, ``load``, ``store``, ``mul``, ``add``, ``fma`` on float lanes;
+    ``load_bytes``, ``and_``, ``add_int``, ``shr``, ``shl``, ``or_``, ``to_float`` on int lanes.
+    Loads and stores are not bounds-checked; ``fma`` is ``llvm.fma`` (one rounding), ``mul``
+    is never fused with a later add."""
+    lanes = f_ir.count
+
+    @intrinsic
+    def zero(typingctx):
+        def codegen(context, builder, sig, args):
+            return ir.Constant(f_ir, None)
+
+        return fvec(), codegen
+
+    @intrinsic
+    def splat(typingctx, value):
+        if not isinstance(value, types.Float):
+            return None
+
+        def codegen(context, builder, sig, args):
+            return _splat(builder, context.cast(builder, args[0], sig.args[0], types.float32), f_ir)
+
+        return fvec(value), codegen
+
+    @intrinsic
+    def load(typingctx, arr, idx):
+        if not (_is_c_array(arr, types.float32) and isinstance(idx, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            return builder.load(_vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], f_ir), align=4)
+
+        return fvec(arr, idx), codegen
+
+    @intrinsic
+    def store(typingctx, arr, idx, v):
+        if not (_is_c_array(arr, types.float32) and isinstance(idx, types.Integer) and v == fvec):
+            return None
+
+        def codegen(context, builder, sig, args):
+            builder.store(args[2], _vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], f_ir),
+                          align=4)
+            return context.get_dummy_value()
+
+        return types.void(arr, idx, v), codegen
+
+    def binop(op, vec, scalar_arg):
+        """``op`` lane-wise on ``vec`` and a second ``vec`` (or an integer in every lane)."""
+        @intrinsic
+        def apply(typingctx, a, b):
+            if not (a == vec and (isinstance(b, types.Integer) if scalar_arg else b == vec)):
+                return None
+
+            def codegen(context, builder, sig, args):
+                other = args[1]
+                if scalar_arg:
+                    other = _splat(builder, context.cast(builder, args[1], sig.args[1], types.int32), i_ir)
+                return getattr(builder, op)(args[0], other)
+
+            return vec(a, b), codegen
+
+        return apply
+
+    @intrinsic
+    def fma(typingctx, a, b, c):
+        if not (a == fvec and b == fvec and c == fvec):
+            return None
+
+        def codegen(context, builder, sig, args):
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f_ir, [f_ir] * 3), f"llvm.fma.v{lanes}f32")
+            return builder.call(fn, args)
+
+        return fvec(a, b, c), codegen
+
+    @intrinsic
+    def load_bytes(typingctx, arr, idx):
+        if not (_is_c_array(arr, types.uint8, types.int8) and isinstance(idx, types.Integer)):
+            return None
+        signed = arr.dtype == types.int8
+
+        def codegen(context, builder, sig, args):
+            raw_ty = ir.VectorType(ir.IntType(8), lanes)
+            raw = builder.load(_vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], raw_ty), align=1)
+            return builder.sext(raw, i_ir) if signed else builder.zext(raw, i_ir)
+
+        return ivec(arr, idx), codegen
+
+    @intrinsic
+    def to_float(typingctx, v):
+        if v != ivec:
+            return None
+
+        def codegen(context, builder, sig, args):
+            return builder.sitofp(args[0], f_ir)
+
+        return fvec(v), codegen
+
+    ops = SimpleNamespace(zero=zero, splat=splat, load=load, store=store, mul=binop("fmul", fvec, False),
+                          add=binop("fadd", fvec, False), fma=fma, load_bytes=load_bytes,
+                          and_=binop("and_", ivec, True), add_int=binop("add", ivec, True),
+                          shr=binop("lshr", ivec, True), shl=binop("shl", ivec, True),
+                          or_=binop("or_", ivec, False), to_float=to_float)
+    docs = {"zero": f"{lanes} float32 zeros.", "splat": f"``value`` (a float) in all {lanes} lanes.",
+            "load": f"Elements ``idx .. idx + {lanes - 1}`` (flat) of a C-contiguous float32 array.",
+            "store": f"Write ``v`` to elements ``idx .. idx + {lanes - 1}`` (flat) of a C-contiguous float32 array.",
+            "mul": "``a * b`` lane-wise (rounded, never fused with a later add).", "add": "``a + b`` lane-wise.",
+            "fma": "``a * b + c`` lane-wise, one rounding (``llvm.fma``: ``vfmadd`` on a CPU with FMA).",
+            "load_bytes": f"Bytes ``idx .. idx + {lanes - 1}`` (flat) of a C-contiguous uint8 (zero-extended) "
+                          f"or int8 (sign-extended) array, as {lanes} int32.",
+            "and_": "``v & n`` lane-wise.", "add_int": "``v + n`` lane-wise.",
+            "shr": "``v >> n`` lane-wise (logical).", "shl": "``v << n`` lane-wise.", "or_": "``a | b`` lane-wise.",
+            "to_float": "int32 lanes -> float32 (exact below 2**24)."}
+    for name, doc in docs.items():
+        getattr(ops, name).__doc__ = doc
+    return ops
+
+
+_L8 = _lane_intrinsics(f32x8, i32x8, _F8, _I8)
+f8_zero, f8_splat, f8_load, f8_store = _L8.zero, _L8.splat, _L8.load, _L8.store
+f8_mul, f8_add, f8_fma = _L8.mul, _L8.add, _L8.fma
+i8_load_bytes, i8_and, i8_add, i8_shr, i8_shl = _L8.load_bytes, _L8.and_, _L8.add_int, _L8.shr, _L8.shl
+i8_or, i8_to_f8 = _L8.or_, _L8.to_float
+_L16 = _lane_intrinsics(f32x16, i32x16, _F16L, _I16L)
+v16_zero, v16_splat, v16_load, v16_store = _L16.zero, _L16.splat, _L16.load, _L16.store
+v16_mul, v16_add, v16_fma = _L16.mul, _L16.add, _L16.fma
+q16_load_bytes, q16_and, q16_add, q16_shr, q16_shl = (_L16.load_bytes, _L16.and_, _L16.add_int, _L16.shr,
+                                                       _L16.shl)
+q16_or, q16_to_f = _L16.or_, _L16.to_float
 
 
 def _halves_to_f8(builder, h):
