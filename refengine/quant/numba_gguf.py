@@ -31,9 +31,10 @@ use two small vector types of eight lanes, :data:`f32x8` and :data:`i32x8` (one 
 register; LLVM's ``<8 x float>``/``<8 x i32>``), and intrinsics for their loads, integer
 decoding, conversions and fused multiply-adds. That fixes the machine code whatever LLVM's
 unrolling heuristics decide: ``vpmovzxbd`` loads of quants, ``vcvtdq2ps``, ``vfmadd231ps``
-on ``ymm`` registers, the accumulators in registers. The 32-weight block types use two
-vector types of sixteen lanes, :data:`f32x16` and :data:`i32x16`, instead: a block is two
-of them (weights 0-15 and 16-31), half the instructions per block (``zmm`` registers on an
+on ``ymm`` registers, the accumulators in registers. The 32-weight block types and the
+K-quants Q4_K and Q5_K (sub-blocks of 32) use two vector types of sixteen lanes,
+:data:`f32x16` and :data:`i32x16`, instead: a block is two of them (weights 0-15 and
+16-31), half the instructions per block (``zmm`` registers on an
 AVX-512 CPU; LLVM splits them into ``ymm`` pairs elsewhere). Lanes 0-7 of a sixteen-lane
 partial product are the eight-lane ``pA`` described below and lanes 8-15 are ``pB``, so the
 sums are the same bits either way.
@@ -520,16 +521,6 @@ def _block_sums(x, xs, group):  # pragma: no cover - compiled
             xsf[_U(t) * _U(ng) + g] = f8_sum(acc)
 
 
-@njit(inline="always")
-def _block_dot(w0, w1, w2, w3, x, xo, d, acc_a, acc_b):  # pragma: no cover - compiled
-    """One 32-weight block (decoded ``w0..w3``: weights 0-7, 8-15, 16-23, 24-31) times
-    ``x[xo : xo + 32]`` (flat), scaled by ``d`` and added to the two accumulators."""
-    p_a = f8_fma(w2, f8_load(x, xo + _U(16)), f8_mul(w0, f8_load(x, xo)))
-    p_b = f8_fma(w3, f8_load(x, xo + _U(24)), f8_mul(w1, f8_load(x, xo + _U(8))))
-    ds = f8_splat(d)
-    return f8_fma(ds, p_a, acc_a), f8_fma(ds, p_b, acc_b)
-
-
 # ---------------------------------------------------------------------------------------
 # Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: blocks of 32, one f16 scale (and minimum) each.
 
@@ -541,7 +532,7 @@ Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 = 0, 1, 2, 3, 4
 def _block_dot16(w_lo, w_hi, x, xo, d, acc):  # pragma: no cover - compiled
     """One 32-weight block (decoded ``w_lo``: weights 0-15, ``w_hi``: 16-31) times
     ``x[xo : xo + 32]`` (flat), scaled by ``d`` and added to ``acc``: lane ``l`` is
-    ``w[l + 16] * x[l + 16] + w[l] * x[l]``, the sums :func:`_block_dot` forms in two halves."""
+    ``w[l + 16] * x[l + 16] + w[l] * x[l]`` (lanes 0-7: the eight-lane ``pA``, 8-15: ``pB``)."""
     p = v16_fma(w_hi, v16_load(x, xo + _U(16)), v16_mul(w_lo, v16_load(x, xo)))
     return v16_fma(v16_splat(d), p, acc)
 
@@ -884,27 +875,20 @@ def _k_sub_scales(d, dmin, scales, j, sd, sm):  # pragma: no cover - compiled
 def _decode_k64(kind, qs, qh, j, i, c):  # pragma: no cover - compiled
     """Chunk ``c`` (weights ``64c .. 64c + 63``) of superblock ``i`` of row ``j``: two
     sub-blocks of 32 quants ``0..15`` (Q4_K) or ``0..31`` (Q5_K), as float32 vectors
-    ``(e0, e1, e2, e3)`` (sub-block ``2c``) and ``(o0, o1, o2, o3)`` (``2c + 1``)."""
+    ``(e_lo, e_hi)`` (sub-block ``2c``: its weights 0-15, 16-31) and ``(o_lo, o_hi)`` (``2c + 1``).
+    Byte ``l`` of the chunk holds weight ``l`` of both sub-blocks (low and high nibble)."""
     base = (_U(j) * _U(qs.shape[1] // 128) + _U(i)) * _U(128) + _U(c) * _U(32)
-    v0, v1 = i8_load_bytes(qs, base), i8_load_bytes(qs, base + _U(8))
-    v2, v3 = i8_load_bytes(qs, base + _U(16)), i8_load_bytes(qs, base + _U(24))
-    e0, e1, e2, e3 = i8_and(v0, 15), i8_and(v1, 15), i8_and(v2, 15), i8_and(v3, 15)
-    o0, o1, o2, o3 = i8_shr(v0, 4), i8_shr(v1, 4), i8_shr(v2, 4), i8_shr(v3, 4)
+    va, vb = q16_load_bytes(qs, base), q16_load_bytes(qs, base + _U(16))
+    e_lo, e_hi, o_lo, o_hi = q16_and(va, 15), q16_and(vb, 15), q16_shr(va, 4), q16_shr(vb, 4)
     if kind == Q5_K:
         hb = (_U(j) * _U(qh.shape[1] // 32) + _U(i)) * _U(32)
-        h0, h1 = i8_load_bytes(qh, hb), i8_load_bytes(qh, hb + _U(8))
-        h2, h3 = i8_load_bytes(qh, hb + _U(16)), i8_load_bytes(qh, hb + _U(24))
+        ha, hz = q16_load_bytes(qh, hb), q16_load_bytes(qh, hb + _U(16))
         se, so = _U(2) * _U(c), _U(2) * _U(c) + _U(1)  # sub-block s takes bit s of qh[l]
-        e0 = i8_or(e0, i8_shl(i8_and(i8_shr(h0, se), 1), 4))
-        e1 = i8_or(e1, i8_shl(i8_and(i8_shr(h1, se), 1), 4))
-        e2 = i8_or(e2, i8_shl(i8_and(i8_shr(h2, se), 1), 4))
-        e3 = i8_or(e3, i8_shl(i8_and(i8_shr(h3, se), 1), 4))
-        o0 = i8_or(o0, i8_shl(i8_and(i8_shr(h0, so), 1), 4))
-        o1 = i8_or(o1, i8_shl(i8_and(i8_shr(h1, so), 1), 4))
-        o2 = i8_or(o2, i8_shl(i8_and(i8_shr(h2, so), 1), 4))
-        o3 = i8_or(o3, i8_shl(i8_and(i8_shr(h3, so), 1), 4))
-    return ((i8_to_f8(e0), i8_to_f8(e1), i8_to_f8(e2), i8_to_f8(e3)),
-            (i8_to_f8(o0), i8_to_f8(o1), i8_to_f8(o2), i8_to_f8(o3)))
+        e_lo = q16_or(e_lo, q16_shl(q16_and(q16_shr(ha, se), 1), 4))
+        e_hi = q16_or(e_hi, q16_shl(q16_and(q16_shr(hz, se), 1), 4))
+        o_lo = q16_or(o_lo, q16_shl(q16_and(q16_shr(ha, so), 1), 4))
+        o_hi = q16_or(o_hi, q16_shl(q16_and(q16_shr(hz, so), 1), 4))
+    return (q16_to_f(e_lo), q16_to_f(e_hi)), (q16_to_f(o_lo), q16_to_f(o_hi))
 
 
 @njit(inline="always")
@@ -928,30 +912,30 @@ def _k_rows(kind, x, xs, d, dmin, scales, qh, qs, out, j0, j1, scratch):  # prag
             _k_sub_scales(d, dmin, scales, j, sd, sm)
             for t0 in range(r0, fours, _U(4)):
                 t1, t2, t3 = min(t0 + _U(1), last), min(t0 + _U(2), last), min(t0 + _U(3), last)
-                a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = f8_zero()
+                a0 = a1 = a2 = a3 = v16_zero()
                 for s2 in range(_U(0), nsub, _U(2)):
                     ev, od = _decode_k64(kind, qs, qh, j, s2 // _U(8), (s2 % _U(8)) // _U(2))
                     for h in range(_U(2)):
-                        w0, w1, w2, w3 = ev if h == 0 else od
+                        w_lo, w_hi = ev if h == 0 else od
                         s = s2 + _U(h)
                         c = s * _U(32)
-                        a0, b0 = _block_dot(w0, w1, w2, w3, xf, t0 * kk + c, sd[s], a0, b0)
-                        a1, b1 = _block_dot(w0, w1, w2, w3, xf, t1 * kk + c, sd[s], a1, b1)
-                        a2, b2 = _block_dot(w0, w1, w2, w3, xf, t2 * kk + c, sd[s], a2, b2)
-                        a3, b3 = _block_dot(w0, w1, w2, w3, xf, t3 * kk + c, sd[s], a3, b3)
-                out[t3, j] = f8_sum(f8_add(a3, b3)) + _weighted_sum(sm, 0, xsf, t3 * nsub, nsub)
-                out[t2, j] = f8_sum(f8_add(a2, b2)) + _weighted_sum(sm, 0, xsf, t2 * nsub, nsub)
-                out[t1, j] = f8_sum(f8_add(a1, b1)) + _weighted_sum(sm, 0, xsf, t1 * nsub, nsub)
-                out[t0, j] = f8_sum(f8_add(a0, b0)) + _weighted_sum(sm, 0, xsf, t0 * nsub, nsub)
+                        a0 = _block_dot16(w_lo, w_hi, xf, t0 * kk + c, sd[s], a0)
+                        a1 = _block_dot16(w_lo, w_hi, xf, t1 * kk + c, sd[s], a1)
+                        a2 = _block_dot16(w_lo, w_hi, xf, t2 * kk + c, sd[s], a2)
+                        a3 = _block_dot16(w_lo, w_hi, xf, t3 * kk + c, sd[s], a3)
+                out[t3, j] = f8_sum(v16_halves(a3)) + _weighted_sum(sm, 0, xsf, t3 * nsub, nsub)
+                out[t2, j] = f8_sum(v16_halves(a2)) + _weighted_sum(sm, 0, xsf, t2 * nsub, nsub)
+                out[t1, j] = f8_sum(v16_halves(a1)) + _weighted_sum(sm, 0, xsf, t1 * nsub, nsub)
+                out[t0, j] = f8_sum(v16_halves(a0)) + _weighted_sum(sm, 0, xsf, t0 * nsub, nsub)
             for t in range(fours, r1):
-                a0 = b0 = f8_zero()
+                a0 = v16_zero()
                 for s2 in range(_U(0), nsub, _U(2)):
                     ev, od = _decode_k64(kind, qs, qh, j, s2 // _U(8), (s2 % _U(8)) // _U(2))
                     for h in range(_U(2)):
-                        w0, w1, w2, w3 = ev if h == 0 else od
+                        w_lo, w_hi = ev if h == 0 else od
                         s = s2 + _U(h)
-                        a0, b0 = _block_dot(w0, w1, w2, w3, xf, t * kk + s * _U(32), sd[s], a0, b0)
-                out[t, j] = f8_sum(f8_add(a0, b0)) + _weighted_sum(sm, 0, xsf, t * nsub, nsub)
+                        a0 = _block_dot16(w_lo, w_hi, xf, t * kk + s * _U(32), sd[s], a0)
+                out[t, j] = f8_sum(v16_halves(a0)) + _weighted_sum(sm, 0, xsf, t * nsub, nsub)
 
 
 @njit(inline="always")
@@ -968,14 +952,12 @@ def _k_dequant(kind, d, dmin, scales, qh, qs, j0, j1, buf, scratch):  # pragma: 
         for s2 in range(_U(0), nsub, _U(2)):
             ev, od = _decode_k64(kind, qs, qh, j, s2 // _U(8), (s2 % _U(8)) // _U(2))
             for h in range(_U(2)):
-                w0, w1, w2, w3 = ev if h == 0 else od
+                w_lo, w_hi = ev if h == 0 else od
                 s = s2 + _U(h)
-                ds, ms = f8_splat(sd[s]), f8_splat(sm[s])  # sm holds -(dmin * m): adding it subtracts
+                ds, ms = v16_splat(sd[s]), v16_splat(sm[s])  # sm holds -(dmin * m): adding it subtracts
                 c = o + s * _U(32)
-                f8_store(bf, c, f8_add(f8_mul(ds, w0), ms))
-                f8_store(bf, c + _U(8), f8_add(f8_mul(ds, w1), ms))
-                f8_store(bf, c + _U(16), f8_add(f8_mul(ds, w2), ms))
-                f8_store(bf, c + _U(24), f8_add(f8_mul(ds, w3), ms))
+                v16_store(bf, c, v16_add(v16_mul(ds, w_lo), ms))
+                v16_store(bf, c + _U(16), v16_add(v16_mul(ds, w_hi), ms))
 
 
 # One compiled version per type (the type a constant, so its branches fold away): task,
