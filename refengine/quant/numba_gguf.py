@@ -27,17 +27,16 @@ Why explicit SIMD: numba runs LLVM's loop vectorizer but not its SLP vectorizer
 (``NUMBA_SLP_VECTORIZE`` is off by default), and LLVM fully unrolls short lane loops (the
 16 lanes of a 32-weight block) before the loop vectorizer sees them, which leaves scalar
 code (``vfmadd231ss``, ``vcvtsi2ss``: checked with ``inspect_asm``). So the kernels here
-use two small vector types of eight lanes, :data:`f32x8` and :data:`i32x8` (one AVX2
-register; LLVM's ``<8 x float>``/``<8 x i32>``), and intrinsics for their loads, integer
-decoding, conversions and fused multiply-adds. That fixes the machine code whatever LLVM's
-unrolling heuristics decide: ``vpmovzxbd`` loads of quants, ``vcvtdq2ps``, ``vfmadd231ps``
-on ``ymm`` registers, the accumulators in registers. The 32-weight block types and the
-K-quants Q4_K and Q5_K (sub-blocks of 32) use two vector types of sixteen lanes,
-:data:`f32x16` and :data:`i32x16`, instead: a block is two of them (weights 0-15 and
-16-31), half the instructions per block (``zmm`` registers on an
-AVX-512 CPU; LLVM splits them into ``ymm`` pairs elsewhere). Lanes 0-7 of a sixteen-lane
-partial product are the eight-lane ``pA`` described below and lanes 8-15 are ``pB``, so the
-sums are the same bits either way.
+use small vector types and intrinsics for their loads, integer decoding, conversions and
+fused multiply-adds (:func:`_lane_intrinsics`, one set per width). That fixes the machine
+code whatever LLVM's unrolling heuristics decide: ``vpmovzxbd`` loads of quants,
+``vcvtdq2ps``, ``vfmadd231ps``, the accumulators in registers. The block types hold a
+32-weight block (Q6_K: two 16-weight groups) as two sixteen-lane vectors, :data:`f32x16`
+and :data:`i32x16` (weights 0-15 and 16-31; ``zmm`` registers on an AVX-512 CPU, ``ymm``
+pairs where LLVM splits them); the F16/BF16 kernels and the sums below use eight lanes,
+:data:`f32x8` (one AVX2 register). Lanes 0-7 of a sixteen-lane partial product are the
+eight-lane ``pA`` described below and lanes 8-15 are ``pB`` (Q6_K: the two accumulators of
+a group's weights 0-7 and 8-15), so the sums are those of eight-lane pairs, bit for bit.
 
 Why one compiled function per type (``_q4_1_rows``, ``_q4_1_linear``, ``_q4_1_dequant``
 ...): the family's code is written once (``_blocks32_rows(kind, ...)``, inlined) and each
@@ -373,8 +372,6 @@ def _lane_intrinsics(fvec, ivec, f_ir, i_ir) -> SimpleNamespace:
 _L8 = _lane_intrinsics(f32x8, i32x8, _F8, _I8)
 f8_zero, f8_splat, f8_load, f8_store = _L8.zero, _L8.splat, _L8.load, _L8.store
 f8_mul, f8_add, f8_fma = _L8.mul, _L8.add, _L8.fma
-i8_load_bytes, i8_and, i8_add, i8_shr, i8_shl = _L8.load_bytes, _L8.and_, _L8.add_int, _L8.shr, _L8.shl
-i8_or, i8_to_f8 = _L8.or_, _L8.to_float
 _L16 = _lane_intrinsics(f32x16, i32x16, _F16L, _I16L)
 v16_zero, v16_splat, v16_load, v16_store = _L16.zero, _L16.splat, _L16.load, _L16.store
 v16_mul, v16_add, v16_fma = _L16.mul, _L16.add, _L16.fma
@@ -1020,41 +1017,38 @@ def _q6_scales(d, scales, j, sd):  # pragma: no cover - compiled
 
 @njit(inline="always")
 def _q6_lanes(ql, lo, qh, ho, shift, hs):  # pragma: no cover - compiled
-    """Eight Q6_K quants ``0..63``: nibble ``(ql[lo + l] >> shift) & 15`` | ``((qh[ho + l] >> hs) & 3) << 4``."""
-    low = i8_and(i8_shr(i8_load_bytes(ql, lo), shift), 15)
-    return i8_or(low, i8_shl(i8_and(i8_shr(i8_load_bytes(qh, ho), hs), 3), 4))
+    """Sixteen Q6_K quants ``0..63``: nibble ``(ql[lo + l] >> shift) & 15`` | ``((qh[ho + l] >> hs) & 3) << 4``."""
+    low = q16_and(q16_shr(q16_load_bytes(ql, lo), shift), 15)
+    return q16_or(low, q16_shl(q16_and(q16_shr(q16_load_bytes(qh, ho), hs), 3), 4))
 
 
 @njit(inline="always")
 def _decode_q6_32(ql, qh, j, i, half, k):  # pragma: no cover - compiled
     """Quarter ``k`` of half ``half`` of superblock ``i`` of row ``j`` (weights
-    ``128 half + 32k .. + 31``): its quants ``q - 32`` as four float32 vectors (ggml's
-    ``dequantize_row_q6_K``: low four bits from ``ql[64 half + 32 (k % 2) + l]``, low nibble
-    for ``k < 2``; top two bits ``2k, 2k + 1`` of ``qh[32 half + l]``)."""
+    ``128 half + 32k .. + 31``): its quants ``q - 32`` as two float32 vectors, its two
+    16-weight groups (ggml's ``dequantize_row_q6_K``: low four bits from
+    ``ql[64 half + 32 (k % 2) + l]``, low nibble for ``k < 2``; top two bits ``2k, 2k + 1``
+    of ``qh[32 half + l]``)."""
     lb = (_U(j) * _U(ql.shape[1] // 128) + _U(i)) * _U(128) + _U(half) * _U(64) + (_U(k) % _U(2)) * _U(32)
     hb = (_U(j) * _U(qh.shape[1] // 64) + _U(i)) * _U(64) + _U(half) * _U(32)
     shift = _U(4) * (_U(k) // _U(2))
     hs = _U(2) * _U(k)
-    q0 = _q6_lanes(ql, lb, qh, hb, shift, hs)
-    q1 = _q6_lanes(ql, lb + _U(8), qh, hb + _U(8), shift, hs)
-    q2 = _q6_lanes(ql, lb + _U(16), qh, hb + _U(16), shift, hs)
-    q3 = _q6_lanes(ql, lb + _U(24), qh, hb + _U(24), shift, hs)
-    return (i8_to_f8(i8_add(q0, -32)), i8_to_f8(i8_add(q1, -32)),
-            i8_to_f8(i8_add(q2, -32)), i8_to_f8(i8_add(q3, -32)))
+    g0 = _q6_lanes(ql, lb, qh, hb, shift, hs)
+    g1 = _q6_lanes(ql, lb + _U(16), qh, hb + _U(16), shift, hs)
+    return q16_to_f(q16_add(g0, -32)), q16_to_f(q16_add(g1, -32))
 
 
 @njit(inline="always")
-def _group_dot(w0, w1, x, xo, d, acc_a, acc_b):  # pragma: no cover - compiled
-    """One 16-weight group (``w0``: weights 0-7, ``w1``: 8-15) times ``x[xo : xo + 16]``, scaled by ``d``."""
-    ds = f8_splat(d)
-    acc_a = f8_fma(ds, f8_mul(w0, f8_load(x, xo)), acc_a)
-    return acc_a, f8_fma(ds, f8_mul(w1, f8_load(x, xo + _U(8))), acc_b)
+def _group_dot(w, x, xo, d, acc):  # pragma: no cover - compiled
+    """One 16-weight group (decoded ``w``) times ``x[xo : xo + 16]``, scaled by ``d``:
+    ``acc = fma(d, w * x, acc)`` (lanes 0-7 and 8-15: the eight-lane pair of accumulators it replaces)."""
+    return v16_fma(v16_splat(d), v16_mul(w, v16_load(x, xo)), acc)
 
 
 @njit(cache=True)
 def _q6_k_rows(x, d, ql, qh, scales, out, j0, j1, scratch):  # pragma: no cover - compiled
     """``out[:, j] = x @ w[j]`` for ``j0 <= j < j1``, Q6_K (one task of :func:`_q6_k_linear`):
-    per 16-weight group ``acc = fma(d * sc, q * x, acc)`` on two eight-lane accumulators;
+    per 16-weight group ``acc = fma(d * sc, q * x, acc)`` on a sixteen-lane accumulator;
     input rows in cache-sized blocks, four at a time (a last group of 2-3 repeats its last
     row), then single rows. ``scratch``: float32 ``[>= K/16]``."""
     rows, k = x.shape
@@ -1069,32 +1063,29 @@ def _q6_k_rows(x, d, ql, qh, scales, out, j0, j1, scratch):  # pragma: no cover 
             _q6_scales(d, scales, j, scratch)
             for t0 in range(r0, fours, _U(4)):
                 t1, t2, t3 = min(t0 + _U(1), last), min(t0 + _U(2), last), min(t0 + _U(3), last)
-                a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = f8_zero()
+                a0 = a1 = a2 = a3 = v16_zero()
                 for q in range(nb * _U(8)):  # quarters of 32 weights: superblock i, half, k
                     i, half, kq = q // _U(8), (q // _U(4)) % _U(2), q % _U(4)
-                    w0, w1, w2, w3 = _decode_q6_32(ql, qh, j, i, half, kq)
+                    g0, g1 = _decode_q6_32(ql, qh, j, i, half, kq)
                     c, g = q * _U(32), q * _U(2)
-                    a0, b0 = _group_dot(w0, w1, xf, t0 * kk + c, scratch[g], a0, b0)
-                    a0, b0 = _group_dot(w2, w3, xf, t0 * kk + c + _U(16), scratch[g + _U(1)], a0, b0)
-                    a1, b1 = _group_dot(w0, w1, xf, t1 * kk + c, scratch[g], a1, b1)
-                    a1, b1 = _group_dot(w2, w3, xf, t1 * kk + c + _U(16), scratch[g + _U(1)], a1, b1)
-                    a2, b2 = _group_dot(w0, w1, xf, t2 * kk + c, scratch[g], a2, b2)
-                    a2, b2 = _group_dot(w2, w3, xf, t2 * kk + c + _U(16), scratch[g + _U(1)], a2, b2)
-                    a3, b3 = _group_dot(w0, w1, xf, t3 * kk + c, scratch[g], a3, b3)
-                    a3, b3 = _group_dot(w2, w3, xf, t3 * kk + c + _U(16), scratch[g + _U(1)], a3, b3)
-                out[t3, j] = f8_sum(f8_add(a3, b3))
-                out[t2, j] = f8_sum(f8_add(a2, b2))
-                out[t1, j] = f8_sum(f8_add(a1, b1))
-                out[t0, j] = f8_sum(f8_add(a0, b0))
+                    s0, s1 = scratch[g], scratch[g + _U(1)]
+                    a0 = _group_dot(g1, xf, t0 * kk + c + _U(16), s1, _group_dot(g0, xf, t0 * kk + c, s0, a0))
+                    a1 = _group_dot(g1, xf, t1 * kk + c + _U(16), s1, _group_dot(g0, xf, t1 * kk + c, s0, a1))
+                    a2 = _group_dot(g1, xf, t2 * kk + c + _U(16), s1, _group_dot(g0, xf, t2 * kk + c, s0, a2))
+                    a3 = _group_dot(g1, xf, t3 * kk + c + _U(16), s1, _group_dot(g0, xf, t3 * kk + c, s0, a3))
+                out[t3, j] = f8_sum(v16_halves(a3))
+                out[t2, j] = f8_sum(v16_halves(a2))
+                out[t1, j] = f8_sum(v16_halves(a1))
+                out[t0, j] = f8_sum(v16_halves(a0))
             for t in range(fours, r1):
-                a0 = b0 = f8_zero()
+                a0 = v16_zero()
                 for q in range(nb * _U(8)):
                     i, half, kq = q // _U(8), (q // _U(4)) % _U(2), q % _U(4)
-                    w0, w1, w2, w3 = _decode_q6_32(ql, qh, j, i, half, kq)
+                    g0, g1 = _decode_q6_32(ql, qh, j, i, half, kq)
                     c, g = q * _U(32), q * _U(2)
-                    a0, b0 = _group_dot(w0, w1, xf, t * kk + c, scratch[g], a0, b0)
-                    a0, b0 = _group_dot(w2, w3, xf, t * kk + c + _U(16), scratch[g + _U(1)], a0, b0)
-                out[t, j] = f8_sum(f8_add(a0, b0))
+                    a0 = _group_dot(g0, xf, t * kk + c, scratch[g], a0)
+                    a0 = _group_dot(g1, xf, t * kk + c + _U(16), scratch[g + _U(1)], a0)
+                out[t, j] = f8_sum(v16_halves(a0))
 
 
 @parallel_kernel()
@@ -1117,13 +1108,10 @@ def _q6_k_dequant(d, ql, qh, scales, j0, j1, buf, scratch):  # pragma: no cover 
         o = (j - _U(j0)) * k
         for q in range(nb * _U(8)):
             i, half, kq = q // _U(8), (q // _U(4)) % _U(2), q % _U(4)
-            w0, w1, w2, w3 = _decode_q6_32(ql, qh, j, i, half, kq)
+            g0, g1 = _decode_q6_32(ql, qh, j, i, half, kq)
             c, g = o + q * _U(32), q * _U(2)
-            s0, s1 = f8_splat(scratch[g]), f8_splat(scratch[g + _U(1)])
-            f8_store(bf, c, f8_mul(s0, w0))
-            f8_store(bf, c + _U(8), f8_mul(s0, w1))
-            f8_store(bf, c + _U(16), f8_mul(s1, w2))
-            f8_store(bf, c + _U(24), f8_mul(s1, w3))
+            v16_store(bf, c, v16_mul(v16_splat(scratch[g]), g0))
+            v16_store(bf, c + _U(16), v16_mul(v16_splat(scratch[g + _U(1)]), g1))
 
 
 # ---------------------------------------------------------------------------------------
