@@ -661,20 +661,18 @@ class _Plan:
             # context is its own position's keys, partitioned by its own length (one algorithm per row)
             self.decode_seqs = np.repeat(np.arange(q_lens.size, dtype=np.int32), q_lens)
             self.decode_rows = np.arange(int(qsl[-1]), dtype=np.int32)
-            # a row's context: its sequence's length less the rows after it in its chunk
-            self._decode_lens = (seq_lens[self.decode_seqs] - (qsl[self.decode_seqs + 1] - 1 - self.decode_rows)
-                                 ).astype(np.int64)
         else:
-            decode = np.flatnonzero(q_lens == 1).astype(np.int32)
-            self.decode_seqs = decode
-            self.decode_rows = qsl[decode]
-            self._decode_lens = seq_lens[decode].astype(np.int64)
+            self.decode_seqs = np.flatnonzero(q_lens == 1).astype(np.int32)
+            self.decode_rows = qsl[self.decode_seqs]
+        # a decode row's context: its sequence's length less the rows after it in its chunk
+        self._decode_lens = (seq_lens[self.decode_seqs] - (qsl[self.decode_seqs + 1] - 1 - self.decode_rows)
+                             ).astype(np.int64)
         self._part = max(block_size, DECODE_PARTITION // block_size * block_size)
         self._decode_parts: dict[int | None, _DecodeParts] = {}
         self.max_seq_len = int(seq_lens.max(initial=0))
 
         prefill = np.flatnonzero(q_lens > 1) if not batch_invariant else np.zeros(0, np.int64)
-        to_blas = q_lens >= (BLAS_PREFILL_MIN_ROWS if not batch_invariant else sys.maxsize)
+        to_blas = q_lens >= BLAS_PREFILL_MIN_ROWS
         self.blas_prefill = [int(i) for i in prefill if to_blas[i]]
         tiles = [(int(i), q0) for i in prefill if not to_blas[i]
                  for q0 in range(0, int(q_lens[i]), PREFILL_Q_TILE)]

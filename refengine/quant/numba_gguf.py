@@ -132,8 +132,7 @@ def _vector_type(name: str, ir_type) -> types.Type:
 
 #: Eight float32 lanes (LLVM ``<8 x float>``, one AVX2 ``ymm`` register).
 f32x8 = _vector_type("f32x8", _F8)
-#: Eight int32 lanes (LLVM ``<8 x i32>``).
-i32x8 = _vector_type("i32x8", _I8)
+
 
 def _is_c_array(a, *dtypes) -> bool:
     return isinstance(a, types.Array) and a.layout == "C" and a.dtype in dtypes
@@ -203,7 +202,7 @@ def f8_transpose8(typingctx, r0, r1, r2, r3, r4, r5, r6, r7):
 
 # ---------------------------------------------------------------------------------------
 # Sixteen-lane vectors (one AVX-512 ``zmm`` register; two ``ymm`` where LLVM splits them):
-# the 32-weight block kernels hold a block as two of them, weights 0-15 and 16-31. Lane
+# the block kernels hold a block of 32 weights as two of them, weights 0-15 and 16-31. Lane
 # ``l`` of a sixteen-lane sum is lane ``l % 8`` of the eight-lane pair it replaces (weights
 # 0-7 with 16-23, 8-15 with 24-31), so the sums are the same bits (:func:`v16_halves`).
 
@@ -215,6 +214,7 @@ _I16L = ir.VectorType(ir.IntType(32), 16)
 f32x16 = _vector_type("f32x16", _F16L)
 #: Sixteen int32 lanes (LLVM ``<16 x i32>``).
 i32x16 = _vector_type("i32x16", _I16L)
+
 
 @intrinsic
 def v16_halves(typingctx, v):
@@ -251,10 +251,10 @@ def q16_bits(typingctx, word, first):
 # The intrinsics of both widths, written once: loads, stores, arithmetic, integer decoding.
 
 
-def _lane_intrinsics(fvec, ivec, f_ir, i_ir) -> SimpleNamespace:
-    """The intrinsics on ``fvec``/``ivec`` (float32 and int32 lanes, LLVM ``f_ir``/``i_ir``):
-    ``zero``, ``splat``, ``load``, ``store``, ``mul``, ``add``, ``fma`` on float lanes;
-    ``load_bytes``, ``and_``, ``add_int``, ``shr``, ``shl``, ``or_``, ``to_float`` on int lanes.
+def _lane_intrinsics(fvec, f_ir, ivec=None, i_ir=None) -> SimpleNamespace:
+    """The intrinsics on ``fvec`` (float32 lanes, LLVM ``f_ir``): ``zero``, ``splat``,
+    ``load``, ``store``, ``mul``, ``add``, ``fma``; with ``ivec`` (int32 lanes, ``i_ir``) also
+    ``load_bytes``, ``and_``, ``add_int``, ``shr``, ``shl``, ``or_``, ``to_float`` on them.
     Loads and stores are not bounds-checked; ``fma`` is ``llvm.fma`` (one rounding), ``mul``
     is never fused with a later add."""
     lanes = f_ir.count
@@ -350,10 +350,11 @@ def _lane_intrinsics(fvec, ivec, f_ir, i_ir) -> SimpleNamespace:
         return fvec(v), codegen
 
     ops = SimpleNamespace(zero=zero, splat=splat, load=load, store=store, mul=binop("fmul", fvec, False),
-                          add=binop("fadd", fvec, False), fma=fma, load_bytes=load_bytes,
-                          and_=binop("and_", ivec, True), add_int=binop("add", ivec, True),
-                          shr=binop("lshr", ivec, True), shl=binop("shl", ivec, True),
-                          or_=binop("or_", ivec, False), to_float=to_float)
+                          add=binop("fadd", fvec, False), fma=fma)
+    if ivec is not None:
+        ops.__dict__.update(load_bytes=load_bytes, and_=binop("and_", ivec, True), add_int=binop("add", ivec, True),
+                            shr=binop("lshr", ivec, True), shl=binop("shl", ivec, True),
+                            or_=binop("or_", ivec, False), to_float=to_float)
     docs = {"zero": f"{lanes} float32 zeros.", "splat": f"``value`` (a float) in all {lanes} lanes.",
             "load": f"Elements ``idx .. idx + {lanes - 1}`` (flat) of a C-contiguous float32 array.",
             "store": f"Write ``v`` to elements ``idx .. idx + {lanes - 1}`` (flat) of a C-contiguous float32 array.",
@@ -365,14 +366,15 @@ def _lane_intrinsics(fvec, ivec, f_ir, i_ir) -> SimpleNamespace:
             "shr": "``v >> n`` lane-wise (logical).", "shl": "``v << n`` lane-wise.", "or_": "``a | b`` lane-wise.",
             "to_float": "int32 lanes -> float32 (exact below 2**24)."}
     for name, doc in docs.items():
-        getattr(ops, name).__doc__ = doc
+        if hasattr(ops, name):
+            getattr(ops, name).__doc__ = doc
     return ops
 
 
-_L8 = _lane_intrinsics(f32x8, i32x8, _F8, _I8)
+_L8 = _lane_intrinsics(f32x8, _F8)
 f8_zero, f8_splat, f8_load, f8_store = _L8.zero, _L8.splat, _L8.load, _L8.store
 f8_mul, f8_add, f8_fma = _L8.mul, _L8.add, _L8.fma
-_L16 = _lane_intrinsics(f32x16, i32x16, _F16L, _I16L)
+_L16 = _lane_intrinsics(f32x16, _F16L, i32x16, _I16L)
 v16_zero, v16_splat, v16_load, v16_store = _L16.zero, _L16.splat, _L16.load, _L16.store
 v16_mul, v16_add, v16_fma = _L16.mul, _L16.add, _L16.fma
 q16_load_bytes, q16_and, q16_add, q16_shr, q16_shl = (_L16.load_bytes, _L16.and_, _L16.add_int, _L16.shr,
