@@ -137,7 +137,7 @@ EDGES = [1, BS - 1, BS, BS + 1, 2 * BS + 7, 33, 300]
 GQA = {1: (4, 4), 2: (4, 2), 3: (9, 3), 8: (8, 1)}  # group -> (heads, kv heads)
 
 
-@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("head_dim", [32, 40, 64])  # 40: a rest of single dimensions
 @pytest.mark.parametrize("group", list(GQA))
 def test_paged_decode(head_dim, group):
     rng = np.random.default_rng(group * 100 + head_dim)
@@ -634,6 +634,30 @@ def test_key_tile_transpose_is_a_copy(dims, count):
     tile = tile.reshape(dims, k_tile)
     assert np.array_equal(tile[:, j0:j0 + count].view(np.uint32), keys.T.view(np.uint32))
     assert np.isnan(tile[:, :j0]).all() and np.isnan(tile[:, j0 + count:]).all()  # nothing else written
+
+
+def test_sixteen_lane_sums_at_once_equal_one_at_a_time():
+    """``v16_sums16`` (the decode kernel's scores, sixteen positions at once) gives each
+    vector's sum with the bits of ``f8_sum(v16_halves(v))``, the one-at-a-time sum, in order."""
+    from numba import njit
+
+    from refengine.quant.numba_gguf import f8_sum, v16_halves, v16_load, v16_store, v16_sums16
+
+    @njit
+    def both(a, at_once, one_by_one):
+        ld = lambda i: v16_load(a, np.uintp(16 * i))  # noqa: E731
+        v16_store(at_once, np.uintp(0), v16_sums16(ld(0), ld(1), ld(2), ld(3), ld(4), ld(5), ld(6), ld(7), ld(8),
+                                                   ld(9), ld(10), ld(11), ld(12), ld(13), ld(14), ld(15)))
+        for i in range(16):
+            one_by_one[i] = f8_sum(v16_halves(ld(i)))
+
+    rng = np.random.default_rng(16)
+    # values of many magnitudes, so that any other order of the additions rounds differently
+    a = (rng.standard_normal(256) * 10.0 ** rng.integers(-6, 7, 256)).astype(np.float32)
+    at_once, one_by_one = np.empty(16, np.float32), np.empty(16, np.float32)
+    both(a, at_once, one_by_one)
+    assert np.array_equal(at_once.view(np.uint32), one_by_one.view(np.uint32))
+    np.testing.assert_allclose(at_once, a.reshape(16, 16).astype(np.float64).sum(axis=1), rtol=1e-5, atol=1e-3)
 
 
 def test_exp_affine_accuracy_and_edges():

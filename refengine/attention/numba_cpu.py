@@ -5,10 +5,10 @@ twin (:mod:`refengine.attention.numpy_ref`), written as loops over the cache lay
 ``[num_blocks, block_size, num_kv_heads, head_dim]``:
 
 * **Paged decode** (``q_len == 1``): K and V are read in place through the block table
-  (no gather copy). One task per (sequence, partition of its context): each key row is
-  read once for its whole GQA group, and a position's rows for all KV heads (contiguous
-  in the cache) are read together; scores go to a scratch row per query head, then one
-  softmax, then one pass over the values. Long contexts are split into partitions of
+  (no gather copy). One task per (partition of a sequence's context, KV head), block by
+  block: while a block's key rows of that head are in L1 every query head of its GQA group
+  scores them (sixteen positions' dot products summed at once, :func:`v16_sums16`); then
+  one softmax per query head, then one pass over the values. Long contexts are split into partitions of
   :data:`DECODE_PARTITION` tokens so one sequence still feeds every core; each partition
   keeps its max, sum and unnormalised output, merged afterwards (Dao et al. 2023,
   "Flash-Decoding"; vLLM's PagedAttention v2; Kwon et al. 2023 §4).
@@ -85,7 +85,9 @@ from numba.extending import overload
 from refengine.attention import AttentionMetadata
 from refengine.attention.numpy_ref import gather_context
 from refengine.ops.numba_ops import _LN2_HI, _LN2_LO, _LOG2E, exp_affine
-from refengine.quant.numba_gguf import f8_load, f8_store, f8_transpose8
+from refengine.quant.numba_gguf import (f8_load, f8_store, f8_sum, f8_transpose8, q16_load_bytes, q16_to_f, v16_add,
+                                        v16_fma, v16_halves, v16_load, v16_mul, v16_splat, v16_store, v16_sums16,
+                                        v16_zero)
 from refengine.runtime import blas
 from refengine.runtime.numba_support import parallel_kernel, prefetch, register_kernels
 
@@ -122,12 +124,17 @@ _U = np.uintp  # unsigned indices: no negative-index wraparound in the inner loo
 @njit(cache=True, fastmath={"contract"})
 def _exp_and_sum(s, n, m, scratch):  # pragma: no cover - compiled
     """``s[j] = exp(s[j] - m)`` for ``j < n`` (vectorised, :func:`exp_affine`; ``scratch`` int32
-    ``[>= 2n]``); returns their float32 sum."""
+    ``[>= 2n]``); returns their float32 sum (sixteen lanes in order, :func:`f8_sum` of
+    :func:`v16_halves`, then the rest in order)."""
     head = s[:n]
     exp_affine(head, 1.0, -m, head, scratch)
-    total = np.float32(0.0)
-    for j in range(n):
-        total += head[j]
+    n16 = _U(n) // _U(16) * _U(16)
+    acc = v16_zero()
+    for j in range(_U(0), n16, _U(16)):  # sixteen running sums (one serial chain waits on the add latency)
+        acc = v16_add(acc, v16_load(s, j))
+    total = f8_sum(v16_halves(acc))
+    for j in range(n16, _U(n)):
+        total += s[j]
     return total
 
 
@@ -233,17 +240,117 @@ def _quantize_row(x, out, n):  # pragma: no cover - compiled
     return scale
 
 
+def _kv16(cache, i):  # pragma: no cover - replaced by its overload in compiled code
+    """Sixteen elements of the flat cache from index ``i`` as float32 lanes."""
+
+
+@overload(_kv16, inline="always")
+def _kv16_impl(cache, i):
+    if cache.dtype == types.float32:
+        return lambda cache, i: v16_load(cache, i)
+    return lambda cache, i: q16_to_f(q16_load_bytes(cache, i))  # int8: exact
+
+
+@njit(inline="always")
+def _dot64(q0, q1, q2, q3, kf, kb):  # pragma: no cover - compiled
+    """The lane partials of ``q . k[kb : kb + 64]`` (``q`` as four vectors, ``kf`` the flat cache)."""
+    t = v16_mul(q0, _kv16(kf, kb))
+    t = v16_fma(q1, _kv16(kf, kb + _U(16)), t)
+    t = v16_fma(q2, _kv16(kf, kb + _U(32)), t)
+    return v16_fma(q3, _kv16(kf, kb + _U(48)), t)
+
+
+@njit(inline="always")
+def _block_scores(qg, qb, kf, kb, kv_row, n_pos, dims, scores, sb):  # pragma: no cover - compiled
+    """``scores[sb + i] += q . k_i`` for the ``n_pos`` consecutive positions of one block
+    (key row ``i`` at ``kb + i * kv_row`` of the flat cache, ``q`` at ``qg[qb:]``): 64
+    dimensions at a time (``q`` in four registers), each dot's lanes summed by
+    :func:`f8_sum` of :func:`v16_halves`, sixteen positions at once by :func:`v16_sums16`
+    (the same bits); then a rest of 16 dimensions at a time, then single ones."""
+    d64, d16 = dims // _U(64) * _U(64), dims // _U(16) * _U(16)
+    n16 = n_pos // _U(16) * _U(16)
+    for c in range(_U(0), d64, _U(64)):
+        q0, q1 = v16_load(qg, qb + c), v16_load(qg, qb + c + _U(16))
+        q2, q3 = v16_load(qg, qb + c + _U(32)), v16_load(qg, qb + c + _U(48))
+        for i in range(_U(0), n16, _U(16)):
+            k0 = kb + i * kv_row + c
+            sums = v16_sums16(
+                _dot64(q0, q1, q2, q3, kf, k0), _dot64(q0, q1, q2, q3, kf, k0 + kv_row),
+                _dot64(q0, q1, q2, q3, kf, k0 + _U(2) * kv_row), _dot64(q0, q1, q2, q3, kf, k0 + _U(3) * kv_row),
+                _dot64(q0, q1, q2, q3, kf, k0 + _U(4) * kv_row), _dot64(q0, q1, q2, q3, kf, k0 + _U(5) * kv_row),
+                _dot64(q0, q1, q2, q3, kf, k0 + _U(6) * kv_row), _dot64(q0, q1, q2, q3, kf, k0 + _U(7) * kv_row),
+                _dot64(q0, q1, q2, q3, kf, k0 + _U(8) * kv_row), _dot64(q0, q1, q2, q3, kf, k0 + _U(9) * kv_row),
+                _dot64(q0, q1, q2, q3, kf, k0 + _U(10) * kv_row), _dot64(q0, q1, q2, q3, kf, k0 + _U(11) * kv_row),
+                _dot64(q0, q1, q2, q3, kf, k0 + _U(12) * kv_row), _dot64(q0, q1, q2, q3, kf, k0 + _U(13) * kv_row),
+                _dot64(q0, q1, q2, q3, kf, k0 + _U(14) * kv_row), _dot64(q0, q1, q2, q3, kf, k0 + _U(15) * kv_row))
+            v16_store(scores, sb + i, v16_add(v16_load(scores, sb + i), sums))
+        for i in range(n16, n_pos):
+            scores[sb + i] += f8_sum(v16_halves(_dot64(q0, q1, q2, q3, kf, kb + i * kv_row + c)))
+    for c in range(d64, d16, _U(16)):
+        qc = v16_load(qg, qb + c)
+        for i in range(n_pos):
+            scores[sb + i] += f8_sum(v16_halves(v16_mul(qc, _kv16(kf, kb + i * kv_row + c))))
+    for i in range(n_pos):
+        for d in range(d16, dims):
+            scores[sb + i] += qg[qb + d] * np.float32(kf[kb + i * kv_row + d])
+
+
+@njit(inline="always")
+def _block_values(scores, sb, vf, vb, kv_row, n_pos, dims, v_scale, block, off, h, acc,
+                  ob):  # pragma: no cover - compiled
+    """``acc[ob : ob + dims] += sum_i p_i * v_i`` over ``n_pos`` consecutive positions of one
+    block (value row ``i`` at ``vb + i * kv_row``, ``p_i = scores[sb + i]``, times
+    ``v_scale[block, off + i, h]`` for int8 caches): 64 dimensions at a time in four
+    registers, then 16, then single ones; positions in order."""
+    d64, d16 = dims // _U(64) * _U(64), dims // _U(16) * _U(16)
+    for c in range(_U(0), d64, _U(64)):
+        a0, a1 = v16_load(acc, ob + c), v16_load(acc, ob + c + _U(16))
+        a2, a3 = v16_load(acc, ob + c + _U(32)), v16_load(acc, ob + c + _U(48))
+        for i in range(n_pos):
+            pj = scores[sb + i]
+            if v_scale is not None:
+                pj *= v_scale[block, off + i, h]
+            pv, v0 = v16_splat(pj), vb + i * kv_row + c
+            a0 = v16_fma(pv, _kv16(vf, v0), a0)
+            a1 = v16_fma(pv, _kv16(vf, v0 + _U(16)), a1)
+            a2 = v16_fma(pv, _kv16(vf, v0 + _U(32)), a2)
+            a3 = v16_fma(pv, _kv16(vf, v0 + _U(48)), a3)
+        v16_store(acc, ob + c, a0)
+        v16_store(acc, ob + c + _U(16), a1)
+        v16_store(acc, ob + c + _U(32), a2)
+        v16_store(acc, ob + c + _U(48), a3)
+    for c in range(d64, d16, _U(16)):
+        a0 = v16_load(acc, ob + c)
+        for i in range(n_pos):
+            pj = scores[sb + i]
+            if v_scale is not None:
+                pj *= v_scale[block, off + i, h]
+            a0 = v16_fma(v16_splat(pj), _kv16(vf, vb + i * kv_row + c), a0)
+        v16_store(acc, ob + c, a0)
+    for d in range(d16, dims):
+        a = acc[ob + d]
+        for i in range(n_pos):
+            pj = scores[sb + i]
+            if v_scale is not None:
+                pj *= v_scale[block, off + i, h]
+            a += pj * np.float32(vf[vb + i * kv_row + d])
+        acc[ob + d] = a
+
+
 @njit(cache=True, fastmath=_FM)
 def _decode_partition(p, q, k_cache, v_cache, k_scale, v_scale, block_tables, seqs, rows, part_seq, part_start,
                       part_end, scale32, cap, part_max, part_sum, part_acc):  # pragma: no cover - compiled
     """Partition ``p`` of :func:`_paged_decode`: its scores, their max and exp-sum, and the
     unnormalised output, into ``part_max[p]``, ``part_sum[p]``, ``part_acc[p]``.
 
-    The cache is indexed in place with unsigned indices (no row views: each view costs two
-    atomic reference-count updates; no negative-index checks). While one block is read,
-    the same rows of the sequence's next block are prefetched: blocks are scattered, so the
-    hardware prefetcher cannot run ahead across them (measured faster with the hint, side by
-    side, at a few and at dozens of sequences).
+    The partition is read block by block, and a block's rows (all KV heads of a position
+    are contiguous) are read while they are in L1 by every query head of each GQA group:
+    scores by :func:`_block_scores`, then one softmax per query head, then ``P V`` by
+    :func:`_block_values` into ``part_acc``. The cache is indexed flat with unsigned
+    indices (no row views: each costs two atomic reference-count updates; no negative-index
+    checks). Before a block is read, its rows and the same rows of the sequence's next
+    block are prefetched, in order: each query head reads its KV head's part of every
+    row (a stride the hardware prefetcher follows poorly), and blocks are scattered.
 
     int8 caches (``k_scale``/``v_scale`` given): score = ``k_scale * (q . k_int8)``, and each
     probability is multiplied by its value row's scale before ``P V``. ``cap`` (float or None):
@@ -255,52 +362,50 @@ def _decode_partition(p, q, k_cache, v_cache, k_scale, v_scale, block_tables, se
     seq, row = seqs[part_seq[p]], rows[part_seq[p]]
     start, end = part_start[p], part_end[p]
     n = end - start
-    qg = np.empty((num_kv, group, head_dim), dtype=np.float32)
-    for h in range(num_kv):
-        for g in range(group):
-            for d in range(head_dim):
-                qg[h, g, d] = q[row, h * group + g, d] * scale32
-    scores = np.empty((num_kv, group, n), dtype=np.float32)
+    dims, nn, bsz = _U(head_dim), _U(n), _U(block_size)
+    kv_row = _U(num_kv) * dims  # from one position's rows to the next
+    qs = np.empty(num_heads * head_dim, dtype=np.float32)  # the queries, scaled
+    for i in range(num_heads):
+        for d in range(head_dim):
+            qs[i * head_dim + d] = q[row, i, d] * scale32
+    scores = np.zeros(num_heads * n, dtype=np.float32)  # row i: query head i
     scratch = np.empty(2 * n, dtype=np.int32)
-    kv_row, dims = _U(num_kv * head_dim), _U(head_dim)
+    kf, vf = k_cache.reshape(-1), v_cache.reshape(-1)
     first_block, end_block = start // block_size, (end + block_size - 1) // block_size
     for b in range(first_block, end_block):
         block, ahead = _U(block_tables[seq, b]), _U(block_tables[seq, min(b + 1, end_block - 1)])
-        for pos in range(max(start, b * block_size), min(end, (b + 1) * block_size)):
-            off, j = _U(pos - b * block_size), _U(pos - start)
-            _prefetch_row(k_cache, (ahead * _U(block_size) + off) * kv_row, kv_row)
-            for h in range(_U(num_kv)):  # a position's keys for all heads are contiguous
-                for g in range(_U(group)):  # each key row is read for the whole GQA group
-                    s = np.float32(0.0)
-                    for d in range(dims):
-                        s += qg[h, g, d] * k_cache[block, off, h, d]
-                    if k_scale is not None:
-                        s *= k_scale[block, off, h]
-                    scores[h, g, j] = s
-    for h in range(num_kv):
-        for g in range(group):
-            if cap is not None:
-                _soft_cap(scores[h, g], n, 1.0, cap, scratch)
-            m = _prefix_max(scores[h, g], n)
-            part_max[p, h, g] = m
-            part_sum[p, h, g] = _exp_and_sum(scores[h, g], n, m, scratch)
-    # P V one position at a time, all heads of its (contiguous) value rows, into a local
-    # accumulator, written to part_acc once: measured faster than four positions per head into
-    # part_acc, as the value rows are read in the cache's own order
-    acc = np.zeros((num_kv, group, head_dim), dtype=np.float32)
+        p0, p1 = max(start, b * block_size), min(end, (b + 1) * block_size)
+        off, j, n_pos = _U(p0 - b * block_size), _U(p0 - start), _U(p1 - p0)
+        _prefetch_row(k_cache, (block * bsz + off) * kv_row, n_pos * kv_row)
+        _prefetch_row(k_cache, (ahead * bsz + off) * kv_row, n_pos * kv_row)
+        for i in range(_U(num_heads)):
+            kb = (block * bsz + off) * kv_row + i // _U(group) * dims
+            _block_scores(qs, i * dims, kf, kb, kv_row, n_pos, dims, scores, i * nn + j)
+        if k_scale is not None:
+            for i in range(_U(num_heads)):
+                for t in range(n_pos):
+                    scores[i * nn + j + t] *= k_scale[block, off + t, i // _U(group)]
+    for i in range(num_heads):
+        sc = scores[i * n:(i + 1) * n]
+        if cap is not None:
+            _soft_cap(sc, n, 1.0, cap, scratch)
+        m = _prefix_max(sc, n)
+        part_max[p, i // group, i % group] = m
+        part_sum[p, i // group, i % group] = _exp_and_sum(sc, n, m, scratch)
+    acc = part_acc.reshape(-1)
+    ob = _U(p) * _U(num_heads) * dims
+    for i in range(_U(num_heads) * dims):
+        acc[ob + i] = 0.0
     for b in range(first_block, end_block):
         block, ahead = _U(block_tables[seq, b]), _U(block_tables[seq, min(b + 1, end_block - 1)])
-        for pos in range(max(start, b * block_size), min(end, (b + 1) * block_size)):
-            off, j = _U(pos - b * block_size), _U(pos - start)
-            _prefetch_row(v_cache, (ahead * _U(block_size) + off) * kv_row, kv_row)
-            for h in range(_U(num_kv)):
-                for g in range(_U(group)):
-                    pj = scores[h, g, j]
-                    if v_scale is not None:
-                        pj *= v_scale[block, off, h]
-                    for d in range(dims):
-                        acc[h, g, d] += pj * v_cache[block, off, h, d]
-    part_acc[p] = acc
+        p0, p1 = max(start, b * block_size), min(end, (b + 1) * block_size)
+        off, j, n_pos = _U(p0 - b * block_size), _U(p0 - start), _U(p1 - p0)
+        _prefetch_row(v_cache, (block * bsz + off) * kv_row, n_pos * kv_row)
+        _prefetch_row(v_cache, (ahead * bsz + off) * kv_row, n_pos * kv_row)
+        for i in range(_U(num_heads)):
+            h = i // _U(group)
+            vb = (block * bsz + off) * kv_row + h * dims
+            _block_values(scores, i * nn + j, vf, vb, kv_row, n_pos, dims, v_scale, block, off, h, acc, ob + i * dims)
 
 
 @njit(cache=True, inline="always")

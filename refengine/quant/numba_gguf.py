@@ -233,6 +233,38 @@ def v16_halves(typingctx, v):
 
 
 @intrinsic
+def v16_sums16(typingctx, t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, t10, t11, t12, t13, t14, t15):
+    """The sixteen vectors' lane sums as one vector: lane ``i`` is the sum of ``ti``'s
+    lanes, in :func:`v16_halves` then :func:`f8_sum`'s tree (the same bits as
+    ``f8_sum(v16_halves(ti))``), for about three operations a vector instead of seven.
+
+    Four rounds halve the lanes each vector still has to add: a round pairs two vectors
+    and adds, in one shuffle of each, the first half of every group of lanes to its
+    second half, so the number of vectors halves and the groups per vector double; a last
+    shuffle puts the sums, then in bit-reversed order, in order."""
+    vs = (t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, t10, t11, t12, t13, t14, t15)
+    if any(v != f32x16 for v in vs):
+        return None
+
+    def codegen(context, builder, sig, args):
+        def shuffle(a, b, lanes):
+            return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, len(lanes)), [_I32(i) for i in lanes]))
+
+        vecs, size = list(args), 16  # size: lanes per group (one vector's partial sums)
+        while size > 1:
+            half = size // 2
+            lo = [g + i for g in range(0, 16, size) for i in (*range(half), *range(16, 16 + half))]
+            hi = [i + half for i in lo]
+            vecs = [builder.fadd(shuffle(a, b, lo), shuffle(a, b, hi)) for a, b in zip(vecs[::2], vecs[1::2])]
+            size = half
+        order = [int(f"{i:04b}"[::-1], 2) for i in range(16)]  # lane i holds the sum of vector order[i]
+        out = vecs[0]
+        return shuffle(out, out, [order.index(i) for i in range(16)])
+
+    return f32x16(*vs), codegen
+
+
+@intrinsic
 def q16_bits(typingctx, word, first):
     """Lane ``l``: bit ``first + l`` of the 32-bit ``word`` (0 or 1)."""
     if not (isinstance(word, types.Integer) and isinstance(first, types.Integer)):
