@@ -69,8 +69,10 @@ prefill rows more, as each reads its keys itself (no tile of rows shares them).
 
 Numerics: float32 throughout, as the twin; ``fastmath={"contract", "reassoc"}`` lets LLVM
 fuse multiply-adds and vectorise the dot products' sums (never ``nnan``/``ninf``: a NaN
-read from outside a sequence's blocks shows in the output). Softmax weights use a
-vectorised ``exp`` (:func:`refengine.ops.numba_ops.exp_affine`, within 2 ulp).
+read from outside a sequence's blocks shows in the output). The paged decode kernel writes
+its sums as explicit sixteen-lane operations and takes ``contract`` only, so every sum keeps
+its written order. Softmax weights use a vectorised ``exp``
+(:func:`refengine.ops.numba_ops.exp_affine`, within 2 ulp).
 """
 
 from __future__ import annotations
@@ -118,6 +120,10 @@ SOFTMAX_ROWS_PER_TASK = 32
 _NO_WINDOW = 1 << 40
 
 _FM = {"contract", "reassoc"}
+#: The paged decode kernel's flags: its sums are written as explicit vector operations, and
+#: without ``reassoc`` every scalar sum is kept in its written order, so its two loop orders
+#: (:func:`_decode_partition`) give the same bits.
+_CONTRACT = {"contract"}
 _U = np.uintp  # unsigned indices: no negative-index wraparound in the inner loops
 
 
@@ -337,20 +343,27 @@ def _block_values(scores, sb, vf, vb, kv_row, n_pos, dims, v_scale, block, off, 
         acc[ob + d] = a
 
 
-@njit(cache=True, fastmath=_FM)
+@njit(cache=True, fastmath=_CONTRACT)
 def _decode_partition(p, q, k_cache, v_cache, k_scale, v_scale, block_tables, seqs, rows, part_seq, part_start,
-                      part_end, scale32, cap, part_max, part_sum, part_acc):  # pragma: no cover - compiled
+                      part_end, scale32, cap, by_position, part_max, part_sum, part_acc):  # pragma: no cover - compiled
     """Partition ``p`` of :func:`_paged_decode`: its scores, their max and exp-sum, and the
     unnormalised output, into ``part_max[p]``, ``part_sum[p]``, ``part_acc[p]``.
 
-    The partition is read block by block, and a block's rows (all KV heads of a position
-    are contiguous) are read while they are in L1 by every query head of each GQA group:
-    scores by :func:`_block_scores`, then one softmax per query head, then ``P V`` by
-    :func:`_block_values` into ``part_acc``. The cache is indexed flat with unsigned
-    indices (no row views: each costs two atomic reference-count updates; no negative-index
-    checks). Before a block is read, its rows and the same rows of the sequence's next
-    block are prefetched, in order: each query head reads its KV head's part of every
-    row (a stride the hardware prefetcher follows poorly), and blocks are scattered.
+    Scores by :func:`_block_scores`, then one softmax per query head, then ``P V`` by
+    :func:`_block_values` into ``part_acc``, in one of two orders of the same operations
+    (each score and each output element is summed in the same order, so the same bits):
+
+    * ``by_position``: position by position, every query head at each (one row's KV heads
+      are contiguous), the same row of the next block prefetched: the cache is read in
+      order, as memory streams it best (a decode row's keys were last read a step ago).
+    * block by block: each query head scores a block's positions sixteen at a time and
+      sums its values there while the block is in L1; the block and the next one are
+      prefetched first (each head reads a stride of every row). Prefill rows read keys
+      their neighbours have just read, so compute decides there.
+
+    The cache is indexed flat with unsigned indices (no row views: each costs two atomic
+    reference-count updates; no negative-index checks); blocks are scattered, so the
+    hardware prefetcher cannot run ahead across them (hence the hints).
 
     int8 caches (``k_scale``/``v_scale`` given): score = ``k_scale * (q . k_int8)``, and each
     probability is multiplied by its value row's scale before ``P V``. ``cap`` (float or None):
@@ -376,11 +389,19 @@ def _decode_partition(p, q, k_cache, v_cache, k_scale, v_scale, block_tables, se
         block, ahead = _U(block_tables[seq, b]), _U(block_tables[seq, min(b + 1, end_block - 1)])
         p0, p1 = max(start, b * block_size), min(end, (b + 1) * block_size)
         off, j, n_pos = _U(p0 - b * block_size), _U(p0 - start), _U(p1 - p0)
-        _prefetch_row(k_cache, (block * bsz + off) * kv_row, n_pos * kv_row)
-        _prefetch_row(k_cache, (ahead * bsz + off) * kv_row, n_pos * kv_row)
-        for i in range(_U(num_heads)):
-            kb = (block * bsz + off) * kv_row + i // _U(group) * dims
-            _block_scores(qs, i * dims, kf, kb, kv_row, n_pos, dims, scores, i * nn + j)
+        if by_position:
+            for t in range(n_pos):
+                _prefetch_row(k_cache, (ahead * bsz + off + t) * kv_row, kv_row)
+                kb = (block * bsz + off + t) * kv_row
+                for i in range(_U(num_heads)):
+                    _block_scores(qs, i * dims, kf, kb + i // _U(group) * dims, kv_row, _U(1), dims, scores,
+                                  i * nn + j + t)
+        else:
+            _prefetch_row(k_cache, (block * bsz + off) * kv_row, n_pos * kv_row)
+            _prefetch_row(k_cache, (ahead * bsz + off) * kv_row, n_pos * kv_row)
+            for i in range(_U(num_heads)):
+                kb = (block * bsz + off) * kv_row + i // _U(group) * dims
+                _block_scores(qs, i * dims, kf, kb, kv_row, n_pos, dims, scores, i * nn + j)
         if k_scale is not None:
             for i in range(_U(num_heads)):
                 for t in range(n_pos):
@@ -400,12 +421,22 @@ def _decode_partition(p, q, k_cache, v_cache, k_scale, v_scale, block_tables, se
         block, ahead = _U(block_tables[seq, b]), _U(block_tables[seq, min(b + 1, end_block - 1)])
         p0, p1 = max(start, b * block_size), min(end, (b + 1) * block_size)
         off, j, n_pos = _U(p0 - b * block_size), _U(p0 - start), _U(p1 - p0)
-        _prefetch_row(v_cache, (block * bsz + off) * kv_row, n_pos * kv_row)
-        _prefetch_row(v_cache, (ahead * bsz + off) * kv_row, n_pos * kv_row)
-        for i in range(_U(num_heads)):
-            h = i // _U(group)
-            vb = (block * bsz + off) * kv_row + h * dims
-            _block_values(scores, i * nn + j, vf, vb, kv_row, n_pos, dims, v_scale, block, off, h, acc, ob + i * dims)
+        if by_position:
+            for t in range(n_pos):
+                _prefetch_row(v_cache, (ahead * bsz + off + t) * kv_row, kv_row)
+                vb = (block * bsz + off + t) * kv_row
+                for i in range(_U(num_heads)):
+                    h = i // _U(group)
+                    _block_values(scores, i * nn + j + t, vf, vb + h * dims, kv_row, _U(1), dims, v_scale, block,
+                                  off + t, h, acc, ob + i * dims)
+        else:
+            _prefetch_row(v_cache, (block * bsz + off) * kv_row, n_pos * kv_row)
+            _prefetch_row(v_cache, (ahead * bsz + off) * kv_row, n_pos * kv_row)
+            for i in range(_U(num_heads)):
+                h = i // _U(group)
+                vb = (block * bsz + off) * kv_row + h * dims
+                _block_values(scores, i * nn + j, vf, vb, kv_row, n_pos, dims, v_scale, block, off, h, acc,
+                              ob + i * dims)
 
 
 @njit(cache=True, inline="always")
@@ -415,9 +446,9 @@ def _prefetch_row(cache, first, length):  # pragma: no cover - compiled
         prefetch(cache, first + i)
 
 
-@parallel_kernel(fastmath=_FM)
+@parallel_kernel(fastmath=_CONTRACT)
 def _paged_decode(q, k_cache, v_cache, k_scale, v_scale, block_tables, seqs, rows, part_seq, part_start, part_end,
-                  scale, cap, out):  # pragma: no cover - compiled
+                  scale, cap, by_position, out):  # pragma: no cover - compiled
     """Decode attention for the batch sequences ``seqs`` whose query rows are ``rows``.
 
     Args:
@@ -431,6 +462,9 @@ def _paged_decode(q, k_cache, v_cache, k_scale, v_scale, block_tables, seqs, row
             of one sequence are consecutive and cover the positions it attends to (its whole
             context, or the last ``W`` positions with a sliding window).
         cap: ``logits_soft_cap`` (float), or None.
+        by_position: read each partition position by position (a batch of decode rows, whose
+            keys come from memory), else block by block (prefill rows, which share theirs in
+            cache); the same bits either way (:func:`_decode_partition`).
         out: ``[T, H, D]`` float32; the rows ``rows`` are written.
     """
     num_parts = part_seq.shape[0]
@@ -438,7 +472,7 @@ def _paged_decode(q, k_cache, v_cache, k_scale, v_scale, block_tables, seqs, row
     scale32 = np.float32(scale)
     for p in prange(num_parts):
         _decode_partition(p, q, k_cache, v_cache, k_scale, v_scale, block_tables, seqs, rows, part_seq, part_start,
-                          part_end, scale32, cap, part_max, part_sum, part_acc)
+                          part_end, scale32, cap, by_position, part_max, part_sum, part_acc)
     _merge_partitions(part_seq, rows, part_max, part_sum, part_acc, out)
 
 
@@ -752,6 +786,7 @@ class _Plan:
         q_lens = np.diff(qsl)
         if (q_lens < 1).any() or (q_lens > seq_lens).any():
             raise ValueError("each sequence needs 1 <= q_len <= seq_len")
+        self.decode_only = bool((q_lens == 1).all())  # the decode kernel's loop order (by position)
         # every block a sequence reads must exist: checked here, once, since the kernels do not
         blocks_needed = -(-seq_lens // block_size)
         if blocks_needed.max(initial=0) > self.block_tables.shape[1]:
@@ -909,7 +944,8 @@ class NumbaAttention:
             for a, b, tokens in parts.launches:
                 decode = _paged_decode.serial if tokens < SERIAL_DECODE_MAX_TOKENS else _paged_decode
                 decode(q, k_cache, v_cache, k_scale, v_scale, plan.block_tables, plan.decode_seqs, plan.decode_rows,
-                       parts.seq[a:b], parts.start[a:b], parts.end[a:b], float(scale), logits_soft_cap, out)
+                       parts.seq[a:b], parts.start[a:b], parts.end[a:b], float(scale), logits_soft_cap,
+                       plan.decode_only, out)
         if plan.tile_seq.shape[0]:
             _flash_prefill(q, k_cache, v_cache, k_scale, v_scale, plan.block_tables, plan.seq_lens,
                            plan.query_start_loc, plan.tile_seq, plan.tile_q0, float(scale), window, logits_soft_cap,
