@@ -343,6 +343,16 @@ def _block_values(scores, sb, vf, vb, kv_row, n_pos, dims, v_scale, block, off, 
         acc[ob + d] = a
 
 
+@njit(inline="always")
+def _block_span(block_tables, seq, b, end_block, start, end, block_size):  # pragma: no cover - compiled
+    """Block ``b`` of a partition ``start .. end - 1`` of sequence ``seq``'s context: its
+    cache block, the next one's (itself for the last), the partition's first slot in it,
+    that position's index in the partition, and how many of the partition's positions it holds."""
+    block, ahead = _U(block_tables[seq, b]), _U(block_tables[seq, min(b + 1, end_block - 1)])
+    p0, p1 = max(start, b * block_size), min(end, (b + 1) * block_size)
+    return block, ahead, _U(p0 - b * block_size), _U(p0 - start), _U(p1 - p0)
+
+
 @njit(cache=True, fastmath=_CONTRACT)
 def _decode_partition(p, q, k_cache, v_cache, k_scale, v_scale, block_tables, seqs, rows, part_seq, part_start,
                       part_end, scale32, cap, by_position, part_max, part_sum, part_acc):  # pragma: no cover - compiled
@@ -386,9 +396,7 @@ def _decode_partition(p, q, k_cache, v_cache, k_scale, v_scale, block_tables, se
     kf, vf = k_cache.reshape(-1), v_cache.reshape(-1)
     first_block, end_block = start // block_size, (end + block_size - 1) // block_size
     for b in range(first_block, end_block):
-        block, ahead = _U(block_tables[seq, b]), _U(block_tables[seq, min(b + 1, end_block - 1)])
-        p0, p1 = max(start, b * block_size), min(end, (b + 1) * block_size)
-        off, j, n_pos = _U(p0 - b * block_size), _U(p0 - start), _U(p1 - p0)
+        block, ahead, off, j, n_pos = _block_span(block_tables, seq, b, end_block, start, end, block_size)
         if by_position:
             for t in range(n_pos):
                 _prefetch_row(k_cache, (ahead * bsz + off + t) * kv_row, kv_row)
@@ -418,9 +426,7 @@ def _decode_partition(p, q, k_cache, v_cache, k_scale, v_scale, block_tables, se
     for i in range(_U(num_heads) * dims):
         acc[ob + i] = 0.0
     for b in range(first_block, end_block):
-        block, ahead = _U(block_tables[seq, b]), _U(block_tables[seq, min(b + 1, end_block - 1)])
-        p0, p1 = max(start, b * block_size), min(end, (b + 1) * block_size)
-        off, j, n_pos = _U(p0 - b * block_size), _U(p0 - start), _U(p1 - p0)
+        block, ahead, off, j, n_pos = _block_span(block_tables, seq, b, end_block, start, end, block_size)
         if by_position:
             for t in range(n_pos):
                 _prefetch_row(v_cache, (ahead * bsz + off + t) * kv_row, kv_row)
