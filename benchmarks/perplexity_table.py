@@ -7,6 +7,7 @@ Rows (``refengine eval perplexity`` with ``--baseline``, llama.cpp's method: win
 * the GGUF file as stored (Q4_1 layers, Q8_0 embedding) against the same file
   dequantized to float32: the kernels' cost (the float32 weights *are* the dequantized
   blocks, so this should be rounding only);
+* the same file with ``activation_dtype="q8_0"`` (llama.cpp's Q8_0 activations) against it;
 * ``quantization="int8"`` (per-channel int8 of the float32 weights);
 * ``kv_cache_dtype="int8"`` (per-token, per-head int8 KV cache), float32 weights;
 * both int8 together.
@@ -36,6 +37,8 @@ GGUF = ROOT / "weights" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: row name -> (engine options, baseline options)
 ROWS = {
     "GGUF Q4_1 as stored (vs the same blocks dequantized)": ({"model": GGUF}, {"model": GGUF, "dtype": "float32"}),
+    "GGUF Q4_1, Q8_0 activations (vs the same blocks dequantized)": (
+        {"model": GGUF, "activation_dtype": "q8_0"}, {"model": GGUF, "dtype": "float32"}),
     "int8 weights": ({"model": HF_DIR, "quantization": "int8"}, {"model": HF_DIR}),
     "int8 KV cache": ({"model": HF_DIR, "kv_cache_dtype": "int8"}, {"model": HF_DIR}),
     "int8 weights + int8 KV cache": ({"model": HF_DIR, "quantization": "int8", "kv_cache_dtype": "int8"},

@@ -172,6 +172,8 @@ class EngineConfig:
         enable_prefix_caching: reuse full KV blocks by content (:mod:`refengine.kv_cache`).
         batch_invariant: the numba kernels in their batch-invariant mode (a row's logits the
             same bits whatever its step; :class:`refengine.ops.numba_ops.NumbaOps`).
+        activation_dtype: the input of the products with GGUF block weights, "auto" (float32)
+            or "q8_0" (ggml's Q8_0 blocks, integer dot products; :mod:`refengine.quant.numba_q8`).
         gpu_memory_utilization: share of GPU memory the engine may use.
         max_logprobs: most ``SamplingParams.logprobs`` a request may ask for.
         log_stats: log per-request lines and periodic stats. trace: record step events.
@@ -212,6 +214,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
     batch_invariant: bool = False
+    activation_dtype: str = "auto"
     tensor_parallel_size: int = 1
 
     @property
@@ -228,7 +231,8 @@ class EngineConfig:
                 "device": self.device, "dtype": str(self.dtype), "attention_backend": self.attention_backend,
                 "layer_ops": self.layer_ops, "kv_cache_dtype": self.kv_cache_dtype, "block_size": self.block_size,
                 "num_kv_blocks": self.num_kv_blocks, "quantization": self.quantization,
-                "batch_invariant": self.batch_invariant, "tensor_parallel_size": self.tensor_parallel_size,
+                "batch_invariant": self.batch_invariant, "activation_dtype": self.activation_dtype,
+                "tensor_parallel_size": self.tensor_parallel_size,
                 **{k: getattr(self.scheduler_config, k) for k in ("max_num_seqs", "max_num_batched_tokens",
                                                                    "enable_chunked_prefill", "max_model_len")},
                 "speculative_config": None if self.speculative_config is None else asdict(self.speculative_config)}

@@ -154,7 +154,8 @@ def build_model(config, dequantize_gguf: bool, partition=None):
         import cupy as xp
     attention = get_attention_backend(config.attention_backend, batch_invariant=config.batch_invariant)
     # CUDA ops share the attention backend's compiled module
-    ops = get_layer_ops(config.layer_ops, xp, batch_invariant=config.batch_invariant)
+    ops = get_layer_ops(config.layer_ops, xp, batch_invariant=config.batch_invariant,
+                        activation_dtype=config.activation_dtype)
     if config.device == "cpu":  # thread pools sized to this process's cores (refengine/runtime/threads.py)
         configure_threads(config.num_threads, library_blas=not getattr(ops, "spreads_blas", False))
     model = load_model(config.model_dir, config.model_config, attention, ops, xp=xp, dtype=config.dtype,

@@ -60,6 +60,10 @@ def _option(help: str, *, metavar: str | None = None, choices=None, flag: str | 
 
 
 #: Short names of the models ``make weights`` fetches -> where the fetch scripts put them.
+#: ``activation_dtype`` values: the products' float32 input, or ggml's Q8_0 blocks (:mod:`refengine.quant.numba_q8`).
+ACTIVATION_DTYPES = ("auto", "q8_0")
+
+
 MODEL_ALIASES = {"smollm2-135m": DEFAULT_MODEL, "gemma3-270m": "weights/gemma-3-270m-q4_k_m.gguf"}
 
 
@@ -102,6 +106,11 @@ class EngineArgs:
         "weight quantization (vLLM's name; CPU and CUDA): int8 (per-output-channel symmetric, computed at load from a "
         "float checkpoint or a GGUF file's dequantized blocks), awq or gptq (4-bit checkpoints, detected from config.json's quantization_config, "
         "which the value must match); default: as the checkpoint is", choices=QUANTIZATIONS))
+    activation_dtype: str = field(default="auto", metadata=_option(
+        "input of the products with a GGUF file's Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 weights (numba backend): auto "
+        "(float32, the weights' exact product) or q8_0 (llama.cpp's scheme: each row rounded to ggml's Q8_0 blocks, "
+        "integer dot products; faster, at the cost of that rounding: docs/quantization.md#activations)",
+        choices=ACTIVATION_DTYPES))
     attention_backend: str | None = field(default=None, metadata=_option(
         "how attention (and the layer ops) are computed: numpy, numba (compiled CPU kernels) or cuda-emulated "
         "on the CPU, cuda on a GPU (default: numba on the CPU, the faster there, measured; numpy when numba "
@@ -277,6 +286,7 @@ class EngineArgs:
             raise ValueError(f"quantization={quantization!r} runs on the CPU only, not on device={device!r}; "
                              f"on {device!r} use one of {CUDA_QUANTIZATIONS}")
         kv_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, backend)
+        activation_dtype = resolve_activation_dtype(self.activation_dtype, backend, model_dir, self.dtype, quantization)
         if self.tensor_parallel_size > 1:
             check_tensor_parallel(self.tensor_parallel_size, mc, device, spec)
         per_block = KVCache.bytes_per_block(mc.num_hidden_layers, self.block_size, mc.num_key_value_heads,
@@ -324,7 +334,7 @@ class EngineArgs:
             layer_ops=LAYER_OPS_FOR_BACKEND[backend], num_threads=self.num_threads, block_size=self.block_size,
             num_kv_blocks=num_blocks, bytes_per_block=per_block, kv_cache_dtype=kv_dtype, quantization=quantization,
             enable_prefix_caching=self.enable_prefix_caching, batch_invariant=batch_invariant,
-            gpu_memory_utilization=self.gpu_memory_utilization,
+            activation_dtype=activation_dtype, gpu_memory_utilization=self.gpu_memory_utilization,
             max_logprobs=self.max_logprobs, log_stats=self.log_stats, trace=self.trace,
             scheduler_config=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
                                              enable_chunked_prefill=self.enable_chunked_prefill,
@@ -374,6 +384,27 @@ def check_tensor_parallel(n: int, mc: ModelConfig, device: str, spec: Speculativ
 
 #: Attention backends whose kernels (with their layer ops) can run batch-invariant.
 BATCH_INVARIANT_BACKENDS = ("numba",)
+
+
+def resolve_activation_dtype(activation_dtype: str, backend: str, model_dir: Path, dtype: str,
+                             quantization: str | None) -> str:
+    """``activation_dtype`` checked against the run: ``"q8_0"`` needs the numba backend and a
+    GGUF file's tensors as stored (``dtype="auto"``, no ``quantization``), whose 32-weight
+    block types it applies to.
+
+    Raises:
+        ValueError: ``"q8_0"`` with another backend, a model that is not a GGUF file, an
+            explicit ``dtype`` (which dequantizes the file) or a ``quantization``.
+    """
+    if activation_dtype == "auto":
+        return activation_dtype
+    if backend != "numba":
+        raise ValueError(f"activation_dtype={activation_dtype!r} needs attention_backend='numba', not {backend!r}")
+    if not is_gguf(model_dir) or dtype != "auto" or quantization is not None:
+        raise ValueError(f"activation_dtype={activation_dtype!r} applies to a GGUF file's block types as stored: "
+                         f"model={str(model_dir)!r}, dtype={dtype!r}, quantization={quantization!r} "
+                         "(needs a .gguf file, dtype='auto', no quantization)")
+    return activation_dtype
 
 
 def resolve_batch_invariant(batch_invariant: bool | None, backend: str) -> bool:

@@ -49,6 +49,7 @@ DEFAULT_HF_DIR = ROOT / "weights" / "SmolLM2-135M-Instruct"
 CASES = {
     "refengine-gguf": ("refengine, GGUF as stored", "refengine", ""),
     "refengine-gguf-fast": ("refengine, GGUF as stored, --no-batch-invariant", "refengine", ""),
+    "refengine-gguf-q8": ("refengine, GGUF as stored, --activation-dtype q8_0", "refengine", ""),
     "refengine-f32": ("refengine, float32 (dequantized GGUF)", "refengine", ""),
     "refengine-int8": ("refengine, int8 (of the float32 directory)", "refengine", ""),
     "llama.cpp": ("llama.cpp, GGUF as stored", "llama_cpp", "run benchmarks/build_llama_cpp.sh"),
@@ -83,6 +84,8 @@ def _run_refengine(job: dict) -> dict:
           "max_model_len": len(job["prompt"]) + job["output_len"] + 8}
     if job["case"] == "refengine-gguf-fast":  # BLAS products and the paged decode kernel (docs/engine_options.md)
         kw["batch_invariant"] = False
+    elif job["case"] == "refengine-gguf-q8":  # llama.cpp's Q8_0 activations (docs/quantization.md)
+        kw["activation_dtype"] = "q8_0"
     elif job["case"] == "refengine-f32":
         kw["dtype"] = "float32"
     elif job["case"] == "refengine-int8":  # int8 of the float32 weights (the HF directory)

@@ -20,8 +20,8 @@ from refengine.eval.perplexity import compare, load_text, perplexity, tokenize
 from refengine.kv_cache import cdiv
 
 #: What ``--baseline`` alone changes in the run's engine options: float32, and the
-#: quantization and KV-cache options at their defaults (where EngineArgs has them).
-BASELINE_RESET = ("quantization", "kv_cache_dtype")
+#: quantization, KV-cache and activation options at their defaults (where EngineArgs has them).
+BASELINE_RESET = ("quantization", "kv_cache_dtype", "activation_dtype")
 
 
 def default_baseline() -> dict:

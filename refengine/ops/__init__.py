@@ -55,11 +55,13 @@ class LayerOps(Protocol):
         (:func:`refengine.layers.gelu_tanh_and_mul`)."""
 
 
-def get_layer_ops(name: str, xp=np, kernels: Any = None, *, batch_invariant: bool = False) -> LayerOps:
+def get_layer_ops(name: str, xp=np, kernels: Any = None, *, batch_invariant: bool = False,
+                  activation_dtype: str = "auto") -> LayerOps:
     """Build the layer operations called ``name`` (one of :data:`LAYER_OPS`).
 
     ``batch_invariant``: the numba ops' batch-invariant mode (:class:`refengine.ops.numba_ops.NumbaOps`);
-    the other ops have none (the engine refuses the combination first).
+    the other ops have none (the engine refuses the combination first). ``activation_dtype``:
+    ``"q8_0"`` for the numba ops' Q8_0-activation products (the engine allows it there only).
 
     ``kernels`` is the launcher of ``"cuda"`` (a :class:`refengine.kernels.build.KernelModule`);
     by default the current device's CuPy module, the one the CUDA attention backend uses.
@@ -74,7 +76,7 @@ def get_layer_ops(name: str, xp=np, kernels: Any = None, *, batch_invariant: boo
     if name == "numba":
         from refengine.ops.numba_ops import NumbaOps
 
-        return NumbaOps(batch_invariant=batch_invariant)
+        return NumbaOps(batch_invariant=batch_invariant, activation_dtype=activation_dtype)
     if name == "cuda":
         from refengine.ops.cuda import CudaLayerOps
 

@@ -400,6 +400,10 @@ class NumbaOps:
     (``numba_linear(x, batch_invariant=True)``), so each output is summed in one fixed order
     and a row's results are the same bits in any batch, chunk or thread count. BLAS sums in
     an order that depends on the number of rows (its blocking and kernels change with them).
+
+    ``activation_dtype="q8_0"``: products with GGUF Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 weights round
+    their input to ggml's Q8_0 blocks and multiply in integers at every row count
+    (:mod:`refengine.quant.numba_q8`; batch-invariant too); other weights as above.
     """
 
     name = "numba"
@@ -407,8 +411,10 @@ class NumbaOps:
     #: engine keeps the BLAS library's own pool on one thread (``configure_threads(library_blas=False)``).
     spreads_blas = True
 
-    def __init__(self, blas_min_rows: int = BLAS_MIN_ROWS, *, batch_invariant: bool = False):
+    def __init__(self, blas_min_rows: int = BLAS_MIN_ROWS, *, batch_invariant: bool = False,
+                 activation_dtype: str = "auto"):
         self.batch_invariant = bool(batch_invariant)
+        self.activation_dtype = activation_dtype
         # invariant: the dot kernels at every row count (BLAS's reduction order depends on the rows)
         self.blas_min_rows = sys.maxsize if self.batch_invariant else blas_min_rows
 
@@ -437,6 +443,11 @@ class NumbaOps:
         if isinstance(w, StackedWeight):
             return np.concatenate([self.linear(x, p if is_quantized(p) else np.ascontiguousarray(p, dtype=np.float32).T)
                                    for p in w.parts], axis=1)
+        if self.activation_dtype == "q8_0":
+            from refengine.quant.numba_q8 import Q8_TYPES, q8_linear
+
+            if getattr(w, "format", None) in Q8_TYPES:
+                return q8_linear(x, w)
         kernel = getattr(w, "numba_linear", None)
         if kernel is None:
             return reference_linear(x, w)

@@ -1,0 +1,562 @@
+"""Products of GGUF 32-weight block types with the activations quantized to ggml's Q8_0
+blocks, in integers: llama.cpp's scheme for its CPU dot products, ``activation_dtype="q8_0"``.
+
+``x [T, in] @ w.T`` for ``w [out, in]`` in Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1, in two steps:
+
+1. :func:`quantize_q8_0` rounds each row of ``x`` to Q8_0 blocks, exactly as ggml's
+   reference ``quantize_row_q8_0_ref`` (``ggml-quants.c``) and gguf-py's
+   ``gguf.quants.quantize(x, Q8_0)`` do: per block of 32, ``d = max|x| / 127`` (stored as
+   f16), ``q = roundf(x / d)`` (half away from zero; ``x * (1 / d)`` with the float32
+   ``d``), ``q`` in ``[-127, 127]``. The value it stands for is ``x̂ = f16(d) * q``.
+2. The fused kernels multiply a block of weights' integer quants with the block's ``q`` in
+   exact integer arithmetic (``vpmaddwd``: 16-bit products summed in pairs into int32 lanes),
+   convert the block's integer sum to float32 once and add ``d_w * d_x * sum`` to float32
+   accumulators; the types with a minimum (Q4_1, Q5_1) add ``m_w * sum(x̂)`` per block,
+   ``sum(x̂) = f16(d) * sum(q)`` from the integers. So every output is, up to float32
+   rounding, ``dequantize(w) @ dequantize(quantize_q8_0(x))`` (tested against gguf-py's
+   own quantizer and dequantizer, in float64).
+
+What it costs and saves: the activations carry ggml's Q8_0 rounding error (each value
+within half a step, ``max|x| / 254`` of its block); ``refengine eval perplexity
+--activation-dtype q8_0`` measures what that does to a model. The products decode each
+weight to a 16-bit integer instead of a float32 and multiply 16 of them in one instruction
+(``vpmaddwd``) instead of 8 (``vfmadd231ps``), with one conversion and one FMA per block
+rather than per eight weights. numba's LLVM does not emit AVX-512 VNNI (``vpdpwssd``) from
+generic IR, and the code here is generic IR that LLVM matches to ``vpmaddwd`` on any x86-64
+CPU with AVX2 (``inspect_asm`` shows it); elsewhere it is scalar but correct.
+
+Numerics: a block's integer sum is exact whatever the order of its lanes; the float32 sums
+run in one fixed order per output (eight lanes across the blocks, :func:`f8_sum`, then the
+minimum terms as in :mod:`refengine.quant.numba_gguf`), the same whatever the number of
+rows, the group a row falls in, or the threads: batch-invariant at every row count. This
+path therefore serves every row count (it has no BLAS twin); the other block types keep
+their float32 kernels (:func:`linear` falls back to :func:`refengine.quant.numba_gguf.linear`).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from refengine.quant import numba_gguf
+from refengine.quant.numba_gguf import (
+    _BLOCKS32, _F8, _I8, CHUNK_ROWS, PREFETCH_BYTES, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, _bits_as_f32, _chunk_scales,
+    _fours_end, _is_c_array, _planes, _splat, _scale_scratch, _task_rows, _vector_ptr, _vector_type, _weighted_sum,
+    f8_fma, f8_splat, f8_sum, f8_zero, f32x8)
+from refengine.runtime.numba_support import get_num_threads, parallel_kernel, prefetch, register_kernels, x_block_rows
+
+#: Block types whose products take Q8_0 activations here (the others stay float32).
+Q8_TYPES = _BLOCKS32
+#: From this many rows :func:`quantize_q8_0` runs its rows in parallel.
+QUANTIZE_PARALLEL_MIN_ROWS = 64
+
+_U = np.uintp
+_B32 = ir.VectorType(ir.IntType(8), 32)
+_W16 = ir.VectorType(ir.IntType(16), 16)
+_I32 = ir.IntType(32)
+
+#: Thirty-two int8 lanes (LLVM ``<32 x i8>``, one AVX2 ``ymm`` register): a block's 32 quants.
+i8x32 = _vector_type("i8x32", _B32)
+#: Eight int32 lanes (LLVM ``<8 x i32>``): a block's integer partial sums.
+i32x8 = _vector_type("i32x8", _I8)
+
+
+def _has_avx2(context) -> bool:
+    """Whether the code is compiled for a CPU with AVX2 (numba targets the host CPU; its cache
+    is keyed by the CPU's features)."""
+    return "+avx2" in str(getattr(context.codegen(), "_tm_features", "")).split(",")
+
+
+def _mask(builder, lanes) -> ir.Constant:
+    return ir.Constant(ir.VectorType(_I32, len(lanes)), [_I32(i) for i in lanes])
+
+
+@intrinsic
+def b32_load(typingctx, arr, idx):
+    """Elements ``idx .. idx + 31`` (flat) of a C-contiguous int8 or uint8 array, as :data:`i8x32`. Not bounds-checked."""
+    if not (_is_c_array(arr, types.uint8, types.int8) and isinstance(idx, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _B32), align=1)
+
+    return i8x32(arr, idx), codegen
+
+
+@intrinsic
+def b32_nibbles(typingctx, arr, idx):
+    """The 32 nibbles of bytes ``idx .. idx + 15`` of a C-contiguous uint8 array as
+    :data:`i8x32`: lane ``i`` the low nibble of byte ``i``, lane ``i + 16`` its high nibble
+    (ggml's order within a 4-bit block)."""
+    if not (_is_c_array(arr, types.uint8) and isinstance(idx, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        b16 = ir.VectorType(ir.IntType(8), 16)
+        v = builder.load(_vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], b16), align=1)
+        both = builder.shuffle_vector(v, builder.lshr(v, ir.Constant(b16, [4] * 16)), _mask(builder, range(32)))
+        return builder.and_(both, ir.Constant(_B32, [15] * 32))
+
+    return i8x32(arr, idx), codegen
+
+
+@intrinsic
+def b32_high_bits(typingctx, v, word):
+    """``v`` with bit ``i`` of the 32-bit ``word`` set as bit 4 of lane ``i`` (``v | 16``
+    there): the fifth bit of Q5_0/Q5_1 quants. ggml's ``bytes_from_bits_32`` in generic IR:
+    each lane takes its byte of ``word``, tests its bit, and selects 16 or 0."""
+    if not (v == i8x32 and isinstance(word, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        w = context.cast(builder, args[1], sig.args[1], types.uint32)
+        bytes4 = builder.bitcast(builder.insert_element(ir.Constant(ir.VectorType(_I32, 1), None), w, _I32(0)),
+                                 ir.VectorType(ir.IntType(8), 4))
+        spread = builder.shuffle_vector(bytes4, bytes4, _mask(builder, [i // 8 for i in range(32)]))
+        bit = builder.and_(spread, ir.Constant(_B32, [1 << (i % 8) for i in range(32)]))
+        set_ = builder.icmp_unsigned("!=", bit, ir.Constant(_B32, [0] * 32))
+        return builder.or_(args[0], builder.select(set_, ir.Constant(_B32, [16] * 32), ir.Constant(_B32, [0] * 32)))
+
+    return i8x32(v, word), codegen
+
+
+def _pairs(builder, v, wide):
+    """Adjacent lanes of ``v`` added, widened to ``wide`` (``<2n x iK>`` -> ``<n x i2K>``)."""
+    n = wide.count
+    even = builder.sext(builder.shuffle_vector(v, v, _mask(builder, range(0, 2 * n, 2))), wide)
+    odd = builder.sext(builder.shuffle_vector(v, v, _mask(builder, range(1, 2 * n, 2))), wide)
+    return builder.add(even, odd)
+
+
+def _dot_intrinsic(is_signed: bool):
+    """An intrinsic ``(w, x) -> i32x8``: the 32 products ``w[i] * x[i]`` summed in fours into
+    eight exact int32 lanes (lane ``l``: ``i = 4l .. 4l + 3``); ``x`` int8, ``w`` int8 when
+    ``is_signed`` (Q8_0 weights) else unsigned bytes (4- and 5-bit quants).
+
+    On AVX2: ``vpmaddubsw`` (unsigned times signed bytes, adjacent pairs added into int16:
+    at most ``2 * 128 * 127`` here, so it never saturates) then ``vpmaddwd`` by ones; signed
+    weights first through ``vpsignb``/``vpabsb`` (``|w| * (x * sign(w))``), as llama.cpp's
+    ``mul_sum_i8_pairs_float``. Elsewhere the same sums in generic IR."""
+    @intrinsic
+    def dot(typingctx, w, x):
+        if not (w == i8x32 and x == i8x32):
+            return None
+
+        def codegen(context, builder, sig, args):
+            a, b = args
+            if _has_avx2(context):
+                def call(name, ret, *vals):
+                    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [v.type for v in vals]),
+                                                        name)
+                    return builder.call(fn, vals)
+
+                if is_signed:
+                    b = call("llvm.x86.avx2.psign.b", _B32, b, a)
+                    a = builder.select(builder.icmp_signed("<", a, ir.Constant(_B32, [0] * 32)), builder.neg(a), a)
+                p16 = call("llvm.x86.avx2.pmadd.ub.sw", _W16, a, b)
+                return call("llvm.x86.avx2.pmadd.wd", _I8, p16, ir.Constant(_W16, [1] * 16))
+            wide = ir.VectorType(ir.IntType(16), 32)
+            prod = builder.mul(builder.sext(a, wide) if is_signed else builder.zext(a, wide), builder.sext(b, wide))
+            return _pairs(builder, _pairs(builder, prod, _W16), _I8)
+
+        return i32x8(w, x), codegen
+
+    return dot
+
+
+#: :func:`_dot_intrinsic` for unsigned weight quants (Q4_0, Q4_1, Q5_0, Q5_1).
+b32_dot = _dot_intrinsic(False)
+#: :func:`_dot_intrinsic` for int8 weight quants (Q8_0).
+b32_dot_signed = _dot_intrinsic(True)
+
+
+@intrinsic
+def i8_to_f8(typingctx, v):
+    """Eight int32 lanes -> float32 (exact below 2**24; a block's sum is below 2**20)."""
+    if v != i32x8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.sitofp(args[0], _F8)
+
+    return f32x8(v), codegen
+
+
+# ---------------------------------------------------------------------------------------
+# The activations: ggml's Q8_0 blocks.
+
+
+@njit(inline="always")
+def f16_round(v):  # pragma: no cover - compiled
+    """The float32 ``v >= 0`` rounded to the nearest float16 value (ties to even; at or above
+    65520, infinity), returned as float32: the value NumPy's ``astype(float16)`` stores.
+    Normal halves round the float32's mantissa to 10 bits; below ``2**-14`` (subnormal
+    halves) to a multiple of ``2**-24``, by adding and taking away ``2**23`` at that scale."""
+    if v >= np.float32(65520.0):
+        return np.float32(np.inf)
+    if v < np.float32(2.0 ** -14):
+        scaled = v * np.float32(2.0 ** 24)  # exact: a power of two
+        big = np.float32(2.0 ** 23)
+        return ((scaled + big) - big) * np.float32(2.0 ** -24)  # the float32 adds round to even
+    u = np.uint32(_f32_bits(v))
+    u = (u + np.uint32(0xFFF) + ((u >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)
+    return _bits_as_f32(u)
+
+
+@intrinsic
+def _f32_bits(typingctx, v):
+    """The bit pattern of the float32 ``v``, as uint32."""
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], _I32)
+
+    return types.uint32(v), codegen
+
+
+def _call(builder, name, ret, *vals):
+    """A call of the LLVM intrinsic ``name`` returning ``ret``."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [v.type for v in vals]), name)
+    return builder.call(fn, vals)
+
+
+def _block_f8(context, builder, sig, args):
+    """The four :data:`f32x8` of the 32 float32 at flat element ``args[1]`` of the array ``args[0]``."""
+    ptr = _vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _F8)
+    return [builder.load(builder.gep(ptr, [_I32(i)]), align=4) for i in range(4)]
+
+
+@intrinsic
+def _block_amax(typingctx, x, xo):
+    """``max |x[xo : xo + 32]|`` (flat float32 array; finite values), in vector registers."""
+    if not (_is_c_array(x, types.float32) and isinstance(xo, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = [_call(builder, "llvm.fabs.v8f32", _F8, a) for a in _block_f8(context, builder, sig, args)]
+        m = _call(builder, "llvm.maxnum.v8f32", _F8, _call(builder, "llvm.maxnum.v8f32", _F8, v[0], v[1]),
+                  _call(builder, "llvm.maxnum.v8f32", _F8, v[2], v[3]))
+        for half in (4, 2, 1):  # max is exact: any order gives the same value
+            top = builder.shuffle_vector(m, m, _mask(builder, [i + half if i < half else i for i in range(8)]))
+            m = _call(builder, "llvm.maxnum.v8f32", _F8, m, top)
+        return builder.extract_element(m, _I32(0))
+
+    return types.float32(x, xo), codegen
+
+
+@intrinsic
+def _block_round(typingctx, x, xo, inv, q, qo):
+    """``q[qo + i] = roundf(x[xo + i] * inv)`` for ``i < 32`` (flat float32 ``x``, int8 ``q``;
+    ``roundf`` as gguf-py's ``np_roundf``: ``floor(a) + floor(2 * (a - floor(a)))`` of
+    ``a = |v|``, with ``v``'s sign, exactly); returns the sum of the 32 quants (int32)."""
+    if not (_is_c_array(x, types.float32) and _is_c_array(q, types.int8) and isinstance(inv, types.Float)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        scale = _splat(builder, context.cast(builder, args[2], sig.args[2], types.float32), _F8)
+        two = ir.Constant(_F8, [2.0] * 8)
+        total, parts = None, []
+        for v in _block_f8(context, builder, sig, args[:2]):
+            v = builder.fmul(v, scale)
+            a = _call(builder, "llvm.fabs.v8f32", _F8, v)
+            fl = _call(builder, "llvm.floor.v8f32", _F8, a)
+            r = builder.fadd(fl, _call(builder, "llvm.floor.v8f32", _F8, builder.fmul(two, builder.fsub(a, fl))))
+            qi = builder.fptosi(_call(builder, "llvm.copysign.v8f32", _F8, r, v), _I8)
+            total = qi if total is None else builder.add(total, qi)
+            parts.append(builder.trunc(qi, ir.VectorType(ir.IntType(8), 8)))
+        lo = builder.shuffle_vector(parts[0], parts[1], _mask(builder, range(16)))
+        hi = builder.shuffle_vector(parts[2], parts[3], _mask(builder, range(16)))
+        out = builder.shuffle_vector(lo, hi, _mask(builder, range(32)))
+        builder.store(out, _vector_ptr(context, builder, sig.args[3], args[3], sig.args[4], args[4], _B32), align=1)
+        for half in (4, 2, 1):
+            total = builder.add(total, builder.shuffle_vector(total, total, _mask(builder, [(i + half) % 8 for i in range(8)])))
+        return builder.extract_element(total, _I32(0))
+
+    return types.int32(x, xo, inv, q, qo), codegen
+
+
+@njit(inline="always")
+def _quantize_row(x, t, xq, dx, xsq):  # pragma: no cover - compiled
+    """Row ``t`` of ``x`` into ``xq[t]``, ``dx[t]`` (the f16 scales' values), ``xsq[t]`` (``dx * sum(q)``)."""
+    nb = _U(dx.shape[1])
+    xf, qf = x.reshape(-1), xq.reshape(-1)
+    for b in range(nb):
+        c = (_U(t) * nb + b) * _U(32)
+        d = _block_amax(xf, c) / np.float32(127.0)
+        inv = np.float32(1.0) / d if d != np.float32(0.0) else np.float32(0.0)
+        total = _block_round(xf, c, inv, qf, c)
+        dv = f16_round(d)
+        dx[t, b] = dv
+        xsq[t, b] = dv * np.float32(total)
+
+
+@parallel_kernel()
+def _quantize_rows(x, xq, dx, xsq, block):  # pragma: no cover - compiled
+    """:func:`_quantize_row` for every row of ``x``, in tasks of ``block`` rows."""
+    rows = x.shape[0]
+    for blk in prange((rows + block - 1) // block):
+        for t in range(blk * block, min(blk * block + block, rows)):
+            _quantize_row(x, t, xq, dx, xsq)
+
+
+def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``x [T, K]`` (float32, ``K`` a multiple of 32) as ggml's Q8_0 blocks (the module docstring):
+    ``(q, d, qsum)`` with ``q`` int8 ``[T, K]`` (values in ``[-127, 127]``), ``d`` float32
+    ``[T, K/32]`` (the f16 scale of each block, as float32) and ``qsum`` float32 ``[T, K/32]``
+    (``d * sum(q)`` of each block, the sum of its dequantized values). Bitwise
+    ``gguf.quants.quantize(x, Q8_0)`` (its ``d`` and ``qs``), for finite ``x``.
+
+    Raises:
+        ValueError: ``x`` not 2-D, or ``K`` not a multiple of 32.
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] % 32:
+        raise ValueError(f"x must be [T, K] with K a multiple of 32, got {x.shape}")
+    rows, k = x.shape
+    xq = np.empty((rows, k), dtype=np.int8)
+    dx = np.empty((rows, k // 32), dtype=np.float32)
+    xsq = np.empty((rows, k // 32), dtype=np.float32)
+    threads = get_num_threads()
+    if threads > 1 and rows >= QUANTIZE_PARALLEL_MIN_ROWS:
+        _quantize_rows.parallel(x, xq, dx, xsq, -(-rows // (4 * threads)))
+    elif rows:
+        _quantize_rows.serial(x, xq, dx, xsq, rows)
+    return xq, dx, xsq
+
+
+# ---------------------------------------------------------------------------------------
+# The products.
+
+
+@njit(inline="always")
+def _decode_bytes(kind, qs, qh, j, b):  # pragma: no cover - compiled
+    """Block ``b`` of row ``j``: its 32 quants as stored, as :data:`i8x32` (Q8_0: int8; the
+    others unsigned, ``q`` in ``[0, 16)`` or ``[0, 32)``; Q4_0's ``- 8`` and Q5_0's ``- 16``
+    are applied as minimum terms, :func:`_q8_scales`)."""
+    if kind == Q8_0:
+        return b32_load(qs, (_U(j) * _U(qs.shape[1] // 32) + _U(b)) * _U(32))
+    q = b32_nibbles(qs, (_U(j) * _U(qs.shape[1] // 16) + _U(b)) * _U(16))
+    if kind == Q5_0 or kind == Q5_1:
+        q = b32_high_bits(q, qh[j, b])
+    return q
+
+
+@njit(inline="always")
+def _q8_scales(kind, d, m, j, j0, j1, sd, sm, nb):  # pragma: no cover - compiled
+    """:func:`refengine.quant.numba_gguf._chunk_scales` with every 32-weight type's
+    minimum in ``sm``: Q4_1/Q5_1's ``m``, and for Q4_0/Q5_0 their offset as one,
+    ``-8 * d`` and ``-16 * d`` (exact: powers of two), since ``d * (q - 8) . x̂ =
+    d * (q . x̂) - 8 * d * sum(x̂)``."""
+    so = _chunk_scales(d, m, j, j0, j1, sd, sm, kind == Q4_1 or kind == Q5_1, nb)
+    if (kind == Q4_0 or kind == Q5_0) and so == _U(0):
+        offset = np.float32(-8.0) if kind == Q4_0 else np.float32(-16.0)
+        for i in range((min(_U(j) + _U(CHUNK_ROWS), _U(j1)) - _U(j)) * nb):
+            sm[i] = offset * sd[i]
+    return so
+
+
+@njit(inline="always")
+def _block_idot(kind, w, xq, xo, scale, acc):  # pragma: no cover - compiled
+    """One block: the integer dot of its quants ``w`` with ``xq[xo : xo + 32]`` (flat int8),
+    exact, converted once and added as ``acc + scale * sum`` (eight float32 lanes)."""
+    x = b32_load(xq, xo)
+    p = b32_dot_signed(w, x) if kind == Q8_0 else b32_dot(w, x)
+    return f8_fma(f8_splat(scale), i8_to_f8(p), acc)
+
+
+@njit(inline="always")
+def _finish(out, t, j, acc, with_min, sm, so, xsq, nb):  # pragma: no cover - compiled
+    """``out[t, j]``: the accumulator's lanes summed (:func:`f8_sum`), plus the minimum terms."""
+    s = f8_sum(acc)
+    if with_min:
+        s += _weighted_sum(sm, so, xsq, t * nb, nb)
+    out[t, j] = s
+
+
+@njit(inline="always")
+def _q8_rows(kind, xq, dx, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
+    """``out[:, j] = x̂ @ w[j]`` for ``j0 <= j < j1`` (the task of ``_q4_1_q8_linear`` ...;
+    ``kind`` a constant): ``xq``, ``dx``, ``xsq`` from :func:`quantize_q8_0`; ``d``, ``m``,
+    ``qh``, ``qs`` the weight planes as in :func:`refengine.quant.numba_gguf._blocks32_rows`;
+    ``out`` float32 ``[T, N]``; ``scratch`` float32 ``[>= 2 * (CHUNK_ROWS * K/32 + 8)]``.
+
+    One row (decode at batch 1): two weight rows at a time (two FMA chains; one load of each
+    activation block for both), their quants prefetched. More rows: blocks of input rows
+    that stay in cache while the task's weight rows pass, in groups of four sharing each
+    decoded weight block (a last group of 2-3 repeats its last row), then one by one. Every
+    output's sums are the same whichever way it ran."""
+    rows, k = xq.shape
+    nb = _U(d.shape[1])
+    kk = _U(k)
+    xqf, dxf, xsf = xq.reshape(-1), dx.reshape(-1), xsq.reshape(-1)
+    half = _U(CHUNK_ROWS) * nb + _U(8)
+    sd, sm = scratch[:half], scratch[half:]
+    if _U(rows) == _U(1):
+        qrow = _U(qs.shape[1])
+        for j in range(_U(j0), _U(j1), _U(2)):
+            so = _q8_scales(kind, d, m, j, j0, j1, sd, sm, nb)
+            ahead = j * qrow + _U(PREFETCH_BYTES)
+            for o in range(ahead, ahead + _U(2) * qrow, _U(64)):
+                prefetch(qs, o)
+            if j + _U(1) < _U(j1):
+                so1 = so + nb
+                a0 = a1 = f8_zero()
+                for b in range(nb):
+                    c, db = b * _U(32), dxf[b]
+                    a0 = _block_idot(kind, _decode_bytes(kind, qs, qh, j, b), xqf, c, sd[so + b] * db, a0)
+                    a1 = _block_idot(kind, _decode_bytes(kind, qs, qh, j + _U(1), b), xqf, c, sd[so1 + b] * db, a1)
+                _finish(out, _U(0), j + _U(1), a1, kind != Q8_0, sm, so1, xsf, nb)
+                _finish(out, _U(0), j, a0, kind != Q8_0, sm, so, xsf, nb)
+            else:
+                a0 = f8_zero()
+                for b in range(nb):
+                    a0 = _block_idot(kind, _decode_bytes(kind, qs, qh, j, b), xqf, b * _U(32), sd[so + b] * dxf[b], a0)
+                _finish(out, _U(0), j, a0, kind != Q8_0, sm, so, xsf, nb)
+        return
+    x_block = x_block_rows(k // 4, 4)  # int8 rows: a quarter of a float32 row's bytes
+    for r0 in range(_U(0), _U(rows), x_block):
+        r1 = min(r0 + x_block, _U(rows))
+        fours, last = _fours_end(r0, r1)
+        for j in range(_U(j0), _U(j1)):
+            so = _q8_scales(kind, d, m, j, j0, j1, sd, sm, nb)
+            for t0 in range(r0, fours, _U(4)):
+                t1, t2, t3 = min(t0 + _U(1), last), min(t0 + _U(2), last), min(t0 + _U(3), last)
+                a0 = a1 = a2 = a3 = f8_zero()
+                for b in range(nb):
+                    w = _decode_bytes(kind, qs, qh, j, b)
+                    c, db = b * _U(32), sd[so + b]
+                    a0 = _block_idot(kind, w, xqf, t0 * kk + c, db * dxf[t0 * nb + b], a0)
+                    a1 = _block_idot(kind, w, xqf, t1 * kk + c, db * dxf[t1 * nb + b], a1)
+                    a2 = _block_idot(kind, w, xqf, t2 * kk + c, db * dxf[t2 * nb + b], a2)
+                    a3 = _block_idot(kind, w, xqf, t3 * kk + c, db * dxf[t3 * nb + b], a3)
+                _finish(out, t3, j, a3, kind != Q8_0, sm, so, xsf, nb)
+                _finish(out, t2, j, a2, kind != Q8_0, sm, so, xsf, nb)
+                _finish(out, t1, j, a1, kind != Q8_0, sm, so, xsf, nb)
+                _finish(out, t0, j, a0, kind != Q8_0, sm, so, xsf, nb)
+            for t in range(fours, r1):
+                a0 = f8_zero()
+                for b in range(nb):
+                    w = _decode_bytes(kind, qs, qh, j, b)
+                    a0 = _block_idot(kind, w, xqf, t * kk + b * _U(32), sd[so + b] * dxf[t * nb + b], a0)
+                _finish(out, t, j, a0, kind != Q8_0, sm, so, xsf, nb)
+
+
+# One compiled version per type (the type a constant, so its branches fold away): task, parallel loop.
+
+
+@njit(cache=True)
+def _q8_0_q8_rows(xq, dx, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
+    """:func:`_q8_rows` for Q8_0 weights."""
+    _q8_rows(Q8_0, xq, dx, xsq, d, m, qh, qs, out, j0, j1, scratch)
+
+
+@parallel_kernel()
+def _q8_0_q8_linear(xq, dx, xsq, d, m, qh, qs, out, block, scratch):  # pragma: no cover - compiled
+    """Q8_0 weights: ``out [T, N]`` in tasks of ``block`` output rows (task ``i`` uses ``scratch[i]``)."""
+    n = out.shape[1]
+    for blk in prange((n + block - 1) // block):
+        _q8_0_q8_rows(xq, dx, xsq, d, m, qh, qs, out, blk * block, min(blk * block + block, n), scratch[blk])
+
+
+@njit(cache=True)
+def _q4_0_q8_rows(xq, dx, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
+    """:func:`_q8_rows` for Q4_0 weights."""
+    _q8_rows(Q4_0, xq, dx, xsq, d, m, qh, qs, out, j0, j1, scratch)
+
+
+@parallel_kernel()
+def _q4_0_q8_linear(xq, dx, xsq, d, m, qh, qs, out, block, scratch):  # pragma: no cover - compiled
+    """Q4_0 weights: ``out [T, N]`` in tasks of ``block`` output rows (task ``i`` uses ``scratch[i]``)."""
+    n = out.shape[1]
+    for blk in prange((n + block - 1) // block):
+        _q4_0_q8_rows(xq, dx, xsq, d, m, qh, qs, out, blk * block, min(blk * block + block, n), scratch[blk])
+
+
+@njit(cache=True)
+def _q4_1_q8_rows(xq, dx, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
+    """:func:`_q8_rows` for Q4_1 weights."""
+    _q8_rows(Q4_1, xq, dx, xsq, d, m, qh, qs, out, j0, j1, scratch)
+
+
+@parallel_kernel()
+def _q4_1_q8_linear(xq, dx, xsq, d, m, qh, qs, out, block, scratch):  # pragma: no cover - compiled
+    """Q4_1 weights: ``out [T, N]`` in tasks of ``block`` output rows (task ``i`` uses ``scratch[i]``)."""
+    n = out.shape[1]
+    for blk in prange((n + block - 1) // block):
+        _q4_1_q8_rows(xq, dx, xsq, d, m, qh, qs, out, blk * block, min(blk * block + block, n), scratch[blk])
+
+
+@njit(cache=True)
+def _q5_0_q8_rows(xq, dx, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
+    """:func:`_q8_rows` for Q5_0 weights."""
+    _q8_rows(Q5_0, xq, dx, xsq, d, m, qh, qs, out, j0, j1, scratch)
+
+
+@parallel_kernel()
+def _q5_0_q8_linear(xq, dx, xsq, d, m, qh, qs, out, block, scratch):  # pragma: no cover - compiled
+    """Q5_0 weights: ``out [T, N]`` in tasks of ``block`` output rows (task ``i`` uses ``scratch[i]``)."""
+    n = out.shape[1]
+    for blk in prange((n + block - 1) // block):
+        _q5_0_q8_rows(xq, dx, xsq, d, m, qh, qs, out, blk * block, min(blk * block + block, n), scratch[blk])
+
+
+@njit(cache=True)
+def _q5_1_q8_rows(xq, dx, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
+    """:func:`_q8_rows` for Q5_1 weights."""
+    _q8_rows(Q5_1, xq, dx, xsq, d, m, qh, qs, out, j0, j1, scratch)
+
+
+@parallel_kernel()
+def _q5_1_q8_linear(xq, dx, xsq, d, m, qh, qs, out, block, scratch):  # pragma: no cover - compiled
+    """Q5_1 weights: ``out [T, N]`` in tasks of ``block`` output rows (task ``i`` uses ``scratch[i]``)."""
+    n = out.shape[1]
+    for blk in prange((n + block - 1) // block):
+        _q5_1_q8_rows(xq, dx, xsq, d, m, qh, qs, out, blk * block, min(blk * block + block, n), scratch[blk])
+
+
+_KERNELS = {"Q8_0": _q8_0_q8_linear, "Q4_0": _q4_0_q8_linear, "Q4_1": _q4_1_q8_linear,
+            "Q5_0": _q5_0_q8_linear, "Q5_1": _q5_1_q8_linear}
+
+
+def q8_linear(x: np.ndarray, w) -> np.ndarray:
+    """``quantize_q8_0(x) @ w.T`` -> float32 ``[T, out]`` for a :class:`GGUFWeight` ``w`` of a
+    type in :data:`Q8_TYPES` (the module docstring), any ``T``.
+
+    Raises:
+        ValueError: ``x`` not 2-D with ``in_features`` columns, or ``w`` of another type.
+    """
+    if w.format not in _KERNELS:
+        raise ValueError(f"no Q8_0-activation kernel for GGUF type {w.format!r}; types: {', '.join(Q8_TYPES)}")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"x must be [T, {w.shape[1]}] for a {w.format} weight {w.shape}, got {x.shape}")
+    rows, n = x.shape[0], w.shape[0]
+    out = np.empty((rows, n), dtype=np.float32)
+    if rows == 0 or n == 0:
+        return out
+    xq, dx, xsq = quantize_q8_0(x)
+    block = _task_rows(n)
+    _KERNELS[w.format](xq, dx, xsq, *_planes(w), out, block, _scale_scratch(w, -(-n // block)))
+    return out
+
+
+def linear(x: np.ndarray, w, *, batch_invariant: bool = False) -> np.ndarray:
+    """``x [T, in] @ w.T`` -> float32 ``[T, out]`` with Q8_0 activations where ``w``'s type has
+    a kernel here (:func:`q8_linear`, every row count), else the float32 products
+    (:func:`refengine.quant.numba_gguf.linear`, with ``batch_invariant``).
+
+    Raises:
+        ValueError: ``x`` not 2-D with ``in_features`` columns.
+    """
+    if w.format in _KERNELS:
+        return q8_linear(x, w)
+    return numba_gguf.linear(x, w, batch_invariant=batch_invariant)
+
+
+register_kernels(sys.modules[__name__])

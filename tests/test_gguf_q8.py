@@ -1,0 +1,187 @@
+"""Q8_0 activations for the GGUF 32-weight block types (refengine.quant.numba_q8,
+``activation_dtype="q8_0"``).
+
+gguf-py is the oracle twice over: its ``quantize(x, Q8_0)`` must give the same blocks as
+:func:`quantize_q8_0` bit for bit, and the products must equal ``dequantize(w) @
+dequantize(quantize(x))`` in float64 (their integer sums are exact, so only the float32
+scaling and accumulation round). Each row's result must be the same bits alone, in any
+batch (across the kernels' row groups and input blocks) and on any number of threads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("numba")
+
+from gguf.quants import dequantize, quantize  # noqa: E402
+
+from refengine.quant.gguf_blocks import GGUFWeight  # noqa: E402
+from refengine.quant.numba_q8 import Q8_TYPES, q8_linear, quantize_q8_0  # noqa: E402
+from test_gguf_blocks import PRODUCT_TOL, bits, oracle, random_raw  # noqa: E402
+
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+
+
+def _gguf_q8_0(x: np.ndarray):
+    """gguf-py's Q8_0 blocks of ``x [T, K]``: (d as float32 [T, K/32], q int8 [T, K])."""
+    blocks = quantize(x, Q8_0).reshape(x.shape[0], -1, 34)
+    d = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16).astype(np.float32)[:, :, 0]
+    return d, np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(x.shape)
+
+
+def test_quantize_matches_gguf_bitwise():
+    rng = np.random.default_rng(3)
+    # rows of very different sizes (subnormal and large f16 scales), a zero block, exact halves
+    x = (rng.standard_normal((9, 256)) * np.float32(10.0) ** rng.uniform(-6, 4, (9, 1))).astype(np.float32)
+    x[0, :32] = 0.0
+    x[1, :32] = np.arange(32, dtype=np.float32) - 15.5  # q = x * 127 / 16.5: not halves, but near them
+    x[2, :32] = np.float32(0.5) * (np.arange(32) - 16) * np.float32(127.0 / 8.0)
+    for rows in (x[:1], x):  # one row (the serial kernel) and several
+        q, d, qsum = quantize_q8_0(rows)
+        want_d, want_q = _gguf_q8_0(rows)
+        assert q.dtype == np.int8 and d.dtype == qsum.dtype == np.float32
+        assert np.array_equal(q, want_q) and np.array_equal(bits(d), bits(want_d))
+        # qsum: the block's dequantized sum, d times the exact integer sum, rounded once
+        assert np.array_equal(bits(qsum), bits(d * q.reshape(len(rows), -1, 32).sum(-1).astype(np.float32)))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_q8_0(np.zeros((2, 48), np.float32))
+
+
+def test_quantize_many_rows_in_parallel_gives_the_same_bits():
+    """From QUANTIZE_PARALLEL_MIN_ROWS rows the quantizer runs its rows in parallel."""
+    from refengine.quant.numba_q8 import QUANTIZE_PARALLEL_MIN_ROWS
+
+    x = np.random.default_rng(4).standard_normal((QUANTIZE_PARALLEL_MIN_ROWS + 3, 64)).astype(np.float32)
+    q, d, _ = quantize_q8_0(x)
+    want_d, want_q = _gguf_q8_0(x)
+    assert np.array_equal(q, want_q) and np.array_equal(bits(d), bits(want_d))
+
+
+def test_f16_round_matches_numpy_for_every_half_boundary():
+    """The scale's rounding to f16: every f16 value, the midpoints between neighbours and the
+    floats either side of them, in the subnormal and normal ranges and at the overflow."""
+    from numba import njit
+
+    from refengine.quant.numba_q8 import f16_round
+
+    @njit
+    def rounded(v, out):
+        for i in range(v.size):
+            out[i] = f16_round(v[i])
+
+    halves = np.arange(0x7C00, dtype=np.uint16).view(np.float16).astype(np.float64)
+    mids = ((halves[1:] + halves[:-1]) / 2).astype(np.float32)
+    v = np.concatenate([halves.astype(np.float32), mids, np.nextafter(mids, np.float32(0)),
+                        np.nextafter(mids, np.float32(np.inf)), np.float32([65519.99, 65520.0, 1e30])])
+    out = np.empty_like(v)
+    rounded(v, out)
+    with np.errstate(over="ignore"):
+        want = v.astype(np.float16).astype(np.float32)
+    assert np.array_equal(bits(out), bits(want))
+
+
+@pytest.fixture(scope="module")
+def q8_weights():
+    """name -> (GGUFWeight [37, 576], its float64 dequantization) for the Q8-activation types."""
+    rng = np.random.default_rng(21)
+    out = {}
+    for name in Q8_TYPES:
+        raw = random_raw(name, 37, 576, rng)
+        out[name] = (GGUFWeight.from_raw(name, raw, (37, 576)), oracle(name, raw, 576).astype(np.float64))
+    return out
+
+
+@pytest.mark.parametrize("name", Q8_TYPES)
+def test_product_is_the_dequantized_product(q8_weights, name):
+    w, wd = q8_weights[name]
+    rng = np.random.default_rng(8)
+    for t in (1, 2, 3, 5, 6, 9, 40):
+        x = rng.standard_normal((t, 576)).astype(np.float32)
+        got = q8_linear(x, w)
+        assert got.shape == (t, 37) and got.dtype == np.float32
+        xd = dequantize(quantize(x, Q8_0), Q8_0).reshape(t, 576).astype(np.float64)
+        err = float((np.abs(got - xd @ wd.T) / (np.abs(xd) @ np.abs(wd).T)).max())
+        assert err < PRODUCT_TOL, f"{name} T={t}: {err:.2e}"
+        for i in {0, t - 1}:  # a row alone: the same bits as in the batch
+            assert np.array_equal(bits(q8_linear(x[i:i + 1], w)), bits(got[i:i + 1])), f"{name} T={t} row {i}"
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "Q5_0"])
+def test_rows_do_not_depend_on_the_batch_across_input_blocks_or_threads(q8_weights, name):
+    """Past the first input block, with groups of four and single rows at its end, on one and
+    two threads: each row alone gives its bits."""
+    import numba
+
+    from refengine.runtime.numba_support import x_block_rows
+
+    w = q8_weights[name][0]
+    block = int(x_block_rows(576 // 4, 4))
+    x = np.random.default_rng(5).standard_normal((block + 7, 576)).astype(np.float32)
+    before = numba.get_num_threads()
+    try:
+        runs = []
+        for threads in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
+            numba.set_num_threads(threads)
+            runs.append(q8_linear(x, w))
+    finally:
+        numba.set_num_threads(before)
+    assert all(np.array_equal(bits(r), bits(runs[0])) for r in runs)
+    for i in sorted({0, block - 1, block, block + 3, block + 6}):
+        assert np.array_equal(bits(q8_linear(x[i:i + 1], w)), bits(runs[0][i:i + 1])), f"{name} row {i}"
+
+
+def test_other_types_keep_their_float_products():
+    """numba_q8.linear sends a type without a Q8-activation kernel to the float32 products."""
+    from refengine.quant import numba_gguf, numba_q8
+
+    rng = np.random.default_rng(6)
+    w = GGUFWeight.from_raw("Q6_K", random_raw("Q6_K", 5, 256, rng), (5, 256))
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    assert np.array_equal(bits(numba_q8.linear(x, w)), bits(numba_gguf.linear(x, w)))
+    with pytest.raises(ValueError, match="Q6_K"):
+        q8_linear(x, w)
+    with pytest.raises(ValueError, match=r"\[T, 256\]"):
+        q8_linear(np.zeros((2, 128), np.float32), GGUFWeight.from_raw("Q8_0", random_raw("Q8_0", 4, 256, rng), (4, 256)))
+
+
+def test_engine_option_is_checked(gguf_path, tmp_path):
+    from refengine.engine_args import EngineArgs
+
+    def config(**kw):
+        args = EngineArgs(**kw)
+        model_dir, mc = args.model_config()
+        return args.create_engine_config(model_dir, mc)
+
+    assert config(model=str(gguf_path), activation_dtype="q8_0").activation_dtype == "q8_0"
+    with pytest.raises(ValueError, match="attention_backend='numba'"):
+        config(model=str(gguf_path), activation_dtype="q8_0", attention_backend="numpy")
+    with pytest.raises(ValueError, match="dtype='float32'"):
+        config(model=str(gguf_path), activation_dtype="q8_0", dtype="float32")
+    with pytest.raises(ValueError, match="quantization='int8'"):
+        config(model=str(gguf_path), activation_dtype="q8_0", quantization="int8")
+
+
+def test_engine_with_q8_activations(gguf_path):
+    """SmolLM2's Q4_1 file with Q8_0 activations: the float32 path's first greedy tokens, and
+    the batch-invariant promise kept (a prompt's logits the same bits prefilled in one chunk
+    or in two with a decode step's worth of rows)."""
+    from refengine import LLM, SamplingParams
+
+    prompt = "The capital of France is"
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    texts = {}
+    for act in ("auto", "q8_0"):
+        llm = LLM(model=str(gguf_path), activation_dtype=act, max_model_len=256, enable_prefix_caching=False)
+        texts[act] = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert texts["q8_0"] == texts["auto"]
+
+    def prompt_logprobs(**kw):
+        llm = LLM(model=str(gguf_path), activation_dtype="q8_0", max_model_len=256, enable_prefix_caching=False, **kw)
+        out = llm.generate([prompt * 3], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0),
+                           use_tqdm=False)[0]
+        return [next(iter(p.values())).logprob for p in out.prompt_logprobs[1:]]
+
+    assert prompt_logprobs() == prompt_logprobs(max_num_batched_tokens=5)
