@@ -443,15 +443,13 @@ class NumbaOps:
         if isinstance(w, StackedWeight):
             return np.concatenate([self.linear(x, p if is_quantized(p) else np.ascontiguousarray(p, dtype=np.float32).T)
                                    for p in w.parts], axis=1)
-        if self.activation_dtype == "q8_0":
-            from refengine.quant.numba_q8 import Q8_TYPES, q8_linear
-
-            if getattr(w, "format", None) in Q8_TYPES:
-                return q8_linear(x, w)
         kernel = getattr(w, "numba_linear", None)
         if kernel is None:
             return reference_linear(x, w)
-        return kernel(np.ascontiguousarray(x, dtype=np.float32), batch_invariant=self.batch_invariant)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if self.activation_dtype != "auto" and self.activation_dtype in getattr(w, "activation_dtypes", ()):
+            return kernel(x, batch_invariant=self.batch_invariant, activation_dtype=self.activation_dtype)
+        return kernel(x, batch_invariant=self.batch_invariant)
 
     @staticmethod
     def _over_rows(kernel: ParallelKernel, rows: int, *args) -> None:

@@ -301,15 +301,28 @@ class GGUFWeight(QuantizedWeight):
 
     # ---------------------------------------------------------------------------------
 
-    def numba_linear(self, x: np.ndarray, *, batch_invariant: bool = False) -> np.ndarray:
+    #: The ``activation_dtype`` values :meth:`numba_linear` takes.
+    activation_dtypes = ("auto", "q8_0")
+
+    def numba_linear(self, x: np.ndarray, *, batch_invariant: bool = False,
+                     activation_dtype: str = "auto") -> np.ndarray:
         """``x [T, in] @ self.T`` -> float32 ``[T, out]`` by the compiled kernels of
         :mod:`refengine.quant.numba_gguf` (decoding on the fly, never the whole matrix).
         ``x``: float32 (cast to C-contiguous float32 otherwise). ``batch_invariant``: the
         fused dot kernels at every row count (a row's results the same bits in any batch).
+        ``activation_dtype="q8_0"``: ``x`` rounded to ggml's Q8_0 blocks and integer
+        products for the 32-weight block types (:mod:`refengine.quant.numba_q8`).
 
         Raises:
-            ValueError: ``x`` not 2-D with ``in_features`` columns.
+            ValueError: ``x`` not 2-D with ``in_features`` columns, or an ``activation_dtype``
+                not in :attr:`activation_dtypes`.
         """
+        if activation_dtype == "q8_0":
+            from refengine.quant import numba_q8
+
+            return numba_q8.linear(x, self, batch_invariant=batch_invariant)
+        if activation_dtype != "auto":
+            raise ValueError(f"activation_dtype={activation_dtype!r} is not one of {self.activation_dtypes}")
         from refengine.quant import numba_gguf
 
         return numba_gguf.linear(x, self, batch_invariant=batch_invariant)
