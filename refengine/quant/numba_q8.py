@@ -401,6 +401,10 @@ def _q8_rows(kind, xq, dx, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pragma: 
         qrow = _U(qs.shape[1])
         for j in range(_U(j0), _U(j1), _U(2)):
             so = _q8_scales(kind, d, m, j, j0, j1, sd, sm, nb)
+            if so == _U(0):  # a new chunk: each block's d_w * d_x once (one row: the same d_x for every weight row)
+                for r in range(min(_U(j1) - _U(j), _U(CHUNK_ROWS))):
+                    for b in range(nb):
+                        sd[r * nb + b] *= dxf[b]
             ahead = j * qrow + _U(PREFETCH_BYTES)
             for o in range(ahead, ahead + _U(2) * qrow, _U(64)):
                 prefetch(qs, o)
@@ -408,15 +412,15 @@ def _q8_rows(kind, xq, dx, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pragma: 
                 so1 = so + nb
                 a0 = a1 = f8_zero()
                 for b in range(nb):
-                    c, db = b * _U(32), dxf[b]
-                    a0 = _block_idot(kind, _decode_bytes(kind, qs, qh, j, b), xqf, c, sd[so + b] * db, a0)
-                    a1 = _block_idot(kind, _decode_bytes(kind, qs, qh, j + _U(1), b), xqf, c, sd[so1 + b] * db, a1)
+                    c = b * _U(32)
+                    a0 = _block_idot(kind, _decode_bytes(kind, qs, qh, j, b), xqf, c, sd[so + b], a0)
+                    a1 = _block_idot(kind, _decode_bytes(kind, qs, qh, j + _U(1), b), xqf, c, sd[so1 + b], a1)
                 _finish(out, _U(0), j + _U(1), a1, kind != Q8_0, sm, so1, xsf, nb)
                 _finish(out, _U(0), j, a0, kind != Q8_0, sm, so, xsf, nb)
             else:
                 a0 = f8_zero()
                 for b in range(nb):
-                    a0 = _block_idot(kind, _decode_bytes(kind, qs, qh, j, b), xqf, b * _U(32), sd[so + b] * dxf[b], a0)
+                    a0 = _block_idot(kind, _decode_bytes(kind, qs, qh, j, b), xqf, b * _U(32), sd[so + b], a0)
                 _finish(out, _U(0), j, a0, kind != Q8_0, sm, so, xsf, nb)
         return
     x_block = x_block_rows(k // 4, 4)  # int8 rows: a quarter of a float32 row's bytes
