@@ -60,11 +60,11 @@ def _option(help: str, *, metavar: str | None = None, choices=None, flag: str | 
 
 
 #: Short names of the models ``make weights`` fetches -> where the fetch scripts put them.
+MODEL_ALIASES = {"smollm2-135m": DEFAULT_MODEL, "gemma3-270m": "weights/gemma-3-270m-q4_k_m.gguf"}
+
+
 #: ``activation_dtype`` values: the products' float32 input, or ggml's Q8_0 blocks (:mod:`refengine.quant.numba_q8`).
 ACTIVATION_DTYPES = ("auto", "q8_0")
-
-
-MODEL_ALIASES = {"smollm2-135m": DEFAULT_MODEL, "gemma3-270m": "weights/gemma-3-270m-q4_k_m.gguf"}
 
 
 def _local_or_checkout(path: str) -> Path:
@@ -109,7 +109,7 @@ class EngineArgs:
     activation_dtype: str = field(default="auto", metadata=_option(
         "input of the products with a GGUF file's Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 weights (numba backend): auto "
         "(float32, the weights' exact product) or q8_0 (llama.cpp's scheme: each row rounded to ggml's Q8_0 blocks, "
-        "integer dot products; faster, at the cost of that rounding: docs/quantization.md#activations)",
+        "integer dot products, llama.cpp's numerics, at the cost of that rounding: docs/quantization.md#activations-activation_dtypeq8_0)",
         choices=ACTIVATION_DTYPES))
     attention_backend: str | None = field(default=None, metadata=_option(
         "how attention (and the layer ops) are computed: numpy, numba (compiled CPU kernels) or cuda-emulated "

@@ -119,7 +119,7 @@ def test_rows_do_not_depend_on_the_batch_across_input_blocks_or_threads(q8_weigh
 
     w = q8_weights[name][0]
     block = int(x_block_rows(576 // 4, 4))
-    x = np.random.default_rng(5).standard_normal((block + 7, 576)).astype(np.float32)
+    x = np.random.default_rng(5).standard_normal((block + 5, 576)).astype(np.float32)  # last block: 4 + 1
     before = numba.get_num_threads()
     try:
         runs = []
@@ -129,7 +129,7 @@ def test_rows_do_not_depend_on_the_batch_across_input_blocks_or_threads(q8_weigh
     finally:
         numba.set_num_threads(before)
     assert all(np.array_equal(bits(r), bits(runs[0])) for r in runs)
-    for i in sorted({0, block - 1, block, block + 3, block + 6}):
+    for i in sorted({0, block - 1, block, block + 3, block + 4}):
         assert np.array_equal(bits(q8_linear(x[i:i + 1], w)), bits(runs[0][i:i + 1])), f"{name} row {i}"
 
 
@@ -185,3 +185,43 @@ def test_engine_with_q8_activations(gguf_path):
         return [next(iter(p.values())).logprob for p in out.prompt_logprobs[1:]]
 
     assert prompt_logprobs() == prompt_logprobs(max_num_batched_tokens=5)
+
+
+def _lane_dots():
+    """A fresh (uncompiled) function: the integer dots of ``w[i]`` and ``x[i]`` (32 bytes each),
+    unsigned and signed weights, as their eight lanes, into ``out_u[i]``, ``out_s[i]``."""
+    from numba import njit
+
+    from refengine.quant.numba_gguf import f8_store
+    from refengine.quant.numba_q8 import b32_dot, b32_dot_signed, b32_load, i8_to_f8
+
+    @njit
+    def dots(wu, ws, x, out_u, out_s):  # flat arrays: 32 bytes and 8 lanes a block
+        for i in range(x.shape[0] // 32):
+            xv = b32_load(x, i * 32)
+            f8_store(out_u, i * 8, i8_to_f8(b32_dot(b32_load(wu, i * 32), xv)))
+            f8_store(out_s, i * 8, i8_to_f8(b32_dot_signed(b32_load(ws, i * 32), xv)))
+
+    return dots
+
+
+@pytest.mark.parametrize("avx2", [True, False], ids=["avx2-if-present", "generic-ir"])
+def test_integer_dots_exact_on_both_code_paths(monkeypatch, avx2):
+    """The block dot's lanes (four products each) are exact, through the AVX2 instructions
+    and through the generic IR a CPU without AVX2 compiles (forced here), at the extremes:
+    unsigned weights up to 31, signed ones from -128, activations in [-127, 127]."""
+    from refengine.quant import numba_q8
+
+    if not avx2:
+        monkeypatch.setattr(numba_q8, "_has_avx2", lambda context: False)
+    rng = np.random.default_rng(9)
+    n = 64
+    wu = rng.integers(0, 32, (n, 32)).astype(np.uint8)
+    ws = rng.integers(-128, 128, (n, 32)).astype(np.int8)
+    x = rng.integers(-127, 128, (n, 32)).astype(np.int8)
+    wu[0], ws[0], x[0] = 31, -128, -127  # the largest sums
+    out_u, out_s = np.empty((n, 8), np.float32), np.empty((n, 8), np.float32)
+    _lane_dots()(wu.reshape(-1), ws.reshape(-1), x.reshape(-1), out_u.reshape(-1), out_s.reshape(-1))
+    xi = x.astype(np.int64)
+    assert np.array_equal(out_u, (wu.astype(np.int64) * xi).reshape(n, 8, 4).sum(-1).astype(np.float32))
+    assert np.array_equal(out_s, (ws.astype(np.int64) * xi).reshape(n, 8, 4).sum(-1).astype(np.float32))

@@ -12,6 +12,8 @@ model's own tokenizer):
   engine's defaults, batch-invariant logits included; and the GGUF file once more with
   ``batch_invariant=False`` (BLAS products for the prompt, the paged decode kernel), the
   speed that invariance trades away;
+* ``refengine-gguf-q8``: the GGUF file with ``activation_dtype="q8_0"`` (llama.cpp's own
+  Q8_0 activations and integer dot products, docs/quantization.md);
 * ``llama.cpp`` (``llama-cpp-python``) on the same GGUF file;
 * ``CTranslate2`` on the HF directory converted by its ``ct2-transformers-converter``
   (``int8`` and ``float32``), the conversion cached under ``weights/.cache``.

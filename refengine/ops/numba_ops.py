@@ -413,6 +413,8 @@ class NumbaOps:
 
     def __init__(self, blas_min_rows: int = BLAS_MIN_ROWS, *, batch_invariant: bool = False,
                  activation_dtype: str = "auto"):
+        if activation_dtype not in ("auto", "q8_0"):
+            raise ValueError(f"activation_dtype={activation_dtype!r} is not one of 'auto', 'q8_0'")
         self.batch_invariant = bool(batch_invariant)
         self.activation_dtype = activation_dtype
         # invariant: the dot kernels at every row count (BLAS's reduction order depends on the rows)

@@ -8,22 +8,28 @@ blocks, in integers: llama.cpp's scheme for its CPU dot products, ``activation_d
    ``gguf.quants.quantize(x, Q8_0)`` do: per block of 32, ``d = max|x| / 127`` (stored as
    f16), ``q = roundf(x / d)`` (half away from zero; ``x * (1 / d)`` with the float32
    ``d``), ``q`` in ``[-127, 127]``. The value it stands for is ``x̂ = f16(d) * q``.
-2. The fused kernels multiply a block of weights' integer quants with the block's ``q`` in
-   exact integer arithmetic (``vpmaddwd``: 16-bit products summed in pairs into int32 lanes),
-   convert the block's integer sum to float32 once and add ``d_w * d_x * sum`` to float32
-   accumulators; the types with a minimum (Q4_1, Q5_1) add ``m_w * sum(x̂)`` per block,
+2. The fused kernels take a block's 32 weight quants as bytes (Q4_0 and Q5_0 with their
+   offset, ``q - 8`` and ``q - 16``, applied in integers), multiply them with the block's
+   activation quants and sum the products in integers, exactly; then one conversion to
+   float32 and one FMA per block add ``d_w * d_x * sum`` to eight float32 accumulators.
+   Q4_1 and Q5_1 add their minimum, ``m_w * sum(x̂)`` per block, with
    ``sum(x̂) = f16(d) * sum(q)`` from the integers. So every output is, up to float32
-   rounding, ``dequantize(w) @ dequantize(quantize_q8_0(x))`` (tested against gguf-py's
+   rounding, ``dequantize(quantize_q8_0(x)) @ dequantize(w).T`` (tested against gguf-py's
    own quantizer and dequantizer, in float64).
+
+The integer products are llama.cpp's AVX2 ones (``mul_sum_us8_pairs_float``,
+``mul_sum_i8_pairs_float``): ``vpmaddubsw`` multiplies 32 unsigned weight bytes with 32
+signed activation bytes and adds adjacent pairs into int16, ``vpmaddwd`` by ones adds
+those pairs into eight int32 lanes; signed weights go first through ``vpsignb``/``vpabsb``
+(``|w| * (x * sign(w))``). LLVM does not form these instructions from generic IR (it
+rewrote a ``vpmaddwd`` pattern into twice the work), so :func:`_dot_intrinsic` calls them
+by name on a CPU with AVX2, and computes the same sums in generic IR elsewhere.
 
 What it costs and saves: the activations carry ggml's Q8_0 rounding error (each value
 within half a step, ``max|x| / 254`` of its block); ``refengine eval perplexity
---activation-dtype q8_0`` measures what that does to a model. The products decode each
-weight to a 16-bit integer instead of a float32 and multiply 16 of them in one instruction
-(``vpmaddwd``) instead of 8 (``vfmadd231ps``), with one conversion and one FMA per block
-rather than per eight weights. numba's LLVM does not emit AVX-512 VNNI (``vpdpwssd``) from
-generic IR, and the code here is generic IR that LLVM matches to ``vpmaddwd`` on any x86-64
-CPU with AVX2 (``inspect_asm`` shows it); elsewhere it is scalar but correct.
+--activation-dtype q8_0`` measures what that does to a model. A block costs two integer
+multiply-adds, one conversion and one FMA per activation row instead of four float32 FMAs
+and the weights' conversion to float32 (AVX2 registers).
 
 Numerics: a block's integer sum is exact whatever the order of its lanes; the float32 sums
 run in one fixed order per output (eight lanes across the blocks, :func:`f8_sum`, then the
@@ -45,8 +51,8 @@ from numba.extending import intrinsic
 
 from refengine.quant import numba_gguf
 from refengine.quant.numba_gguf import (
-    _BLOCKS32, _F8, _I8, CHUNK_ROWS, PREFETCH_BYTES, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, _bits_as_f32, _chunk_scales,
-    _fours_end, _is_c_array, _planes, _splat, _scale_scratch, _task_rows, _vector_ptr, _vector_type, _weighted_sum,
+    _BLOCKS32, _F8, _I8, _I32, CHUNK_ROWS, PREFETCH_BYTES, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, _bits_as_f32, _chunk_scales,
+    _fours_end, _is_c_array, _planes, _splat, _scale_scratch, _store_row, _task_rows, _vector_ptr, _vector_type,
     f8_fma, f8_splat, f8_sum, f8_zero, f32x8)
 from refengine.runtime.numba_support import get_num_threads, parallel_kernel, prefetch, register_kernels, x_block_rows
 
@@ -58,7 +64,6 @@ QUANTIZE_PARALLEL_MIN_ROWS = 64
 _U = np.uintp
 _B32 = ir.VectorType(ir.IntType(8), 32)
 _W16 = ir.VectorType(ir.IntType(16), 16)
-_I32 = ir.IntType(32)
 
 #: Thirty-two int8 lanes (LLVM ``<32 x i8>``, one AVX2 ``ymm`` register): a block's 32 quants.
 i8x32 = _vector_type("i8x32", _B32)
@@ -72,8 +77,15 @@ def _has_avx2(context) -> bool:
     return "+avx2" in str(getattr(context.codegen(), "_tm_features", "")).split(",")
 
 
-def _mask(builder, lanes) -> ir.Constant:
+def _mask(lanes) -> ir.Constant:
+    """A shuffle mask: the lane numbers ``lanes``."""
     return ir.Constant(ir.VectorType(_I32, len(lanes)), [_I32(i) for i in lanes])
+
+
+def _call(builder, name, ret, *vals):
+    """A call of the LLVM intrinsic ``name`` returning ``ret``."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [v.type for v in vals]), name)
+    return builder.call(fn, vals)
 
 
 @intrinsic
@@ -99,7 +111,7 @@ def b32_nibbles(typingctx, arr, idx):
     def codegen(context, builder, sig, args):
         b16 = ir.VectorType(ir.IntType(8), 16)
         v = builder.load(_vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], b16), align=1)
-        both = builder.shuffle_vector(v, builder.lshr(v, ir.Constant(b16, [4] * 16)), _mask(builder, range(32)))
+        both = builder.shuffle_vector(v, builder.lshr(v, ir.Constant(b16, [4] * 16)), _mask(range(32)))
         return builder.and_(both, ir.Constant(_B32, [15] * 32))
 
     return i8x32(arr, idx), codegen
@@ -117,7 +129,7 @@ def b32_high_bits(typingctx, v, word):
         w = context.cast(builder, args[1], sig.args[1], types.uint32)
         bytes4 = builder.bitcast(builder.insert_element(ir.Constant(ir.VectorType(_I32, 1), None), w, _I32(0)),
                                  ir.VectorType(ir.IntType(8), 4))
-        spread = builder.shuffle_vector(bytes4, bytes4, _mask(builder, [i // 8 for i in range(32)]))
+        spread = builder.shuffle_vector(bytes4, bytes4, _mask([i // 8 for i in range(32)]))
         bit = builder.and_(spread, ir.Constant(_B32, [1 << (i % 8) for i in range(32)]))
         set_ = builder.icmp_unsigned("!=", bit, ir.Constant(_B32, [0] * 32))
         return builder.or_(args[0], builder.select(set_, ir.Constant(_B32, [16] * 32), ir.Constant(_B32, [0] * 32)))
@@ -125,18 +137,34 @@ def b32_high_bits(typingctx, v, word):
     return i8x32(v, word), codegen
 
 
-def _pairs(builder, v, wide):
-    """Adjacent lanes of ``v`` added, widened to ``wide`` (``<2n x iK>`` -> ``<n x i2K>``)."""
-    n = wide.count
-    even = builder.sext(builder.shuffle_vector(v, v, _mask(builder, range(0, 2 * n, 2))), wide)
-    odd = builder.sext(builder.shuffle_vector(v, v, _mask(builder, range(1, 2 * n, 2))), wide)
-    return builder.add(even, odd)
+@intrinsic
+def b32_add(typingctx, v, n):
+    """``v + n`` lane-wise (int8, wrapping), ``n`` an integer."""
+    if not (v == i8x32 and isinstance(n, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.add(args[0], _splat(builder, context.cast(builder, args[1], sig.args[1], types.int8), _B32))
+
+    return i8x32(v, n), codegen
+
+
+def _pairs(builder, v, out):
+    """Adjacent lanes of ``v`` added, as ``out`` (``<2n x iK>`` -> ``<n x iM>``, ``M >= K``,
+    sign-extended where ``M > K``)."""
+    n = out.count
+
+    def lanes(first):
+        half = builder.shuffle_vector(v, v, _mask(range(first, 2 * n, 2)))
+        return half if out.element.width == v.type.element.width else builder.sext(half, out)
+
+    return builder.add(lanes(0), lanes(1))
 
 
 def _dot_intrinsic(is_signed: bool):
     """An intrinsic ``(w, x) -> i32x8``: the 32 products ``w[i] * x[i]`` summed in fours into
     eight exact int32 lanes (lane ``l``: ``i = 4l .. 4l + 3``); ``x`` int8, ``w`` int8 when
-    ``is_signed`` (Q8_0 weights) else unsigned bytes (4- and 5-bit quants).
+    ``is_signed`` else unsigned bytes.
 
     On AVX2: ``vpmaddubsw`` (unsigned times signed bytes, adjacent pairs added into int16:
     at most ``2 * 128 * 127`` here, so it never saturates) then ``vpmaddwd`` by ones; signed
@@ -150,16 +178,11 @@ def _dot_intrinsic(is_signed: bool):
         def codegen(context, builder, sig, args):
             a, b = args
             if _has_avx2(context):
-                def call(name, ret, *vals):
-                    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [v.type for v in vals]),
-                                                        name)
-                    return builder.call(fn, vals)
-
                 if is_signed:
-                    b = call("llvm.x86.avx2.psign.b", _B32, b, a)
+                    b = _call(builder, "llvm.x86.avx2.psign.b", _B32, b, a)
                     a = builder.select(builder.icmp_signed("<", a, ir.Constant(_B32, [0] * 32)), builder.neg(a), a)
-                p16 = call("llvm.x86.avx2.pmadd.ub.sw", _W16, a, b)
-                return call("llvm.x86.avx2.pmadd.wd", _I8, p16, ir.Constant(_W16, [1] * 16))
+                p16 = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16, a, b)
+                return _call(builder, "llvm.x86.avx2.pmadd.wd", _I8, p16, ir.Constant(_W16, [1] * 16))
             wide = ir.VectorType(ir.IntType(16), 32)
             prod = builder.mul(builder.sext(a, wide) if is_signed else builder.zext(a, wide), builder.sext(b, wide))
             return _pairs(builder, _pairs(builder, prod, _W16), _I8)
@@ -169,15 +192,15 @@ def _dot_intrinsic(is_signed: bool):
     return dot
 
 
-#: :func:`_dot_intrinsic` for unsigned weight quants (Q4_0, Q4_1, Q5_0, Q5_1).
+#: :func:`_dot_intrinsic` for unsigned weight quants (Q4_1, Q5_1).
 b32_dot = _dot_intrinsic(False)
-#: :func:`_dot_intrinsic` for int8 weight quants (Q8_0).
+#: :func:`_dot_intrinsic` for int8 weight quants (Q8_0, and Q4_0, Q5_0 with their offsets).
 b32_dot_signed = _dot_intrinsic(True)
 
 
 @intrinsic
 def i8_to_f8(typingctx, v):
-    """Eight int32 lanes -> float32 (exact below 2**24; a block's sum is below 2**20)."""
+    """Eight int32 lanes -> float32 (exact below 2**24; a lane of a block's dot is at most 4 * 128 * 127)."""
     if v != i32x8:
         return None
 
@@ -220,12 +243,6 @@ def _f32_bits(typingctx, v):
     return types.uint32(v), codegen
 
 
-def _call(builder, name, ret, *vals):
-    """A call of the LLVM intrinsic ``name`` returning ``ret``."""
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [v.type for v in vals]), name)
-    return builder.call(fn, vals)
-
-
 def _block_f8(context, builder, sig, args):
     """The four :data:`f32x8` of the 32 float32 at flat element ``args[1]`` of the array ``args[0]``."""
     ptr = _vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _F8)
@@ -243,7 +260,7 @@ def _block_amax(typingctx, x, xo):
         m = _call(builder, "llvm.maxnum.v8f32", _F8, _call(builder, "llvm.maxnum.v8f32", _F8, v[0], v[1]),
                   _call(builder, "llvm.maxnum.v8f32", _F8, v[2], v[3]))
         for half in (4, 2, 1):  # max is exact: any order gives the same value
-            top = builder.shuffle_vector(m, m, _mask(builder, [i + half if i < half else i for i in range(8)]))
+            top = builder.shuffle_vector(m, m, _mask([i + half if i < half else i for i in range(8)]))
             m = _call(builder, "llvm.maxnum.v8f32", _F8, m, top)
         return builder.extract_element(m, _I32(0))
 
@@ -270,39 +287,40 @@ def _block_round(typingctx, x, xo, inv, q, qo):
             qi = builder.fptosi(_call(builder, "llvm.copysign.v8f32", _F8, r, v), _I8)
             total = qi if total is None else builder.add(total, qi)
             parts.append(builder.trunc(qi, ir.VectorType(ir.IntType(8), 8)))
-        lo = builder.shuffle_vector(parts[0], parts[1], _mask(builder, range(16)))
-        hi = builder.shuffle_vector(parts[2], parts[3], _mask(builder, range(16)))
-        out = builder.shuffle_vector(lo, hi, _mask(builder, range(32)))
+        lo = builder.shuffle_vector(parts[0], parts[1], _mask(range(16)))
+        hi = builder.shuffle_vector(parts[2], parts[3], _mask(range(16)))
+        out = builder.shuffle_vector(lo, hi, _mask(range(32)))
         builder.store(out, _vector_ptr(context, builder, sig.args[3], args[3], sig.args[4], args[4], _B32), align=1)
         for half in (4, 2, 1):
-            total = builder.add(total, builder.shuffle_vector(total, total, _mask(builder, [(i + half) % 8 for i in range(8)])))
+            total = builder.add(total, builder.shuffle_vector(total, total, _mask([(i + half) % 8 for i in range(8)])))
         return builder.extract_element(total, _I32(0))
 
     return types.int32(x, xo, inv, q, qo), codegen
 
 
-@njit(inline="always")
-def _quantize_row(x, t, xq, dx, xsq):  # pragma: no cover - compiled
-    """Row ``t`` of ``x`` into ``xq[t]``, ``dx[t]`` (the f16 scales' values), ``xsq[t]`` (``dx * sum(q)``)."""
+@njit(cache=True)
+def _quantize_task(x, xq, dx, xsq, t0, t1):  # pragma: no cover - compiled
+    """Rows ``t0 .. t1 - 1`` of ``x`` into ``xq``, ``dx`` (the f16 scales' values) and ``xsq``
+    (``dx * sum(q)``), block by block (:func:`quantize_q8_0`)."""
     nb = _U(dx.shape[1])
     xf, qf = x.reshape(-1), xq.reshape(-1)
-    for b in range(nb):
-        c = (_U(t) * nb + b) * _U(32)
-        d = _block_amax(xf, c) / np.float32(127.0)
-        inv = np.float32(1.0) / d if d != np.float32(0.0) else np.float32(0.0)
-        total = _block_round(xf, c, inv, qf, c)
-        dv = f16_round(d)
-        dx[t, b] = dv
-        xsq[t, b] = dv * np.float32(total)
+    for t in range(_U(t0), _U(t1)):
+        for b in range(nb):
+            c = (t * nb + b) * _U(32)
+            d = _block_amax(xf, c) / np.float32(127.0)
+            inv = np.float32(1.0) / d if d != np.float32(0.0) else np.float32(0.0)
+            total = _block_round(xf, c, inv, qf, c)
+            dv = f16_round(d)
+            dx[t, b] = dv
+            xsq[t, b] = dv * np.float32(total)
 
 
 @parallel_kernel()
 def _quantize_rows(x, xq, dx, xsq, block):  # pragma: no cover - compiled
-    """:func:`_quantize_row` for every row of ``x``, in tasks of ``block`` rows."""
+    """:func:`_quantize_task` over every row of ``x``, in tasks of ``block`` rows."""
     rows = x.shape[0]
     for blk in prange((rows + block - 1) // block):
-        for t in range(blk * block, min(blk * block + block, rows)):
-            _quantize_row(x, t, xq, dx, xsq)
+        _quantize_task(x, xq, dx, xsq, blk * block, min(blk * block + block, rows))
 
 
 def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -326,7 +344,7 @@ def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if threads > 1 and rows >= QUANTIZE_PARALLEL_MIN_ROWS:
         _quantize_rows.parallel(x, xq, dx, xsq, -(-rows // (4 * threads)))
     elif rows:
-        _quantize_rows.serial(x, xq, dx, xsq, rows)
+        _quantize_task(x, xq, dx, xsq, 0, rows)
     return xq, dx, xsq
 
 
@@ -336,47 +354,29 @@ def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 @njit(inline="always")
 def _decode_bytes(kind, qs, qh, j, b):  # pragma: no cover - compiled
-    """Block ``b`` of row ``j``: its 32 quants as stored, as :data:`i8x32` (Q8_0: int8; the
-    others unsigned, ``q`` in ``[0, 16)`` or ``[0, 32)``; Q4_0's ``- 8`` and Q5_0's ``- 16``
-    are applied as minimum terms, :func:`_q8_scales`)."""
+    """Block ``b`` of row ``j``: its 32 quants as :data:`i8x32`, signed for Q8_0 (``q``),
+    Q4_0 (``q - 8``) and Q5_0 (``q - 16``), unsigned for Q4_1 and Q5_1 (``q``): the values
+    :func:`refengine.quant.numba_gguf._decode32` gives as float32."""
     if kind == Q8_0:
         return b32_load(qs, (_U(j) * _U(qs.shape[1] // 32) + _U(b)) * _U(32))
     q = b32_nibbles(qs, (_U(j) * _U(qs.shape[1] // 16) + _U(b)) * _U(16))
     if kind == Q5_0 or kind == Q5_1:
         q = b32_high_bits(q, qh[j, b])
+    if kind == Q4_0:
+        q = b32_add(q, -8)
+    elif kind == Q5_0:
+        q = b32_add(q, -16)
     return q
 
 
 @njit(inline="always")
-def _q8_scales(kind, d, m, j, j0, j1, sd, sm, nb):  # pragma: no cover - compiled
-    """:func:`refengine.quant.numba_gguf._chunk_scales` with every 32-weight type's
-    minimum in ``sm``: Q4_1/Q5_1's ``m``, and for Q4_0/Q5_0 their offset as one,
-    ``-8 * d`` and ``-16 * d`` (exact: powers of two), since ``d * (q - 8) . x̂ =
-    d * (q . x̂) - 8 * d * sum(x̂)``."""
-    so = _chunk_scales(d, m, j, j0, j1, sd, sm, kind == Q4_1 or kind == Q5_1, nb)
-    if (kind == Q4_0 or kind == Q5_0) and so == _U(0):
-        offset = np.float32(-8.0) if kind == Q4_0 else np.float32(-16.0)
-        for i in range((min(_U(j) + _U(CHUNK_ROWS), _U(j1)) - _U(j)) * nb):
-            sm[i] = offset * sd[i]
-    return so
-
-
-@njit(inline="always")
 def _block_idot(kind, w, xq, xo, scale, acc):  # pragma: no cover - compiled
-    """One block: the integer dot of its quants ``w`` with ``xq[xo : xo + 32]`` (flat int8),
-    exact, converted once and added as ``acc + scale * sum`` (eight float32 lanes)."""
+    """One block: the integer dot of its quants ``w`` (:func:`_decode_bytes`) with
+    ``xq[xo : xo + 32]`` (flat int8), exact, converted once and added as
+    ``acc + scale * sum`` (eight float32 lanes)."""
     x = b32_load(xq, xo)
-    p = b32_dot_signed(w, x) if kind == Q8_0 else b32_dot(w, x)
+    p = b32_dot(w, x) if kind == Q4_1 or kind == Q5_1 else b32_dot_signed(w, x)
     return f8_fma(f8_splat(scale), i8_to_f8(p), acc)
-
-
-@njit(inline="always")
-def _finish(out, t, j, acc, with_min, sm, so, xsq, nb):  # pragma: no cover - compiled
-    """``out[t, j]``: the accumulator's lanes summed (:func:`f8_sum`), plus the minimum terms."""
-    s = f8_sum(acc)
-    if with_min:
-        s += _weighted_sum(sm, so, xsq, t * nb, nb)
-    out[t, j] = s
 
 
 @njit(inline="always")
@@ -384,7 +384,10 @@ def _q8_rows(kind, xq, dx, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pragma: 
     """``out[:, j] = x̂ @ w[j]`` for ``j0 <= j < j1`` (the task of ``_q4_1_q8_linear`` ...;
     ``kind`` a constant): ``xq``, ``dx``, ``xsq`` from :func:`quantize_q8_0`; ``d``, ``m``,
     ``qh``, ``qs`` the weight planes as in :func:`refengine.quant.numba_gguf._blocks32_rows`;
-    ``out`` float32 ``[T, N]``; ``scratch`` float32 ``[>= 2 * (CHUNK_ROWS * K/32 + 8)]``.
+    ``out`` float32 ``[T, N]``; ``scratch`` float32 ``[>= 2 * (CHUNK_ROWS * K/32 + 8)]``:
+    the f16 scales (and minimums) of :data:`CHUNK_ROWS` weight rows at a time; with one
+    activation row the scales are multiplied in place by that row's ``dx`` once per chunk,
+    the same products ``d_w * d_x`` the multi-row path forms block by block.
 
     One row (decode at batch 1): two weight rows at a time (two FMA chains; one load of each
     activation block for both), their quants prefetched. More rows: blocks of input rows
@@ -397,10 +400,11 @@ def _q8_rows(kind, xq, dx, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pragma: 
     xqf, dxf, xsf = xq.reshape(-1), dx.reshape(-1), xsq.reshape(-1)
     half = _U(CHUNK_ROWS) * nb + _U(8)
     sd, sm = scratch[:half], scratch[half:]
+    with_min = kind == Q4_1 or kind == Q5_1
     if _U(rows) == _U(1):
         qrow = _U(qs.shape[1])
         for j in range(_U(j0), _U(j1), _U(2)):
-            so = _q8_scales(kind, d, m, j, j0, j1, sd, sm, nb)
+            so = _chunk_scales(d, m, j, j0, j1, sd, sm, with_min, nb)
             if so == _U(0):  # a new chunk: each block's d_w * d_x once (one row: the same d_x for every weight row)
                 for r in range(min(_U(j1) - _U(j), _U(CHUNK_ROWS))):
                     for b in range(nb):
@@ -415,20 +419,20 @@ def _q8_rows(kind, xq, dx, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pragma: 
                     c = b * _U(32)
                     a0 = _block_idot(kind, _decode_bytes(kind, qs, qh, j, b), xqf, c, sd[so + b], a0)
                     a1 = _block_idot(kind, _decode_bytes(kind, qs, qh, j + _U(1), b), xqf, c, sd[so1 + b], a1)
-                _finish(out, _U(0), j + _U(1), a1, kind != Q8_0, sm, so1, xsf, nb)
-                _finish(out, _U(0), j, a0, kind != Q8_0, sm, so, xsf, nb)
+                _store_row(out, _U(0), j + _U(1), f8_sum(a1), with_min, sm, so1, xsf, nb)
+                _store_row(out, _U(0), j, f8_sum(a0), with_min, sm, so, xsf, nb)
             else:
                 a0 = f8_zero()
                 for b in range(nb):
                     a0 = _block_idot(kind, _decode_bytes(kind, qs, qh, j, b), xqf, b * _U(32), sd[so + b], a0)
-                _finish(out, _U(0), j, a0, kind != Q8_0, sm, so, xsf, nb)
+                _store_row(out, _U(0), j, f8_sum(a0), with_min, sm, so, xsf, nb)
         return
     x_block = x_block_rows(k // 4, 4)  # int8 rows: a quarter of a float32 row's bytes
     for r0 in range(_U(0), _U(rows), x_block):
         r1 = min(r0 + x_block, _U(rows))
         fours, last = _fours_end(r0, r1)
         for j in range(_U(j0), _U(j1)):
-            so = _q8_scales(kind, d, m, j, j0, j1, sd, sm, nb)
+            so = _chunk_scales(d, m, j, j0, j1, sd, sm, with_min, nb)
             for t0 in range(r0, fours, _U(4)):
                 t1, t2, t3 = min(t0 + _U(1), last), min(t0 + _U(2), last), min(t0 + _U(3), last)
                 a0 = a1 = a2 = a3 = f8_zero()
@@ -439,16 +443,16 @@ def _q8_rows(kind, xq, dx, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pragma: 
                     a1 = _block_idot(kind, w, xqf, t1 * kk + c, db * dxf[t1 * nb + b], a1)
                     a2 = _block_idot(kind, w, xqf, t2 * kk + c, db * dxf[t2 * nb + b], a2)
                     a3 = _block_idot(kind, w, xqf, t3 * kk + c, db * dxf[t3 * nb + b], a3)
-                _finish(out, t3, j, a3, kind != Q8_0, sm, so, xsf, nb)
-                _finish(out, t2, j, a2, kind != Q8_0, sm, so, xsf, nb)
-                _finish(out, t1, j, a1, kind != Q8_0, sm, so, xsf, nb)
-                _finish(out, t0, j, a0, kind != Q8_0, sm, so, xsf, nb)
+                _store_row(out, t3, j, f8_sum(a3), with_min, sm, so, xsf, nb)
+                _store_row(out, t2, j, f8_sum(a2), with_min, sm, so, xsf, nb)
+                _store_row(out, t1, j, f8_sum(a1), with_min, sm, so, xsf, nb)
+                _store_row(out, t0, j, f8_sum(a0), with_min, sm, so, xsf, nb)
             for t in range(fours, r1):
                 a0 = f8_zero()
                 for b in range(nb):
                     w = _decode_bytes(kind, qs, qh, j, b)
                     a0 = _block_idot(kind, w, xqf, t * kk + b * _U(32), sd[so + b] * dxf[t * nb + b], a0)
-                _finish(out, t, j, a0, kind != Q8_0, sm, so, xsf, nb)
+                _store_row(out, t, j, f8_sum(a0), with_min, sm, so, xsf, nb)
 
 
 # One compiled version per type (the type a constant, so its branches fold away): task, parallel loop.
