@@ -46,7 +46,7 @@ bench: weights
 
 # On a machine with an NVIDIA GPU and CuPy already installed; installs nothing.
 gpu-check:
-	$(PYTHON) benchmarks/gpu_check.py
+	$(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf cuda/build .pytest_cache

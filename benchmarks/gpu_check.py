@@ -28,7 +28,8 @@ in a few minutes:
         throughput in bfloat16;
   (c) a short table of the results.
 
-Usage:  python benchmarks/gpu_check.py [--quick] [--skip-bench]
+Usage:  python benchmarks/gpu_check.py [--quick] [--skip-bench | --skip-correctness] [--budget-s S]
+                                     [--performance-md docs/PERFORMANCE.md]
 Exit status: 0 all checks passed, 1 a correctness check failed, 2 no CuPy/CUDA device.
 """
 
@@ -46,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from refengine.attention import paged_metadata  # noqa: E402
 
-TIME_BUDGET_S = 270.0  # stop starting new benchmark points after this
+TIME_BUDGET_S = 120.0  # seconds of flash-prefill and paged-decode points, from their start
 
 # (seq_len, q_len) per sequence: block edges (block size 16), chunked prefill, and
 # decode rows long enough to span several Flash-Decoding partitions.
@@ -648,6 +649,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--skip-bench", action="store_true", help="correctness only")
+    parser.add_argument("--skip-correctness", action="store_true", help="speed only")
+    parser.add_argument("--budget-s", type=float, default=TIME_BUDGET_S,
+                        help="seconds after the benchmarks start past which no new flash-prefill or paged-decode "
+                             "point starts (default %(default)s)")
+    parser.add_argument("--performance-md", default=None,
+                        help="write the speed tables as a section of this Markdown file (docs/PERFORMANCE.md)")
     args = parser.parse_args(argv)
 
     cp = require_cupy()
@@ -656,43 +663,65 @@ def main(argv=None) -> int:
         return 2
     started = time.time()
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-    print(f"device: {props['name'].decode()}  SMs: {props['multiProcessorCount']}  CuPy {cp.__version__}")
+    device = (f"{props['name'].decode()}, {props['multiProcessorCount']} SMs, "
+              f"{props['totalGlobalMem'] / 2**30:.0f} GiB, CUDA runtime {cp.cuda.runtime.runtimeGetVersion()}, "
+              f"CuPy {cp.__version__}")
+    print(f"device: {device}")
 
-    print("\n(a) correctness: CUDA kernels vs NumPy twin")
-    results = check_correctness(cp, args.quick)
-    failed = [r for r in results if not r[1]]
-    for name, ok, detail in results:
-        print(f"  {'ok  ' if ok else 'FAIL'} {name}  {detail}")
-    print(f"  {len(results) - len(failed)}/{len(results)} passed  ({time.time() - started:.0f} s)")
+    failed, correctness = [], "not run (--skip-correctness)"
+    if not args.skip_correctness:
+        print("\n(a) correctness: CUDA kernels vs NumPy twin")
+        results = check_correctness(cp, args.quick)
+        failed = [r for r in results if not r[1]]
+        for name, ok, detail in results:
+            print(f"  {'ok  ' if ok else 'FAIL'} {name}  {detail}")
+        correctness = f"{len(results) - len(failed)}/{len(results)} passed"
+        print(f"  {correctness}  ({time.time() - started:.0f} s)")
 
     if not args.skip_bench:
-        deadline = started + TIME_BUDGET_S
+        deadline = time.time() + args.budget_s
         copy_gbps = copy_bandwidth(cp)
         prefill = bench_prefill(cp, args.quick, deadline)
         decode = bench_decode(cp, args.quick, deadline)
-        print("\n(b) flash prefill, causal, float16, 32 q heads / 8 KV heads, paged (block 16)")
-        print(f"  {'hd':>4} {'seq':>6} {'batch':>5} {'mma ms':>9} {'mma TF/s':>9} {'simt TF/s':>10} "
-              f"{'SDPA TF/s':>10}")
-        for r in prefill:
-            print(f"  {r['head_dim']:>4} {r['seq']:>6} {r['batch']:>5} {r['mma_ms']:>9.2f} {r['mma_tflops']:>9.1f} "
-                  f"{r['simt_tflops']:>10.1f} {r['sdpa_tflops']:>10.1f}")
-        print(f"\n(b) paged decode, float16, 32 q heads / 8 KV heads, hd 128; "
-              f"device copy bandwidth {copy_gbps:.0f} GB/s (read+write)")
-        print(f"  {'batch':>5} {'ctx':>6} {'us':>9} {'GB/s':>8} {'% of copy':>9}   best partition: size  GB/s  %")
-        for r in decode:
-            print(f"  {r['batch']:>5} {r['ctx']:>6} {r['us']:>9.1f} {r['gbps']:>8.0f} "
-                  f"{100 * r['gbps'] / copy_gbps:>8.0f}%   {r['best_partition']:>20} {r['best_gbps']:>5.0f} "
-                  f"{100 * r['best_gbps'] / copy_gbps:>2.0f}%")
         quant = bench_quant_matmul(cp, time.time() + 30)  # a few short points, after the budget if need be
-        print(f"\n(b) quantized-weight products (quant_matmul.cu), float16 rows, weight bytes read per second "
-              f"(copy bandwidth {copy_gbps:.0f} GB/s read+write)")
-        print(f"  {'format':>6} {'rows':>5} {'out x in':>11} {'us':>9} {'GB/s':>8} {'TFLOP/s':>8}")
-        for r in quant:
-            print(f"  {r['format']:>6} {r['rows']:>5} {r['shape'][0]:>5}x{r['shape'][1]:<5} {r['us']:>9.1f} "
-                  f"{r['gbps']:>8.0f} {r['tflops']:>8.2f}")
-        print(f"\nend to end: {end_to_end_smollm2()}")
+        tables = speed_tables(prefill, decode, quant, copy_gbps)
+        for caption, (headers, rows) in tables:
+            print(f"\n(b) {caption}")
+            print("  " + " ".join(f"{h:>12}" for h in headers))
+            for row in rows:
+                print("  " + " ".join(f"{v:>12}" for v in row))
+        e2e = end_to_end_smollm2()
+        print(f"\nend to end: {e2e}")
+        if args.performance_md:
+            from refengine.bench.report import write_performance
+
+            body = [f"GPU: {device}. Correctness in this run (CUDA kernels against the NumPy twin): {correctness}.",
+                    *(item for caption, table in tables for item in (caption + ":", table)),
+                    f"End to end: {e2e}."]
+            write_performance(args.performance_md, f"gpu-check ({props['name'].decode()})", body)
+            print(f"wrote the section to {args.performance_md}")
     print(f"\ntotal {time.time() - started:.0f} s")
     return 1 if failed else 0
+
+
+def speed_tables(prefill: list[dict], decode: list[dict], quant: list[dict], copy_gbps: float) -> list:
+    """The benchmark rows as ``[(caption, (headers, rows))]``, cells already formatted."""
+    return [
+        ("flash prefill, causal, float16, 32 query heads / 8 KV heads, paged (block 16); "
+         "FLOPs = 2 * 2 * b * h * s^2 * d / 2",
+         (["head_dim", "seq", "batch", "mma ms", "mma TFLOP/s", "simt TFLOP/s", "torch SDPA TFLOP/s"],
+          [[r["head_dim"], r["seq"], r["batch"], f"{r['mma_ms']:.2f}", f"{r['mma_tflops']:.1f}",
+            f"{r['simt_tflops']:.1f}", f"{r['sdpa_tflops']:.1f}"] for r in prefill])),
+        (f"paged decode, float16 KV, 32 query heads / 8 KV heads, head_dim 128, partition 512 and the best "
+         f"of 128-1024; GB/s = K+V bytes read / time; device-to-device copy {copy_gbps:.0f} GB/s (read + write)",
+         (["batch", "context", "us", "GB/s", "% of copy", "best partition", "best GB/s"],
+          [[r["batch"], r["ctx"], f"{r['us']:.1f}", f"{r['gbps']:.0f}", f"{100 * r['gbps'] / copy_gbps:.0f}%",
+            r["best_partition"], f"{r['best_gbps']:.0f}"] for r in decode])),
+        ("quantized-weight products (cuda/quant_matmul.cu), float16 rows; GB/s = weight bytes read / time",
+         (["format", "rows", "out x in", "us", "GB/s", "TFLOP/s"],
+          [[r["format"], r["rows"], f"{r['shape'][0]}x{r['shape'][1]}", f"{r['us']:.1f}", f"{r['gbps']:.0f}",
+            f"{r['tflops']:.2f}"] for r in quant])),
+    ]
 
 
 if __name__ == "__main__":

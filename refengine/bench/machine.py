@@ -80,7 +80,14 @@ def git_commit(root: str | os.PathLike = SOURCE_ROOT) -> str:
     """The commit ``root`` is checked out at: ``git rev-parse --short HEAD``, plus
     ``" + uncommitted changes"`` when ``git status`` lists any change (untracked files
     included), or ``"not a git checkout"`` (no git, or ``root`` is not the top of a work
-    tree: an installed wheel inside some other checkout does not borrow its commit)."""
+    tree: an installed wheel inside some other checkout does not borrow its commit).
+
+    A copy of a checkout without its ``.git`` (the tree sent to a remote GPU machine) names
+    its commit in the environment variable ``REFENGINE_SOURCE_COMMIT``, used when set.
+    """
+    if os.environ.get("REFENGINE_SOURCE_COMMIT"):
+        return os.environ["REFENGINE_SOURCE_COMMIT"]
+
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True,
                               timeout=30).stdout.strip()
