@@ -196,6 +196,9 @@ def fake_cupy():
                 raise AssertionError("RawModule got a program nvrtc_program does not make")
             self.lib = build_emulation_library([cuda_source_dir() / name for name in sources])
 
+        def compile(self):  # the emulation library is built in __init__
+            pass
+
         def get_function(self, name):
             def launch(grid, block, args, shared_mem=0):
                 plain = tuple(np.asarray(a) if isinstance(a, np.ndarray) else a for a in args)
@@ -224,7 +227,9 @@ def fake_cupy():
     cp.RawModule = RawModule
     cp.cuda = types.SimpleNamespace(
         runtime=types.SimpleNamespace(getDeviceCount=lambda: 1,
-                                      getDeviceProperties=lambda i: {"name": b"stand-in", "multiProcessorCount": 1}),
+                                      getDeviceProperties=lambda i: {"name": b"stand-in", "multiProcessorCount": 1,
+                                                                       "totalGlobalMem": 1 << 30},
+                                      runtimeGetVersion=lambda: 13000),
         Device=lambda: types.SimpleNamespace(id=0), get_cuda_path=lambda: None, Event=Event,
         get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3)
     return cp

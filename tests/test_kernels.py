@@ -645,6 +645,14 @@ def test_gpu_check_benchmarks_run(monkeypatch):
     decode = gpu_check.bench_decode(cp, True, float("inf"), batches=(2,), contexts=(64,))
     assert [(r["batch"], r["ctx"]) for r in decode] == [(2, 64)]
     assert decode[0]["best_partition"] in (128, 256, 512, 1024) and decode[0]["best_gbps"] > 0
+    # what --performance-md writes: one table per benchmark, a cell per header
+    tables = gpu_check.speed_tables(prefill, decode, [], copy_gbps=4000.0)
+    assert [len(rows) for _, (_, rows) in tables] == [1, 1, 0]
+    assert all(len(row) == len(headers) for _, (headers, rows) in tables for row in rows)
+    assert tables[1][1][1][0][:2] == [2, 64]
+    from refengine.kernels.build import cupy_kernels
+
+    assert cupy_kernels().compile() >= 0.0
 
 
 # --------------------------------------------------------------------------------------
