@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +41,8 @@ from refengine.engine_args import EngineArgs
 from refengine.gguf_file import close_gguf_files, is_gguf, open_gguf
 from refengine.kv_cache import BlockManager, KVCache, cdiv
 from refengine.metrics import EngineMetrics, RequestMetrics
-from refengine.model_runner import ModelRunner, activation_peak, gpu_kv_pool_blocks, warm_up_cpu_kernels
+from refengine.model_runner import (ModelRunner, activation_peak, gpu_kv_pool_blocks, layer_products_use_blas,
+                                    warm_up_cpu_kernels)
 from refengine.models import load_model
 from refengine.ops import get_layer_ops
 from refengine.runtime import setup_cpu_runtime
@@ -162,6 +164,11 @@ def build_model(config, dequantize_gguf: bool, partition=None):
                        dequantize_gguf=dequantize_gguf, quantization=config.quantization,
                        max_model_len=config.max_model_len, partition=partition)
     close_gguf_files()  # the blocks are copied out: the file's memory map is no longer needed
+    if config.device == "cpu" and hasattr(attention, "blas_prefill_min_rows") and not layer_products_use_blas(model):
+        # Every layer product runs in numba's kernels (Q8_0 activations): a chunk's BLAS
+        # attention would make its step a BLAS step, and numba's threads would sit out the
+        # products (refengine/runtime/threads.py); the compiled prefill kernel keeps them.
+        attention.blas_prefill_min_rows = sys.maxsize
     return model
 
 

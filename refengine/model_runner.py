@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 
 import numpy as np
 
@@ -97,10 +98,47 @@ def is_blas_step(model, num_rows: int, longest_chunk: int = 0) -> bool:
     """Whether a CPU step of ``num_rows`` flat-batch rows, the longest sequence's chunk
     ``longest_chunk`` rows, has BLAS products (:func:`refengine.runtime.threads.adapt_threads`
     sizes the pools by it): its layer products go to BLAS from the layer ops'
-    ``blas_min_rows`` on (always for ops that have none: NumPy), or the attention backend
-    computes that chunk with BLAS products (its ``blas_prefill_min_rows``)."""
-    return (num_rows >= getattr(model.ops, "blas_min_rows", 0)
+    ``blas_min_rows`` on (always for ops that have none: NumPy) unless every layer matrix
+    has a compiled kernel at every row count (:func:`layer_products_use_blas`), or the
+    attention backend computes that chunk with BLAS products (its ``blas_prefill_min_rows``)."""
+    return ((num_rows >= getattr(model.ops, "blas_min_rows", 0) and layer_products_use_blas(model))
             or longest_chunk >= getattr(model.attention, "blas_prefill_min_rows", float("inf")))
+
+
+_products_use_blas: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def layer_products_use_blas(model) -> bool:
+    """Whether some layer product of ``model`` can go to BLAS at a large row count: False
+    only when its layer ops take every decoder-layer matrix through a compiled kernel at
+    every row count, which is the case of GGUF blocks with ``activation_dtype="q8_0"``
+    where each matrix's type has a Q8_0-activation kernel (:mod:`refengine.quant.numba_q8`).
+    Such a step must keep numba's threads: its products run there, not in BLAS. Computed
+    once per model."""
+    try:
+        known = _products_use_blas.get(model)
+    except TypeError:  # a model that takes no weak reference: computed each time
+        known = None
+    if known is not None:
+        return known
+    uses = True
+    if getattr(model.ops, "activation_dtype", "auto") == "q8_0" and getattr(model, "layers", None):
+        from refengine.quant import StackedWeight, is_quantized
+        from refengine.quant.numba_q8 import Q8_TYPES
+
+        def matrices(layer):
+            for value in vars(layer).values():
+                for part in value.parts if isinstance(value, StackedWeight) else [value]:
+                    if is_quantized(part) or getattr(part, "ndim", 0) == 2:
+                        yield part
+
+        uses = not all(is_quantized(w) and getattr(w, "format", None) in Q8_TYPES
+                       for layer in model.layers for w in matrices(layer))
+    try:
+        _products_use_blas[model] = uses
+    except TypeError:
+        pass
+    return uses
 
 
 def activation_peak(held_before: int, held_after: int, scratch_bytes: int) -> int:

@@ -10,6 +10,8 @@ batch (across the kernels' row groups and input blocks) and on any number of thr
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -147,6 +149,35 @@ def test_other_types_keep_their_float_products():
         q8_linear(np.zeros((2, 128), np.float32), GGUFWeight.from_raw("Q8_0", random_raw("Q8_0", 4, 256, rng), (4, 256)))
 
 
+def test_q8_steps_keep_numba_threads():
+    """With Q8_0 activations every product of a Q4_1/Q8_0 model runs in numba's kernels at
+    every row count, so a long chunk is no BLAS step (which would leave those kernels one
+    thread) and the attention then keeps its compiled prefill; a Q6_K matrix, float32
+    activations or a float matrix bring BLAS back."""
+    import types
+
+    from refengine.model_runner import is_blas_step, layer_products_use_blas
+    from refengine.ops.numba_ops import NumbaOps
+
+    rng = np.random.default_rng(3)
+
+    def weight(name):
+        return GGUFWeight.from_raw(name, random_raw(name, 4, 256, rng), (4, 256))
+
+    def model(activation_dtype, *matrices):
+        layers = [types.SimpleNamespace(qkv=m, norm=np.ones(256, np.float32)) for m in matrices]
+        return types.SimpleNamespace(ops=NumbaOps(activation_dtype=activation_dtype), layers=layers,
+                                     attention=types.SimpleNamespace(blas_prefill_min_rows=64))
+
+    q8 = model("q8_0", weight("Q4_1"), weight("Q8_0"))
+    assert not layer_products_use_blas(q8)
+    assert not is_blas_step(q8, 512, 1) and is_blas_step(q8, 512, 512)  # the attention's own BLAS chunk
+    assert layer_products_use_blas(model("auto", weight("Q4_1")))
+    assert layer_products_use_blas(model("q8_0", weight("Q4_1"), weight("Q6_K")))
+    assert layer_products_use_blas(model("q8_0", weight("Q4_1"), np.zeros((256, 4), np.float32)))
+    assert is_blas_step(model("auto", weight("Q4_1")), 512, 1)
+
+
 def test_engine_option_is_checked(gguf_path, tmp_path):
     from refengine.engine_args import EngineArgs
 
@@ -185,6 +216,9 @@ def test_engine_with_q8_activations(gguf_path):
         return [next(iter(p.values())).logprob for p in out.prompt_logprobs[1:]]
 
     assert prompt_logprobs() == prompt_logprobs(max_num_batched_tokens=5)
+    # without batch invariance too: its prompts take the compiled prefill kernel, not BLAS
+    llm = LLM(model=str(gguf_path), activation_dtype="q8_0", batch_invariant=False, max_model_len=256)
+    assert llm.llm_engine.model.attention.blas_prefill_min_rows == sys.maxsize
 
 
 def _lane_dots():
