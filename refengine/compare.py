@@ -267,7 +267,7 @@ TOLERANCES = {
 def tolerance_for(dtype: str, quantization: str | None, kv_cache_dtype: str) -> Tolerance:
     """The tolerances for refengine running in ``dtype`` (a resolved name: float32, float16,
     bfloat16) with weight ``quantization`` (None, int8, awq, gptq) and ``kv_cache_dtype``
-    (auto, int8, fp8_*). A GGUF file run as stored counts as float32: transformers
+    (auto, float16, int8, fp8_*). A GGUF file run as stored counts as float32: transformers
     dequantizes the same blocks."""
     if quantization is not None or kv_cache_dtype not in ("auto", dtype):
         return TOLERANCES["lossy"]

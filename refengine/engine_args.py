@@ -47,6 +47,9 @@ DEFAULT_BATCHED_TOKENS = 2048
 INT8_KV_BACKENDS = ("numpy", "numba", "cuda", "cuda-emulated")
 #: Attention backends that read an fp8 KV cache (``kv_cache_dtype="fp8_e4m3"`` / ``"fp8_e5m2"``).
 FP8_KV_BACKENDS = ("cuda", "cuda-emulated")
+#: Attention backends that read a float16 KV cache under float32 activations
+#: (``kv_cache_dtype="float16"``; on a GPU the cache is already in the 16-bit ``dtype``).
+FLOAT16_KV_BACKENDS = ("numpy", "numba")
 
 
 def _option(help: str, *, metavar: str | None = None, choices=None, flag: str | None = None,
@@ -136,7 +139,9 @@ class EngineArgs:
         "KV pool size in blocks (default: from --kv-cache-memory on the CPU, --gpu-memory-utilization on a GPU)",
         minimum=1))
     kv_cache_dtype: str = field(default="auto", metadata=_option(
-        "KV cache storage (vLLM's names): auto (the dtype); int8 (int8 values and a float32 scale per token "
+        "KV cache storage (vLLM's names): auto (the dtype); float16 (IEEE half values, llama.cpp's default f16 "
+        "cache: half the float32 bytes, each value rounded to nearest once; numpy and numba backends); int8 "
+        "(int8 values and a float32 scale per token "
         "and KV head, LMDeploy's scheme: about 3.8x the float32 blocks in the same memory; every backend); "
         "fp8_e4m3 or fp8_e5m2 (one fp8 byte per value, x / scale with a per-layer scale, vLLM's scheme: 2x the "
         "16-bit blocks; cuda and cuda-emulated backends)",
@@ -575,13 +580,15 @@ def resolve_device(device: str) -> str:
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, backend: str) -> str:
     """``kv_cache_dtype`` (one of :data:`refengine.kv_cache.KV_CACHE_DTYPES`) checked against
-    the attention backend: "int8" runs on :data:`INT8_KV_BACKENDS`, "fp8_e4m3" / "fp8_e5m2"
-    on :data:`FP8_KV_BACKENDS` (the CUDA kernels).
+    the attention backend: "float16" runs on :data:`FLOAT16_KV_BACKENDS` (the CPU), "int8"
+    on :data:`INT8_KV_BACKENDS`, "fp8_e4m3" / "fp8_e5m2" on :data:`FP8_KV_BACKENDS` (the
+    CUDA kernels).
 
     Raises:
         ValueError: a quantized cache with a backend that cannot read it, naming the backends that can.
     """
-    supported = {"int8": INT8_KV_BACKENDS, "fp8_e4m3": FP8_KV_BACKENDS, "fp8_e5m2": FP8_KV_BACKENDS}
+    supported = {"float16": FLOAT16_KV_BACKENDS, "int8": INT8_KV_BACKENDS, "fp8_e4m3": FP8_KV_BACKENDS,
+                 "fp8_e5m2": FP8_KV_BACKENDS}
     backends = supported.get(kv_cache_dtype)
     if backends is not None and backend not in backends:
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported with attention_backend={backend!r}: "

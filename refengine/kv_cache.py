@@ -67,9 +67,11 @@ def cache_salt_key(cache_salt: str | None) -> bytes:
 
 
 #: ``kv_cache_dtype`` values (vLLM's names): "auto" stores K/V in the activation dtype;
-#: "int8" stores int8 values and a float32 scale per token and KV head (LMDeploy's scheme);
-#: "fp8_e4m3" / "fp8_e5m2" store one fp8 byte per value and one float scale per layer (vLLM's).
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
+#: "float16" stores IEEE half values (llama.cpp's default ``f16`` cache; rounded to nearest
+#: on write, read exactly); "int8" stores int8 values and a float32 scale per token and KV
+#: head (LMDeploy's scheme); "fp8_e4m3" / "fp8_e5m2" store one fp8 byte per value and one
+#: float scale per layer (vLLM's).
+KV_CACHE_DTYPES = ("auto", "float16", "int8", "fp8_e4m3", "fp8_e5m2")
 FP8_KV_CACHE_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 INT8_MAX = 127
 
@@ -142,7 +144,8 @@ class KVCache:
     moves or shares a block (prefix caching, preemption) carries its scales. With "fp8_e4m3"
     / "fp8_e5m2" the pools hold uint8 fp8 codes and the scale lists one :class:`FP8Scale`
     per layer (scale 1.0; ``k_scales`` / ``v_scales``: one float per layer from a checkpoint's
-    ``k_scale`` / ``v_scale`` tensors). With "auto" the scale lists hold None.
+    ``k_scale`` / ``v_scale`` tensors). With "float16" the pools are float16 (half the bytes
+    of float32, no scales). With "auto" and "float16" the scale lists hold None.
 
     Args:
         dtype: the activation dtype (and, with "auto", the pools' dtype).
@@ -160,7 +163,7 @@ class KVCache:
         zeros = huge_page_zeros if xp is np else xp.zeros
         quantized = kv_cache_dtype == "int8"
         fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
-        store = np.int8 if quantized else np.uint8 if fp8 else dtype
+        store = np.int8 if quantized else np.uint8 if fp8 else np.float16 if kv_cache_dtype == "float16" else dtype
         self.k = [zeros(shape, store) for _ in range(num_layers)]
         self.v = [zeros(shape, store) for _ in range(num_layers)]
         if fp8:
@@ -182,10 +185,13 @@ class KVCache:
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int,
                         kv_cache_dtype: str = "auto") -> int:
         """Bytes one block takes across all layers, keys and values (``itemsize``: bytes per
-        activation value; with "int8", 1 byte per value plus a 4-byte scale per token and head;
+        activation value; with "float16", 2 bytes per value; with "int8", 1 byte per value plus
+        a 4-byte scale per token and head;
         with fp8, 1 byte per value: its scales are per layer, not per block)."""
         if kv_cache_dtype == "int8":
             row = head_dim + 4
+        elif kv_cache_dtype == "float16":
+            row = head_dim * 2
         elif kv_cache_dtype in FP8_KV_CACHE_DTYPES:
             row = head_dim
         else:

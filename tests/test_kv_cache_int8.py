@@ -205,7 +205,7 @@ def test_bad_cache_and_scale_arguments():
     nb = numba_cpu.NumbaAttention()
     with pytest.raises(TypeError, match="int8 caches with scales"):
         nb.forward(b.q, kc.astype(np.float32), vc.astype(np.float32), b.meta, 0.1, k_scale=ks, v_scale=vs)
-    with pytest.raises(TypeError, match="float32 caches without scales"):
+    with pytest.raises(TypeError, match="float32 or float16 caches without scales"):
         nb.forward(b.q, kc, vc, b.meta, 0.1)
     with pytest.raises(ValueError, match="give both or neither"):
         nb.write_kv(kc, vc, b.k_new, b.v_new, b.meta, k_scale=ks)
@@ -242,8 +242,8 @@ def test_kv_cache_layout_and_pool_size(tiny_llama_dir):
 
 
 def test_bad_kv_cache_dtype_is_refused(tiny_llama_dir):
-    for value in ("fp8", "float16"):
-        with pytest.raises(ValueError, match=f"kv_cache_dtype='{value}' is not one of 'auto', 'int8', "
+    for value in ("fp8", "half"):
+        with pytest.raises(ValueError, match=f"kv_cache_dtype='{value}' is not one of 'auto', 'float16', 'int8', "
                                              "'fp8_e4m3', 'fp8_e5m2'"):
             EngineArgs(str(tiny_llama_dir), kv_cache_dtype=value)
     with pytest.raises(ValueError, match="kv_cache_dtype=8 is invalid"):
@@ -269,7 +269,7 @@ def test_cli_flag():
 
     assert CliRunner().invoke(cmd, ["--kv-cache-dtype", "int8"]).output.strip() == "int8"
     bad = CliRunner().invoke(cmd, ["--kv-cache-dtype", "fp8"])
-    assert bad.exit_code == 2 and "'auto', 'int8'" in bad.output
+    assert bad.exit_code == 2 and "'auto', 'float16', 'int8'" in bad.output
 
 
 # --- the engine on the tiny model: every feature that moves or shares blocks ---------------

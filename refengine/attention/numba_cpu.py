@@ -87,9 +87,9 @@ from numba.extending import overload
 from refengine.attention import AttentionMetadata
 from refengine.attention.numpy_ref import gather_context
 from refengine.ops.numba_ops import _LN2_HI, _LN2_LO, _LOG2E, exp_affine
-from refengine.quant.numba_gguf import (f8_load, f8_store, f8_sum, f8_transpose8, q16_load_bytes, q16_to_f, v16_add,
-                                        v16_fma, v16_halves, v16_load, v16_mul, v16_splat, v16_store, v16_sums16,
-                                        v16_zero)
+from refengine.quant.numba_gguf import (f16_to_f32, f32_to_f16, f8_load, f8_load_f16, f8_store, f8_sum,
+                                        f8_transpose8, q16_load_bytes, q16_to_f, v16_add, v16_fma, v16_halves, v16_load,
+                                        v16_load_f16, v16_mul, v16_splat, v16_store, v16_sums16, v16_zero)
 from refengine.runtime import blas
 from refengine.runtime.numba_support import parallel_kernel, prefetch, register_kernels
 
@@ -216,6 +216,25 @@ def _write_kv(k_cache, v_cache, k, v, slot_mapping):  # pragma: no cover - compi
 
 
 @njit(cache=True)
+def _write_kv_f16(k_cache, v_cache, k, v, slot_mapping):  # pragma: no cover - compiled
+    """:func:`_write_kv` into float16 caches, given as their uint16 bit patterns: each value
+    rounded to nearest, ties to even (:func:`f32_to_f16`: NumPy's ``astype(np.float16)``
+    bit for bit)."""
+    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+    num_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
+    for t in range(slot_mapping.shape[0]):
+        slot = slot_mapping[t]
+        block = slot // block_size
+        if slot < 0 or block >= num_blocks:
+            raise IndexError("slot_mapping entry outside the KV cache")
+        off = slot % block_size
+        for h in range(num_kv):
+            for d in range(head_dim):
+                k_cache[block, off, h, d] = f32_to_f16(k[t, h, d])
+                v_cache[block, off, h, d] = f32_to_f16(v[t, h, d])
+
+
+@njit(cache=True)
 def _write_kv_int8(k_cache, v_cache, k_scale, v_scale, k, v, slot_mapping):  # pragma: no cover - compiled
     """:func:`_write_kv` into int8 caches: each row ``k[t, h]`` (and ``v``) is stored as
     ``round(x / scale)`` clipped to [-127, 127] with ``scale = max|x| / 127`` in ``k_scale[block, off, h]``
@@ -254,7 +273,33 @@ def _kv16(cache, i):  # pragma: no cover - replaced by its overload in compiled 
 def _kv16_impl(cache, i):
     if cache.dtype == types.float32:
         return lambda cache, i: v16_load(cache, i)
+    if cache.dtype == types.uint16:  # float16 bit patterns: exact
+        return lambda cache, i: v16_load_f16(cache, i)
     return lambda cache, i: q16_to_f(q16_load_bytes(cache, i))  # int8: exact
+
+
+def _kv8(cache, i):  # pragma: no cover - replaced by its overload in compiled code
+    """Eight elements of the flat cache from index ``i`` as float32 lanes (float32 or float16 caches)."""
+
+
+@overload(_kv8, inline="always")
+def _kv8_impl(cache, i):
+    if cache.dtype == types.float32:
+        return lambda cache, i: f8_load(cache, i)
+    if cache.dtype == types.uint16:
+        return lambda cache, i: f8_load_f16(cache, i)
+    return None
+
+
+def _kv1(cache, i):  # pragma: no cover - replaced by its overload in compiled code
+    """Element ``i`` of the flat cache as float32 (float16 caches hold uint16 bit patterns)."""
+
+
+@overload(_kv1)
+def _kv1_impl(cache, i):
+    if cache.dtype == types.uint16:
+        return lambda cache, i: f16_to_f32(cache[i])
+    return lambda cache, i: np.float32(cache[i])
 
 
 @njit(inline="always")
@@ -298,7 +343,7 @@ def _block_scores(qg, qb, kf, kb, kv_row, n_pos, dims, scores, sb):  # pragma: n
             scores[sb + i] += f8_sum(v16_halves(v16_mul(qc, _kv16(kf, kb + i * kv_row + c))))
     for i in range(n_pos):
         for d in range(d16, dims):
-            scores[sb + i] += qg[qb + d] * np.float32(kf[kb + i * kv_row + d])
+            scores[sb + i] += qg[qb + d] * _kv1(kf, kb + i * kv_row + d)
 
 
 @njit(inline="always")
@@ -339,7 +384,7 @@ def _block_values(scores, sb, vf, vb, kv_row, n_pos, dims, v_scale, block, off, 
             pj = scores[sb + i]
             if v_scale is not None:
                 pj *= v_scale[block, off + i, h]
-            a += pj * np.float32(vf[vb + i * kv_row + d])
+            a += pj * _kv1(vf, vb + i * kv_row + d)
         acc[ob + d] = a
 
 
@@ -526,16 +571,16 @@ def _transpose_keys(kf, first, row, count, dims, ktf, j0, k_tile):  # pragma: no
     columns. Eight keys at a time by 8 x 8 register transposes (:func:`f8_transpose8`: eight
     row loads, eight column stores) where ``dims`` is a multiple of eight; element by element
     otherwise and for the last ``count % 8`` keys. A copy: the tile holds the same values.
-    (float32 caches; int8 ones are dequantized into the tiles by the caller.)"""
+    (float32 and float16 caches; int8 ones are dequantized into the tiles by the caller.)"""
     i8 = count // _U(8) * _U(8) if dims % _U(8) == _U(0) else _U(0)
     for i in range(_U(0), i8, _U(8)):
         src = first + i * row
         for d in range(_U(0), dims, _U(8)):
             c0, c1, c2, c3, c4, c5, c6, c7 = f8_transpose8(
-                f8_load(kf, src + d), f8_load(kf, src + row + d), f8_load(kf, src + _U(2) * row + d),
-                f8_load(kf, src + _U(3) * row + d), f8_load(kf, src + _U(4) * row + d),
-                f8_load(kf, src + _U(5) * row + d), f8_load(kf, src + _U(6) * row + d),
-                f8_load(kf, src + _U(7) * row + d))
+                _kv8(kf, src + d), _kv8(kf, src + row + d), _kv8(kf, src + _U(2) * row + d),
+                _kv8(kf, src + _U(3) * row + d), _kv8(kf, src + _U(4) * row + d),
+                _kv8(kf, src + _U(5) * row + d), _kv8(kf, src + _U(6) * row + d),
+                _kv8(kf, src + _U(7) * row + d))
             dst = d * k_tile + j0 + i
             f8_store(ktf, dst, c0)
             f8_store(ktf, dst + k_tile, c1)
@@ -554,14 +599,14 @@ def _key_columns(kf, first, row, i0, count, dims, ktf, j0, k_tile):  # pragma: n
     stores, strided loads."""
     for d in range(dims):
         for i in range(i0, count):
-            ktf[d * k_tile + j0 + i] = kf[first + i * row + d]
+            ktf[d * k_tile + j0 + i] = _kv1(kf, first + i * row + d)
 
 
 @overload(_transpose_keys, inline="always")
 def _transpose_keys_impl(kf, first, row, count, dims, ktf, j0, k_tile):
     # an overload: numba types both branches of the caller's ``k_scale is None``, and the
-    # vector loads exist for float32 only; an int8 cache (never reached) gets the plain copy
-    if kf.dtype == types.float32:
+    # vector loads exist for float32 and float16 only; an int8 cache (never reached) gets the plain copy
+    if kf.dtype in (types.float32, types.uint16):
         return _transpose_keys
 
     def plain(kf, first, row, count, dims, ktf, j0, k_tile):
@@ -624,7 +669,7 @@ def _prefill_task(task, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq
             if k_scale is None:
                 for i in range(count):
                     for d in range(dims):
-                        vt[t_off + i, d] = vf[first + i * row + d]
+                        vt[t_off + i, d] = _kv1(vf, first + i * row + d)
                 _transpose_keys(kf, first, row, count, dims, ktf, t_off, _U(k_tile))
             else:  # dequantize into the tiles
                 for i in range(count):
@@ -837,8 +882,10 @@ class _Plan:
 
 
 class NumbaAttention:
-    """The numba backend (``attention_backend="numba"``). float32 queries; float32 caches, or
-    int8 caches with float32 ``k_scale``/``v_scale`` (``kv_cache_dtype="int8"``).
+    """The numba backend (``attention_backend="numba"``). float32 queries; float32 or float16
+    caches (``kv_cache_dtype="float16"``: values rounded to nearest on write, read exactly,
+    so attention over them gives the same bits as over their float32 copy), or int8 caches
+    with float32 ``k_scale``/``v_scale`` (``kv_cache_dtype="int8"``).
 
     Raises (from ``write_kv``/``forward``):
         TypeError: a dtype other than these.
@@ -867,11 +914,11 @@ class NumbaAttention:
 
     @staticmethod
     def _check(k_cache: np.ndarray, v_cache: np.ndarray, k_scale, v_scale, *arrays: np.ndarray) -> None:
-        cache_dtype = np.float32 if k_scale is None else np.int8
+        cache_dtypes = (np.float32, np.float16) if k_scale is None else (np.int8,)
         for a in (k_cache, v_cache):
-            if a.dtype != cache_dtype:
-                raise TypeError(f"the numba attention backend takes {np.dtype(cache_dtype)} caches "
-                                f"{'with' if k_scale is not None else 'without'} scales, got {a.dtype}")
+            if a.dtype not in cache_dtypes or a.dtype != k_cache.dtype:
+                raise TypeError(f"the numba attention backend takes {' or '.join(np.dtype(d).name for d in cache_dtypes)} "
+                                f"caches {'with' if k_scale is not None else 'without'} scales, got {a.dtype}")
         for a in arrays:
             if a.dtype != np.float32:
                 raise TypeError(f"the numba attention backend takes float32 arrays, got {a.dtype}")
@@ -889,7 +936,8 @@ class NumbaAttention:
                  meta: AttentionMetadata, *, k_scale: np.ndarray | None = None,
                  v_scale: np.ndarray | None = None) -> None:
         """Store ``k, v [T, num_kv_heads, head_dim]`` float32 at ``meta.slot_mapping [T]`` in place
-        (int8 caches: quantized, each row's scale into ``k_scale``/``v_scale``
+        (float16 caches: rounded to nearest, as NumPy's ``astype``; int8 caches: quantized,
+        each row's scale into ``k_scale``/``v_scale``
         ``[num_blocks, block_size, num_kv_heads]`` float32).
 
         Raises:
@@ -897,7 +945,9 @@ class NumbaAttention:
         """
         self._check(k_cache, v_cache, k_scale, v_scale, k, v)
         plan = self._plan_for(meta, k_cache.shape[1])
-        if k_scale is None:
+        if k_cache.dtype == np.float16:
+            _write_kv_f16(k_cache.view(np.uint16), v_cache.view(np.uint16), k, v, plan.slot_mapping)
+        elif k_scale is None:
             _write_kv(k_cache, v_cache, k, v, plan.slot_mapping)
         else:
             _write_kv_int8(k_cache, v_cache, k_scale, v_scale, k, v, plan.slot_mapping)
@@ -910,8 +960,8 @@ class NumbaAttention:
 
         Args:
             q: ``[T, num_heads, head_dim]`` float32.
-            k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32, or
-                int8 with ``k_scale, v_scale [num_blocks, block_size, num_kv_heads]`` float32.
+            k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32 or
+                float16, or int8 with ``k_scale, v_scale [num_blocks, block_size, num_kv_heads]`` float32.
             meta: where each sequence's queries and keys live.
             scale: softmax scale (> 0), usually ``1 / sqrt(head_dim)``.
             out: optional ``[T, num_heads, head_dim]`` float32 C-contiguous array to write
@@ -945,6 +995,8 @@ class NumbaAttention:
         elif out.shape != q.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
             raise ValueError(f"out must be a C-contiguous float32 array of shape {q.shape}")
         window = _NO_WINDOW if sliding_window is None else sliding_window
+        if k_cache.dtype == np.float16:  # the kernels read float16 as its bit patterns (numba has no float16)
+            k_cache, v_cache = k_cache.view(np.uint16), v_cache.view(np.uint16)
         if plan.decode_seqs.shape[0]:
             parts = plan.decode_parts(sliding_window)
             for a, b, tokens in parts.launches:
@@ -977,8 +1029,11 @@ class NumbaAttention:
         block_size = k_cache.shape[1]
         first_block = max(0, first_pos - window + 1) // block_size  # blocks before are behind every row's window
         base = first_block * block_size  # the position of key row 0 of k, v
+        if k_cache.dtype == np.uint16:  # a float16 cache's bit patterns (forward)
+            k_cache, v_cache = k_cache.view(np.float16), v_cache.view(np.float16)
         k, v = gather_context(k_cache, v_cache, plan.block_tables[i, first_block:], seq_len - base, k_scale,
                               v_scale)  # [seq_len - base, num_kv, D]
+        k, v = k.astype(np.float32, copy=False), v.astype(np.float32, copy=False)
         need = min(end - start, BLAS_PREFILL_Q_TILE) * group * min(seq_len - base, BLAS_PREFILL_Q_TILE + window)
         if self._scores.size < need:
             self._scores = np.empty(need, dtype=np.float32)

@@ -52,6 +52,9 @@ CASES = {
     "refengine-gguf": ("refengine, GGUF as stored", "refengine", ""),
     "refengine-gguf-fast": ("refengine, GGUF as stored, --no-batch-invariant", "refengine", ""),
     "refengine-gguf-q8": ("refengine, GGUF as stored, --activation-dtype q8_0", "refengine", ""),
+    # llama.cpp's own numerics: Q8_0 activations and its default f16 KV cache
+    "refengine-gguf-q8-f16kv": ("refengine, GGUF as stored, --activation-dtype q8_0 --kv-cache-dtype float16",
+                                "refengine", ""),
     "refengine-f32": ("refengine, float32 (dequantized GGUF)", "refengine", ""),
     "refengine-int8": ("refengine, int8 (of the float32 directory)", "refengine", ""),
     "llama.cpp": ("llama.cpp, GGUF as stored", "llama_cpp", "run benchmarks/build_llama_cpp.sh"),
@@ -88,6 +91,8 @@ def _run_refengine(job: dict) -> dict:
         kw["batch_invariant"] = False
     elif job["case"] == "refengine-gguf-q8":  # llama.cpp's Q8_0 activations (docs/quantization.md)
         kw["activation_dtype"] = "q8_0"
+    elif job["case"] == "refengine-gguf-q8-f16kv":  # and its f16 KV cache
+        kw.update(activation_dtype="q8_0", kv_cache_dtype="float16")
     elif job["case"] == "refengine-f32":
         kw["dtype"] = "float32"
     elif job["case"] == "refengine-int8":  # int8 of the float32 weights (the HF directory)

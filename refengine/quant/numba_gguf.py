@@ -414,15 +414,21 @@ q16_load_bytes, q16_and, q16_add, q16_shr, q16_shl = (_L16.load_bytes, _L16.and_
 q16_or, q16_to_f = _L16.or_, _L16.to_float
 
 
-def _halves_to_f8(builder, h):
-    """Eight f16 bit patterns (zero-extended to i32 lanes) -> float32, exactly (module docstring)."""
-    const = lambda c: _splat(builder, _I32(c), _I8)  # noqa: E731
+def _halves_to_float(builder, h, ivec, fvec):
+    """f16 bit patterns (zero-extended to the i32 lanes ``ivec``) -> float32 lanes ``fvec``,
+    exactly (module docstring)."""
+    const = lambda c: _splat(builder, _I32(c), ivec)  # noqa: E731
     em = builder.shl(builder.and_(h, const(0x7FFF)), const(13))
-    finite = builder.fmul(builder.bitcast(em, _F8), _splat(builder, ir.Constant(ir.FloatType(), 2.0 ** 112), _F8))
-    special = builder.bitcast(builder.or_(em, const(0x7F800000)), _F8)  # inf, NaN: the all-ones exponent
+    finite = builder.fmul(builder.bitcast(em, fvec), _splat(builder, ir.Constant(ir.FloatType(), 2.0 ** 112), fvec))
+    special = builder.bitcast(builder.or_(em, const(0x7F800000)), fvec)  # inf, NaN: the all-ones exponent
     value = builder.select(builder.icmp_unsigned(">=", em, const(0x7C00 << 13)), special, finite)
     sign = builder.shl(builder.and_(h, const(0x8000)), const(16))
-    return builder.bitcast(builder.or_(builder.bitcast(value, _I8), sign), _F8)
+    return builder.bitcast(builder.or_(builder.bitcast(value, ivec), sign), fvec)
+
+
+def _halves_to_f8(builder, h):
+    """Eight f16 bit patterns (zero-extended to i32 lanes) -> float32, exactly (module docstring)."""
+    return _halves_to_float(builder, h, _I8, _F8)
 
 
 def _has_f16c(context) -> bool:
@@ -432,22 +438,25 @@ def _has_f16c(context) -> bool:
     return "+f16c" in str(getattr(context.codegen(), "_tm_features", "")).split(",")
 
 
-def _f16_intrinsic(use_f16c: bool):
-    """An intrinsic ``(uint16 array, flat index) -> f32x8`` converting eight f16 bit patterns,
-    by the CPU's ``vcvtph2ps`` when ``use_f16c`` and the CPU has F16C, else by bit arithmetic."""
+def _f16_intrinsic(use_f16c: bool, fvec=f32x8, f_ir=_F8, i_ir=_I8):
+    """An intrinsic ``(uint16 array, flat index) -> fvec`` converting ``f_ir.count`` f16 bit
+    patterns, by the CPU's ``vcvtph2ps`` when ``use_f16c`` and the CPU has F16C, else by bit
+    arithmetic."""
+    lanes = f_ir.count
+
     @intrinsic
     def load(typingctx, arr, idx):
         if not (_is_c_array(arr, types.uint16) and isinstance(idx, types.Integer)):
             return None
 
         def codegen(context, builder, sig, args):
-            v16 = ir.VectorType(ir.IntType(16), 8)
+            v16 = ir.VectorType(ir.IntType(16), lanes)
             raw = builder.load(_vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], v16), align=2)
             if use_f16c and _has_f16c(context):
-                return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), 8)), _F8)
-            return _halves_to_f8(builder, builder.zext(raw, _I8))
+                return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), lanes)), f_ir)
+            return _halves_to_float(builder, builder.zext(raw, i_ir), i_ir, f_ir)
 
-        return f32x8(arr, idx), codegen
+        return fvec(arr, idx), codegen
 
     return load
 
@@ -457,6 +466,10 @@ def _f16_intrinsic(use_f16c: bool):
 f8_load_f16 = _f16_intrinsic(True)
 #: :data:`f8_load_f16` by bit arithmetic only (the fallback, tested on any CPU).
 f8_load_f16_bits = _f16_intrinsic(False)
+#: Sixteen lanes of :data:`f8_load_f16` (the float16 KV cache's reads).
+v16_load_f16 = _f16_intrinsic(True, f32x16, _F16L, _I16L)
+#: :data:`v16_load_f16` by bit arithmetic only.
+v16_load_f16_bits = _f16_intrinsic(False, f32x16, _F16L, _I16L)
 
 
 @intrinsic
@@ -499,6 +512,41 @@ def f16_to_f32(h):  # pragma: no cover - compiled
     if u & np.uint32(0x8000):
         v = -v
     return v
+
+
+@njit(inline="always")
+def f32_to_f16(x):  # pragma: no cover - compiled
+    """The float32 ``x`` rounded to float16 (to nearest, ties to even) as its bit pattern
+    (uint16): NumPy's ``astype(np.float16)`` bit for bit for every non-NaN float32 (past
+    65504 rounds to infinity; below ``2**-14`` to a subnormal); a NaN stays a quiet NaN.
+    Normal halves round the mantissa to 10 bits (the carry may step the exponent), then
+    the exponent is rebiased (127 -> 15); subnormals scale by ``2**24`` and round to an
+    integer by adding and taking away ``2**23`` (the float32 adds round to even)."""
+    u = np.uint32(_f32_bits(x))
+    sign = (u >> np.uint32(16)) & np.uint32(0x8000)
+    a = u & np.uint32(0x7FFFFFFF)
+    if a > np.uint32(0x7F800000):  # NaN: quiet, the top of its payload kept
+        return np.uint16(sign | np.uint32(0x7E00) | ((a >> np.uint32(13)) & np.uint32(0x3FF)))
+    if a >= np.uint32(0x477FF000):  # 65520 and up (and infinity): infinity
+        return np.uint16(sign | np.uint32(0x7C00))
+    if a < np.uint32(0x38800000):  # below 2**-14: a multiple of 2**-24 (1024 of them is the least normal)
+        big = np.float32(2.0 ** 23)
+        m = (_bits_as_f32(a) * np.float32(2.0 ** 24) + big) - big
+        return np.uint16(sign | np.uint32(m))
+    r = a + np.uint32(0xFFF) + ((a >> np.uint32(13)) & np.uint32(1))
+    return np.uint16(sign | ((r - np.uint32(0x38000000)) >> np.uint32(13)))
+
+
+@intrinsic
+def _f32_bits(typingctx, v):
+    """The bit pattern of the float32 ``v``, as uint32."""
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], _I32)
+
+    return types.uint32(v), codegen
 
 
 # ---------------------------------------------------------------------------------------

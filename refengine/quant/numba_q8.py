@@ -51,7 +51,7 @@ from numba.extending import intrinsic
 
 from refengine.quant import numba_gguf
 from refengine.quant.numba_gguf import (
-    _BLOCKS32, _F8, _I8, _I32, CHUNK_ROWS, PREFETCH_BYTES, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, _bits_as_f32, _chunk_scales,
+    _BLOCKS32, _F8, _I8, _I32, CHUNK_ROWS, _f32_bits, PREFETCH_BYTES, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, _bits_as_f32, _chunk_scales,
     _fours_end, _is_c_array, _planes, _splat, _scale_scratch, _store_row, _task_rows, _vector_ptr, _vector_type,
     f8_fma, f8_splat, f8_sum, f8_zero, f32x8)
 from refengine.runtime.numba_support import get_num_threads, parallel_kernel, prefetch, register_kernels, x_block_rows
@@ -229,18 +229,6 @@ def f16_round(v):  # pragma: no cover - compiled
     u = np.uint32(_f32_bits(v))
     u = (u + np.uint32(0xFFF) + ((u >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)
     return _bits_as_f32(u)
-
-
-@intrinsic
-def _f32_bits(typingctx, v):
-    """The bit pattern of the float32 ``v``, as uint32."""
-    if v != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], _I32)
-
-    return types.uint32(v), codegen
 
 
 def _block_f8(context, builder, sig, args):
