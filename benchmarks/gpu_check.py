@@ -26,7 +26,7 @@ in a few minutes:
         at 1-9 rows (GEMV), TFLOP/s at 512 (the SIMT GEMM);
       * end to end: SmolLM2 greedy on the GPU (float32) against the CPU, and offline
         throughput in bfloat16;
-  (c) a short table of the results.
+  each printed as a short table under (b).
 
 Usage:  python benchmarks/gpu_check.py [--quick] [--skip-bench | --skip-correctness] [--budget-s S]
                                      [--performance-md docs/PERFORMANCE.md]
@@ -648,14 +648,19 @@ def end_to_end_smollm2() -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
-    parser.add_argument("--skip-bench", action="store_true", help="correctness only")
-    parser.add_argument("--skip-correctness", action="store_true", help="speed only")
+    skip = parser.add_mutually_exclusive_group()
+    skip.add_argument("--skip-bench", action="store_true", help="correctness only")
+    skip.add_argument("--skip-correctness", action="store_true", help="speed only")
     parser.add_argument("--budget-s", type=float, default=TIME_BUDGET_S,
                         help="seconds after the benchmarks start past which no new flash-prefill or paged-decode "
                              "point starts (default %(default)s)")
     parser.add_argument("--performance-md", default=None,
                         help="write the speed tables as a section of this Markdown file (docs/PERFORMANCE.md)")
     args = parser.parse_args(argv)
+    if args.budget_s < 0:
+        parser.error(f"--budget-s {args.budget_s} must be at least 0")
+    if args.performance_md and args.skip_bench:
+        parser.error("--performance-md writes the speed tables: it cannot go with --skip-bench")
 
     cp = require_cupy()
     if cp is None:

@@ -8,7 +8,10 @@ Rows (``refengine eval perplexity`` with ``--baseline``, llama.cpp's method: win
   dequantized to float32: the kernels' cost (the float32 weights *are* the dequantized
   blocks, so this should be rounding only);
 * the same file with ``activation_dtype="q8_0"`` (llama.cpp's Q8_0 activations) against it;
+* the same file with Q8_0 activations and ``kv_cache_dtype="float16"``: llama.cpp's CPU
+  numerics (its f16 KV cache);
 * ``quantization="int8"`` (per-channel int8 of the float32 weights);
+* ``kv_cache_dtype="float16"`` (IEEE half KV cache), float32 weights;
 * ``kv_cache_dtype="int8"`` (per-token, per-head int8 KV cache), float32 weights;
 * both int8 together.
 
@@ -39,7 +42,10 @@ ROWS = {
     "GGUF Q4_1 as stored (vs the same blocks dequantized)": ({"model": GGUF}, {"model": GGUF, "dtype": "float32"}),
     "GGUF Q4_1, Q8_0 activations (vs the same blocks dequantized)": (
         {"model": GGUF, "activation_dtype": "q8_0"}, {"model": GGUF, "dtype": "float32"}),
+    "GGUF Q4_1, Q8_0 activations, float16 KV cache (llama.cpp's numerics)": (
+        {"model": GGUF, "activation_dtype": "q8_0", "kv_cache_dtype": "float16"}, {"model": GGUF, "dtype": "float32"}),
     "int8 weights": ({"model": HF_DIR, "quantization": "int8"}, {"model": HF_DIR}),
+    "float16 KV cache": ({"model": HF_DIR, "kv_cache_dtype": "float16"}, {"model": HF_DIR}),
     "int8 KV cache": ({"model": HF_DIR, "kv_cache_dtype": "int8"}, {"model": HF_DIR}),
     "int8 weights + int8 KV cache": ({"model": HF_DIR, "quantization": "int8", "kv_cache_dtype": "int8"},
                                      {"model": HF_DIR}),

@@ -183,8 +183,9 @@ class EngineConfig:
         draft_model_config: the draft model's config (``method="draft_model"``), else None.
         draft_bytes_per_block: one block of the draft's KV cache (0 without a draft); the
             draft's pool has ``num_kv_blocks`` blocks too.
-        kv_cache_dtype: KV cache storage, "auto" (``dtype``), "int8" (with float32 scales
-            per token and KV head) or "fp8_e4m3" / "fp8_e5m2" (a float scale per layer;
+        kv_cache_dtype: KV cache storage, "auto" (``dtype``), "float16" (IEEE halves under
+            float32 activations, the CPU), "int8" (with float32 scales per token and KV
+            head) or "fp8_e4m3" / "fp8_e5m2" (a float scale per layer;
             :class:`refengine.kv_cache.KVCache`); the draft's cache too.
         tensor_parallel_size: worker processes sharing every layer (:mod:`refengine.parallel`);
             1: the model runs in the engine's process.

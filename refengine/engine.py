@@ -26,7 +26,6 @@ import dataclasses
 import logging
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,11 +163,11 @@ def build_model(config, dequantize_gguf: bool, partition=None):
                        dequantize_gguf=dequantize_gguf, quantization=config.quantization,
                        max_model_len=config.max_model_len, partition=partition)
     close_gguf_files()  # the blocks are copied out: the file's memory map is no longer needed
-    if config.device == "cpu" and hasattr(attention, "blas_prefill_min_rows") and not layer_products_use_blas(model):
-        # Every layer product runs in numba's kernels (Q8_0 activations): a chunk's BLAS
-        # attention would make its step a BLAS step, and numba's threads would sit out the
-        # products (refengine/runtime/threads.py); the compiled prefill kernel keeps them.
-        attention.blas_prefill_min_rows = sys.maxsize
+    if config.device == "cpu" and hasattr(attention, "use_blas_prefill") and not layer_products_use_blas(model):
+        # Every product runs in numba's kernels (Q8_0 activations): a chunk's BLAS attention
+        # would make its step a BLAS step, and numba's threads would sit out the products
+        # (refengine/runtime/threads.py); the compiled prefill kernel keeps them.
+        attention.use_blas_prefill = False
     return model
 
 

@@ -48,7 +48,8 @@ INT8_KV_BACKENDS = ("numpy", "numba", "cuda", "cuda-emulated")
 #: Attention backends that read an fp8 KV cache (``kv_cache_dtype="fp8_e4m3"`` / ``"fp8_e5m2"``).
 FP8_KV_BACKENDS = ("cuda", "cuda-emulated")
 #: Attention backends that read a float16 KV cache under float32 activations
-#: (``kv_cache_dtype="float16"``; on a GPU the cache is already in the 16-bit ``dtype``).
+#: (``kv_cache_dtype="float16"``; a GPU keeps its cache in ``dtype``: float16 there is
+#: ``dtype="float16"``).
 FLOAT16_KV_BACKENDS = ("numpy", "numba")
 
 
@@ -585,7 +586,7 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, backend: str) -> str:
     CUDA kernels).
 
     Raises:
-        ValueError: a quantized cache with a backend that cannot read it, naming the backends that can.
+        ValueError: a cache type with a backend that cannot read it, naming the backends that can.
     """
     supported = {"float16": FLOAT16_KV_BACKENDS, "int8": INT8_KV_BACKENDS, "fp8_e4m3": FP8_KV_BACKENDS,
                  "fp8_e5m2": FP8_KV_BACKENDS}

@@ -109,12 +109,12 @@ _products_use_blas: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def layer_products_use_blas(model) -> bool:
-    """Whether some layer product of ``model`` can go to BLAS at a large row count: False
-    only when its layer ops take every decoder-layer matrix through a compiled kernel at
-    every row count, which is the case of GGUF blocks with ``activation_dtype="q8_0"``
-    where each matrix's type has a Q8_0-activation kernel (:mod:`refengine.quant.numba_q8`).
-    Such a step must keep numba's threads: its products run there, not in BLAS. Computed
-    once per model."""
+    """Whether some product of ``model`` can go to BLAS at a large row count: False only
+    when its layer ops take every decoder-layer matrix and the ``lm_head`` through a
+    compiled kernel at every row count, which is the case of GGUF blocks with
+    ``activation_dtype="q8_0"`` where each matrix's type has a Q8_0-activation kernel
+    (:mod:`refengine.quant.numba_q8`). Such a step must keep numba's threads: its products
+    run there, not in BLAS. Computed once per model."""
     try:
         known = _products_use_blas.get(model)
     except TypeError:  # a model that takes no weak reference: computed each time
@@ -126,14 +126,15 @@ def layer_products_use_blas(model) -> bool:
         from refengine.quant import StackedWeight, is_quantized
         from refengine.quant.numba_q8 import Q8_TYPES
 
-        def matrices(layer):
-            for value in vars(layer).values():
-                for part in value.parts if isinstance(value, StackedWeight) else [value]:
-                    if is_quantized(part) or getattr(part, "ndim", 0) == 2:
-                        yield part
+        def matrices(value):
+            for part in value.parts if isinstance(value, StackedWeight) else [value]:
+                if is_quantized(part) or getattr(part, "ndim", 0) == 2:
+                    yield part
 
+        values = [value for layer in model.layers for value in vars(layer).values()]
+        values.append(getattr(model, "lm_head", None))
         uses = not all(is_quantized(w) and getattr(w, "format", None) in Q8_TYPES
-                       for layer in model.layers for w in matrices(layer))
+                       for value in values if value is not None for w in matrices(value))
     try:
         _products_use_blas[model] = uses
     except TypeError:

@@ -175,6 +175,9 @@ def test_q8_steps_keep_numba_threads():
     assert layer_products_use_blas(model("auto", weight("Q4_1")))
     assert layer_products_use_blas(model("q8_0", weight("Q4_1"), weight("Q6_K")))
     assert layer_products_use_blas(model("q8_0", weight("Q4_1"), np.zeros((256, 4), np.float32)))
+    float_head = model("q8_0", weight("Q4_1"))
+    float_head.lm_head = np.zeros((256, 4), np.float32)  # every row's logits would go to BLAS
+    assert layer_products_use_blas(float_head)
     assert is_blas_step(model("auto", weight("Q4_1")), 512, 1)
 
 
@@ -218,7 +221,10 @@ def test_engine_with_q8_activations(gguf_path):
     assert prompt_logprobs() == prompt_logprobs(max_num_batched_tokens=5)
     # without batch invariance too: its prompts take the compiled prefill kernel, not BLAS
     llm = LLM(model=str(gguf_path), activation_dtype="q8_0", batch_invariant=False, max_model_len=256)
-    assert llm.llm_engine.model.attention.blas_prefill_min_rows == sys.maxsize
+    attention = llm.llm_engine.model.attention
+    assert not attention.use_blas_prefill and attention.blas_prefill_min_rows == sys.maxsize
+    llm.generate([prompt * 12], SamplingParams(max_tokens=1), use_tqdm=False)  # one chunk of 60+ rows
+    assert attention._plan.tile_seq.size and attention._plan.blas_prefill == []
 
 
 def _lane_dots():

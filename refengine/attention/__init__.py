@@ -16,6 +16,8 @@ The contract (the "attention contract" of the design notes):
 * Per-layer keywords of ``forward``: ``sliding_window`` W (query position ``p`` sees keys
   ``max(0, p - W + 1) ..= p``: W keys including itself, transformers' rule) and
   ``logits_soft_cap`` c (scores ``c * tanh(s / c)`` before the softmax); None for neither.
+* float16 caches under float32 queries (``kv_cache_dtype="float16"``, the CPU backends):
+  ``write_kv`` rounds each value to nearest (NumPy's cast), ``forward`` reads it exactly.
 * Quantized caches (``kv_cache_dtype="int8"``): ``k_cache``/``v_cache`` hold int8 and
   ``k_scale``/``v_scale [num_blocks, block_size, num_kv_heads]`` float32 beside them, one
   scale per token and KV head (:func:`refengine.kv_cache.quantize_int8`); ``write_kv``

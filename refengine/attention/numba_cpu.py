@@ -38,6 +38,12 @@ probability by its value scale (the same products up to float32 rounding). The s
 optional arguments: numba compiles the float32 path without them (``is None`` branches
 are pruned at compile time).
 
+float16 caches (``kv_cache_dtype="float16"``): numba has no float16, so the kernels take
+the caches' uint16 bit patterns; :func:`_write_kv_f16` rounds as NumPy does
+(:func:`refengine.quant.numba_gguf.f32_to_f16`) and every read converts exactly
+(``vcvtph2ps`` with F16C: ``_kv16``, ``_kv8``, ``_kv1``), so the float32 arithmetic, and
+its bits, are those over the cache's float32 copy.
+
 Per-layer options (keywords of ``forward``, as in the twin): ``sliding_window`` W (the query at
 position ``p`` sees keys ``max(0, p - W + 1) ..= p``, transformers' rule) and ``logits_soft_cap``
 c (scores ``c * tanh(s / c)`` before the softmax, Gemma 2). With a window the work is
@@ -826,7 +832,8 @@ class _Plan:
     """Per-step work lists derived from the metadata (built once in ``prepare``); decode
     partitions per sliding window, built at the first layer that uses it (:meth:`decode_parts`)."""
 
-    def __init__(self, meta: AttentionMetadata, block_size: int, batch_invariant: bool = False):
+    def __init__(self, meta: AttentionMetadata, block_size: int, batch_invariant: bool = False,
+                 blas_min_rows: int | None = None):
         qsl = np.ascontiguousarray(meta.query_start_loc, dtype=np.int32)
         seq_lens = np.ascontiguousarray(meta.seq_lens, dtype=np.int32)
         self.meta = meta
@@ -846,6 +853,8 @@ class _Plan:
         ids = self.block_tables[used]
         self.min_block = int(ids.min(initial=0))
         self.max_block = int(ids.max(initial=-1))
+        self.min_slot = int(self.slot_mapping.min(initial=0))
+        self.max_slot = int(self.slot_mapping.max(initial=-1))
 
         if batch_invariant:
             # every query row, prefill rows too, is a decode row of the paged decode kernel: its
@@ -863,7 +872,7 @@ class _Plan:
         self.max_seq_len = int(seq_lens.max(initial=0))
 
         prefill = np.flatnonzero(q_lens > 1) if not batch_invariant else np.zeros(0, np.int64)
-        to_blas = q_lens >= BLAS_PREFILL_MIN_ROWS
+        to_blas = q_lens >= (BLAS_PREFILL_MIN_ROWS if blas_min_rows is None else blas_min_rows)
         self.blas_prefill = [int(i) for i in prefill if to_blas[i]]
         tiles = [(int(i), q0) for i in prefill if not to_blas[i]
                  for q0 in range(0, int(q_lens[i]), PREFILL_Q_TILE)]
@@ -896,10 +905,18 @@ class NumbaAttention:
 
     def __init__(self, *, batch_invariant: bool = False):
         self.batch_invariant = bool(batch_invariant)
-        #: Chunks of at least this many rows use BLAS products (the model runner then gives BLAS the threads).
-        self.blas_prefill_min_rows = BLAS_PREFILL_MIN_ROWS if not self.batch_invariant else sys.maxsize
+        #: Whether long chunks may use BLAS products (off: the compiled prefill kernel for every
+        #: chunk; the engine turns it off when no layer product uses BLAS, so a step keeps numba's threads).
+        self.use_blas_prefill = True
         self._plan: _Plan | None = None
         self._scores = np.empty(0, dtype=np.float32)  # the BLAS prefill's score tiles, kept between calls
+
+    @property
+    def blas_prefill_min_rows(self) -> int:
+        """Chunks of at least this many rows use BLAS products (the model runner then gives BLAS
+        the threads): :data:`BLAS_PREFILL_MIN_ROWS`, or none (``sys.maxsize``) in
+        batch-invariant mode or without :attr:`use_blas_prefill`."""
+        return BLAS_PREFILL_MIN_ROWS if self.use_blas_prefill and not self.batch_invariant else sys.maxsize
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Start a step: its work lists (decode partitions, prefill tiles) are built at the
@@ -909,16 +926,16 @@ class NumbaAttention:
     def _plan_for(self, meta: AttentionMetadata, block_size: int) -> _Plan:
         plan = self._plan
         if plan is None or plan.meta is not meta or plan.block_size != block_size:
-            plan = self._plan = _Plan(meta, block_size, self.batch_invariant)
+            plan = self._plan = _Plan(meta, block_size, self.batch_invariant, self.blas_prefill_min_rows)
         return plan
 
     @staticmethod
     def _check(k_cache: np.ndarray, v_cache: np.ndarray, k_scale, v_scale, *arrays: np.ndarray) -> None:
         cache_dtypes = (np.float32, np.float16) if k_scale is None else (np.int8,)
-        for a in (k_cache, v_cache):
-            if a.dtype not in cache_dtypes or a.dtype != k_cache.dtype:
-                raise TypeError(f"the numba attention backend takes {' or '.join(np.dtype(d).name for d in cache_dtypes)} "
-                                f"caches {'with' if k_scale is not None else 'without'} scales, got {a.dtype}")
+        if k_cache.dtype not in cache_dtypes or v_cache.dtype != k_cache.dtype:
+            raise TypeError(f"the numba attention backend takes {' or '.join(np.dtype(d).name for d in cache_dtypes)} "
+                            f"caches {'with' if k_scale is not None else 'without'} scales (k and v alike), "
+                            f"got k_cache {k_cache.dtype} and v_cache {v_cache.dtype}")
         for a in arrays:
             if a.dtype != np.float32:
                 raise TypeError(f"the numba attention backend takes float32 arrays, got {a.dtype}")
@@ -945,6 +962,10 @@ class NumbaAttention:
         """
         self._check(k_cache, v_cache, k_scale, v_scale, k, v)
         plan = self._plan_for(meta, k_cache.shape[1])
+        slots = k_cache.shape[0] * k_cache.shape[1]
+        if plan.min_slot < 0 or plan.max_slot >= slots:
+            raise IndexError(f"slot_mapping entries {plan.min_slot}..{plan.max_slot} outside the KV cache's "
+                             f"{slots} slots")
         if k_cache.dtype == np.float16:
             _write_kv_f16(k_cache.view(np.uint16), v_cache.view(np.uint16), k, v, plan.slot_mapping)
         elif k_scale is None:

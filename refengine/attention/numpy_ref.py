@@ -135,7 +135,7 @@ class NumpyAttention:
         With int8 caches, ``k_scale, v_scale [num_blocks, block_size, num_kv_heads]`` float32
         receive each row's scale and the caches its int8 values (:func:`quantize_int8`); with
         fp8 caches (uint8, ``k_scale, v_scale`` :class:`FP8Scale`) the caches receive
-        ``float_to_fp8(x / scale)``.
+        ``float_to_fp8(x / scale)``; float16 caches NumPy's cast (to nearest, ties to even).
         """
         block_size = k_cache.shape[1]
         blocks = meta.slot_mapping // block_size
@@ -148,8 +148,9 @@ class NumpyAttention:
             v, vs = quantize_int8(v)
             k_scale[blocks, offsets] = ks
             v_scale[blocks, offsets] = vs
-        k_cache[blocks, offsets] = k
-        v_cache[blocks, offsets] = v
+        with np.errstate(over="ignore"):  # a float16 cache: past 65504 is infinity, as documented
+            k_cache[blocks, offsets] = k
+            v_cache[blocks, offsets] = v
 
     def forward(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, meta: AttentionMetadata,
                 scale: float, *, sliding_window: int | None = None, logits_soft_cap: float | None = None,
@@ -158,8 +159,8 @@ class NumpyAttention:
 
         Args:
             q: ``[T, num_heads, head_dim]`` float32.
-            k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, float32, or
-                int8 with ``k_scale, v_scale [num_blocks, block_size, num_kv_heads]`` float32,
+            k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, float32 or
+                float16, or int8 with ``k_scale, v_scale [num_blocks, block_size, num_kv_heads]`` float32,
                 or uint8 fp8 codes with ``k_scale, v_scale`` :class:`FP8Scale`.
             meta: where each sequence's queries and keys live.
             scale: softmax scale, usually ``1 / sqrt(head_dim)``.

@@ -83,11 +83,17 @@ def git_commit(root: str | os.PathLike = SOURCE_ROOT) -> str:
     tree: an installed wheel inside some other checkout does not borrow its commit).
 
     A copy of a checkout without its ``.git`` (the tree sent to a remote GPU machine) names
-    its commit in the environment variable ``REFENGINE_SOURCE_COMMIT``, used when set.
+    its commit in the environment variable ``REFENGINE_SOURCE_COMMIT``, taken as given (add
+    " + uncommitted changes" to it where the copy has them) where ``root`` is no git checkout.
     """
-    if os.environ.get("REFENGINE_SOURCE_COMMIT"):
-        return os.environ["REFENGINE_SOURCE_COMMIT"]
+    found = _checkout_commit(root)
+    if found == "not a git checkout":
+        return os.environ.get("REFENGINE_SOURCE_COMMIT") or found
+    return found
 
+
+def _checkout_commit(root: str | os.PathLike) -> str:
+    """:func:`git_commit` from git alone."""
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True,
                               timeout=30).stdout.strip()

@@ -14,6 +14,8 @@ model's own tokenizer):
   speed that invariance trades away;
 * ``refengine-gguf-q8``: the GGUF file with ``activation_dtype="q8_0"`` (llama.cpp's own
   Q8_0 activations and integer dot products, docs/quantization.md);
+* ``refengine-gguf-q8-f16kv``: that with ``kv_cache_dtype="float16"``, llama.cpp's cache
+  type (its attention differs still: it rounds the queries to f16 too);
 * ``llama.cpp`` (``llama-cpp-python``) on the same GGUF file;
 * ``CTranslate2`` on the HF directory converted by its ``ct2-transformers-converter``
   (``int8`` and ``float32``), the conversion cached under ``weights/.cache``.
@@ -52,7 +54,7 @@ CASES = {
     "refengine-gguf": ("refengine, GGUF as stored", "refengine", ""),
     "refengine-gguf-fast": ("refengine, GGUF as stored, --no-batch-invariant", "refengine", ""),
     "refengine-gguf-q8": ("refengine, GGUF as stored, --activation-dtype q8_0", "refengine", ""),
-    # llama.cpp's own numerics: Q8_0 activations and its default f16 KV cache
+    # llama.cpp's storage: Q8_0 activations and its default f16 KV cache
     "refengine-gguf-q8-f16kv": ("refengine, GGUF as stored, --activation-dtype q8_0 --kv-cache-dtype float16",
                                 "refengine", ""),
     "refengine-f32": ("refengine, float32 (dequantized GGUF)", "refengine", ""),
