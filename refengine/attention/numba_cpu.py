@@ -207,18 +207,36 @@ def _prefix_max(s, n):  # pragma: no cover - compiled
     return max(max(m0, m1), max(m2, m3))
 
 
+@njit(inline="always")
+def _slot(slot_mapping, t, cache):  # pragma: no cover - compiled
+    """Token ``t``'s ``(block, offset)`` in ``cache`` from ``slot_mapping``.
+
+    Raises:
+        IndexError: the slot lies outside the cache.
+    """
+    block_size = cache.shape[1]
+    slot = slot_mapping[t]
+    block = slot // block_size
+    if slot < 0 or block >= cache.shape[0]:
+        raise IndexError("slot_mapping entry outside the KV cache")
+    return block, slot % block_size
+
+
 @njit(cache=True)
 def _write_kv(k_cache, v_cache, k, v, slot_mapping):  # pragma: no cover - compiled
     """``k_cache[slot // bs, slot % bs] = k[t]`` (and ``v``) for each token ``t``."""
-    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
     for t in range(slot_mapping.shape[0]):
-        slot = slot_mapping[t]
-        block = slot // block_size
-        if slot < 0 or block >= num_blocks:
-            raise IndexError("slot_mapping entry outside the KV cache")
-        off = slot % block_size
+        block, off = _slot(slot_mapping, t, k_cache)
         k_cache[block, off] = k[t]
         v_cache[block, off] = v[t]
+
+
+def _kernel_views(k_cache: np.ndarray, v_cache: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The caches as the kernels take them: float16 as its uint16 bit patterns (numba has no
+    float16), every other dtype as it is."""
+    if k_cache.dtype == np.float16:
+        return k_cache.view(np.uint16), v_cache.view(np.uint16)
+    return k_cache, v_cache
 
 
 @njit(cache=True)
@@ -226,14 +244,9 @@ def _write_kv_f16(k_cache, v_cache, k, v, slot_mapping):  # pragma: no cover - c
     """:func:`_write_kv` into float16 caches, given as their uint16 bit patterns: each value
     rounded to nearest, ties to even (:func:`f32_to_f16`: NumPy's ``astype(np.float16)``
     bit for bit)."""
-    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
     num_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
     for t in range(slot_mapping.shape[0]):
-        slot = slot_mapping[t]
-        block = slot // block_size
-        if slot < 0 or block >= num_blocks:
-            raise IndexError("slot_mapping entry outside the KV cache")
-        off = slot % block_size
+        block, off = _slot(slot_mapping, t, k_cache)
         for h in range(num_kv):
             for d in range(head_dim):
                 k_cache[block, off, h, d] = f32_to_f16(k[t, h, d])
@@ -245,14 +258,9 @@ def _write_kv_int8(k_cache, v_cache, k_scale, v_scale, k, v, slot_mapping):  # p
     """:func:`_write_kv` into int8 caches: each row ``k[t, h]`` (and ``v``) is stored as
     ``round(x / scale)`` clipped to [-127, 127] with ``scale = max|x| / 127`` in ``k_scale[block, off, h]``
     (scale 0: zeros). No fastmath: the division and rounding match :func:`quantize_int8` bitwise."""
-    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
     num_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
     for t in range(slot_mapping.shape[0]):
-        slot = slot_mapping[t]
-        block = slot // block_size
-        if slot < 0 or block >= num_blocks:
-            raise IndexError("slot_mapping entry outside the KV cache")
-        off = slot % block_size
+        block, off = _slot(slot_mapping, t, k_cache)
         for h in range(num_kv):
             k_scale[block, off, h] = _quantize_row(k[t, h], k_cache[block, off, h], head_dim)
             v_scale[block, off, h] = _quantize_row(v[t, h], v_cache[block, off, h], head_dim)
@@ -933,7 +941,8 @@ class NumbaAttention:
     def _check(k_cache: np.ndarray, v_cache: np.ndarray, k_scale, v_scale, *arrays: np.ndarray) -> None:
         cache_dtypes = (np.float32, np.float16) if k_scale is None else (np.int8,)
         if k_cache.dtype not in cache_dtypes or v_cache.dtype != k_cache.dtype:
-            raise TypeError(f"the numba attention backend takes {' or '.join(np.dtype(d).name for d in cache_dtypes)} "
+            names = " or ".join(np.dtype(d).name for d in cache_dtypes)
+            raise TypeError(f"the numba attention backend takes {names} "
                             f"caches {'with' if k_scale is not None else 'without'} scales (k and v alike), "
                             f"got k_cache {k_cache.dtype} and v_cache {v_cache.dtype}")
         for a in arrays:
@@ -967,7 +976,7 @@ class NumbaAttention:
             raise IndexError(f"slot_mapping entries {plan.min_slot}..{plan.max_slot} outside the KV cache's "
                              f"{slots} slots")
         if k_cache.dtype == np.float16:
-            _write_kv_f16(k_cache.view(np.uint16), v_cache.view(np.uint16), k, v, plan.slot_mapping)
+            _write_kv_f16(*_kernel_views(k_cache, v_cache), k, v, plan.slot_mapping)
         elif k_scale is None:
             _write_kv(k_cache, v_cache, k, v, plan.slot_mapping)
         else:
@@ -1016,17 +1025,16 @@ class NumbaAttention:
         elif out.shape != q.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
             raise ValueError(f"out must be a C-contiguous float32 array of shape {q.shape}")
         window = _NO_WINDOW if sliding_window is None else sliding_window
-        if k_cache.dtype == np.float16:  # the kernels read float16 as its bit patterns (numba has no float16)
-            k_cache, v_cache = k_cache.view(np.uint16), v_cache.view(np.uint16)
+        kc, vc = _kernel_views(k_cache, v_cache)
         if plan.decode_seqs.shape[0]:
             parts = plan.decode_parts(sliding_window)
             for a, b, tokens in parts.launches:
                 decode = _paged_decode.serial if tokens < SERIAL_DECODE_MAX_TOKENS else _paged_decode
-                decode(q, k_cache, v_cache, k_scale, v_scale, plan.block_tables, plan.decode_seqs, plan.decode_rows,
+                decode(q, kc, vc, k_scale, v_scale, plan.block_tables, plan.decode_seqs, plan.decode_rows,
                        parts.seq[a:b], parts.start[a:b], parts.end[a:b], float(scale), logits_soft_cap,
                        plan.decode_only, out)
         if plan.tile_seq.shape[0]:
-            _flash_prefill(q, k_cache, v_cache, k_scale, v_scale, plan.block_tables, plan.seq_lens,
+            _flash_prefill(q, kc, vc, k_scale, v_scale, plan.block_tables, plan.seq_lens,
                            plan.query_start_loc, plan.tile_seq, plan.tile_q0, float(scale), window, logits_soft_cap,
                            PREFILL_Q_TILE, PREFILL_K_TILE, out)
         for i in plan.blas_prefill:
@@ -1050,8 +1058,6 @@ class NumbaAttention:
         block_size = k_cache.shape[1]
         first_block = max(0, first_pos - window + 1) // block_size  # blocks before are behind every row's window
         base = first_block * block_size  # the position of key row 0 of k, v
-        if k_cache.dtype == np.uint16:  # a float16 cache's bit patterns (forward)
-            k_cache, v_cache = k_cache.view(np.float16), v_cache.view(np.float16)
         k, v = gather_context(k_cache, v_cache, plan.block_tables[i, first_block:], seq_len - base, k_scale,
                               v_scale)  # [seq_len - base, num_kv, D]
         k, v = k.astype(np.float32, copy=False), v.astype(np.float32, copy=False)

@@ -426,11 +426,6 @@ def _halves_to_float(builder, h, ivec, fvec):
     return builder.bitcast(builder.or_(builder.bitcast(value, ivec), sign), fvec)
 
 
-def _halves_to_f8(builder, h):
-    """Eight f16 bit patterns (zero-extended to i32 lanes) -> float32, exactly (module docstring)."""
-    return _halves_to_float(builder, h, _I8, _F8)
-
-
 def _has_f16c(context) -> bool:
     """Whether the code is compiled for a CPU with F16C (numba targets the host CPU, and its
     cache is keyed by the CPU's features). Without it LLVM would lower a half-to-float
@@ -438,11 +433,11 @@ def _has_f16c(context) -> bool:
     return "+f16c" in str(getattr(context.codegen(), "_tm_features", "")).split(",")
 
 
-def _f16_intrinsic(use_f16c: bool, fvec=f32x8, f_ir=_F8, i_ir=_I8):
-    """An intrinsic ``(uint16 array, flat index) -> fvec`` converting ``f_ir.count`` f16 bit
-    patterns, by the CPU's ``vcvtph2ps`` when ``use_f16c`` and the CPU has F16C, else by bit
-    arithmetic."""
-    lanes = f_ir.count
+def _f16_intrinsic(use_f16c: bool, lanes: int = 8):
+    """An intrinsic ``(uint16 array, flat index) -> f32x8`` (``lanes`` 8) or ``f32x16`` (16)
+    converting that many f16 bit patterns, by the CPU's ``vcvtph2ps`` when ``use_f16c`` and
+    the CPU has F16C, else by bit arithmetic."""
+    fvec, f_ir, i_ir = {8: (f32x8, _F8, _I8), 16: (f32x16, _F16L, _I16L)}[lanes]
 
     @intrinsic
     def load(typingctx, arr, idx):
@@ -467,9 +462,9 @@ f8_load_f16 = _f16_intrinsic(True)
 #: :data:`f8_load_f16` by bit arithmetic only (the fallback, tested on any CPU).
 f8_load_f16_bits = _f16_intrinsic(False)
 #: Sixteen lanes of :data:`f8_load_f16` (the float16 KV cache's reads).
-v16_load_f16 = _f16_intrinsic(True, f32x16, _F16L, _I16L)
+v16_load_f16 = _f16_intrinsic(True, 16)
 #: :data:`v16_load_f16` by bit arithmetic only.
-v16_load_f16_bits = _f16_intrinsic(False, f32x16, _F16L, _I16L)
+v16_load_f16_bits = _f16_intrinsic(False, 16)
 
 
 @intrinsic

@@ -51,9 +51,9 @@ from numba.extending import intrinsic
 
 from refengine.quant import numba_gguf
 from refengine.quant.numba_gguf import (
-    _BLOCKS32, _F8, _I8, _I32, CHUNK_ROWS, _f32_bits, PREFETCH_BYTES, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, _bits_as_f32, _chunk_scales,
-    _fours_end, _is_c_array, _planes, _splat, _scale_scratch, _store_row, _task_rows, _vector_ptr, _vector_type,
-    f8_fma, f8_splat, f8_sum, f8_zero, f32x8)
+    _BLOCKS32, _F8, _I8, _I32, CHUNK_ROWS, PREFETCH_BYTES, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, _chunk_scales, _fours_end,
+    _is_c_array, _planes, _splat, _scale_scratch, _store_row, _task_rows, _vector_ptr, _vector_type, f16_to_f32,
+    f32_to_f16, f8_fma, f8_splat, f8_sum, f8_zero, f32x8)
 from refengine.runtime.numba_support import get_num_threads, parallel_kernel, prefetch, register_kernels, x_block_rows
 
 #: Block types whose products take Q8_0 activations here (the others stay float32).
@@ -217,18 +217,9 @@ def i8_to_f8(typingctx, v):
 @njit(inline="always")
 def f16_round(v):  # pragma: no cover - compiled
     """The float32 ``v >= 0`` rounded to the nearest float16 value (ties to even; at or above
-    65520, infinity), returned as float32: the value NumPy's ``astype(float16)`` stores.
-    Normal halves round the float32's mantissa to 10 bits; below ``2**-14`` (subnormal
-    halves) to a multiple of ``2**-24``, by adding and taking away ``2**23`` at that scale."""
-    if v >= np.float32(65520.0):
-        return np.float32(np.inf)
-    if v < np.float32(2.0 ** -14):
-        scaled = v * np.float32(2.0 ** 24)  # exact: a power of two
-        big = np.float32(2.0 ** 23)
-        return ((scaled + big) - big) * np.float32(2.0 ** -24)  # the float32 adds round to even
-    u = np.uint32(_f32_bits(v))
-    u = (u + np.uint32(0xFFF) + ((u >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)
-    return _bits_as_f32(u)
+    65520, infinity), returned as float32: the value NumPy's ``astype(float16)`` stores
+    (:func:`refengine.quant.numba_gguf.f32_to_f16`, read back exactly)."""
+    return f16_to_f32(f32_to_f16(v))
 
 
 def _block_f8(context, builder, sig, args):
