@@ -137,8 +137,14 @@ class CupyKernels:
 
     def compile(self) -> float:
         """Compile the module now rather than at its first launch (NVRTC, or CuPy's disk
-        cache when it holds this source); returns the seconds it took. Benchmarks call it
-        so that no timed point pays for the compilation."""
+        cache when it holds this source). Benchmarks call it so that no timed point pays
+        for the compilation.
+
+        Returns:
+            The seconds it took (wall clock).
+        Raises:
+            cupy.cuda.compiler.CompileException: NVRTC rejects the source (its log in the message).
+        """
         start = time.perf_counter()
         self._module.compile()
         return time.perf_counter() - start
