@@ -85,43 +85,50 @@ def test_f16_round_matches_numpy_for_every_half_boundary():
     assert np.array_equal(bits(out), bits(want))
 
 
+#: Input widths: 18 blocks (SmolLM2's 576: pairs only) and 17 (544: an odd last block alone).
+WIDTHS = (576, 544)
+
+
 @pytest.fixture(scope="module")
 def q8_weights():
-    """name -> (GGUFWeight [37, 576], its float64 dequantization) for the Q8-activation types."""
+    """(name, K) -> (GGUFWeight [37, K], its float64 dequantization) for the Q8-activation types."""
     rng = np.random.default_rng(21)
     out = {}
-    for name in Q8_TYPES:
-        raw = random_raw(name, 37, 576, rng)
-        out[name] = (GGUFWeight.from_raw(name, raw, (37, 576)), oracle(name, raw, 576).astype(np.float64))
+    for k in WIDTHS:
+        for name in Q8_TYPES:
+            raw = random_raw(name, 37, k, rng)
+            out[name, k] = (GGUFWeight.from_raw(name, raw, (37, k)), oracle(name, raw, k).astype(np.float64))
     return out
 
 
+@pytest.mark.parametrize("k", WIDTHS)
 @pytest.mark.parametrize("name", Q8_TYPES)
-def test_product_is_the_dequantized_product(q8_weights, name):
-    w, wd = q8_weights[name]
+def test_product_is_the_dequantized_product(q8_weights, name, k):
+    w, wd = q8_weights[name, k]
     rng = np.random.default_rng(8)
     for t in (1, 2, 3, 5, 6, 9, 40):
-        x = rng.standard_normal((t, 576)).astype(np.float32)
+        x = rng.standard_normal((t, k)).astype(np.float32)
         got = q8_linear(x, w)
         assert got.shape == (t, 37) and got.dtype == np.float32
-        xd = dequantize(quantize(x, Q8_0), Q8_0).reshape(t, 576).astype(np.float64)
+        xd = dequantize(quantize(x, Q8_0), Q8_0).reshape(t, k).astype(np.float64)
         err = float((np.abs(got - xd @ wd.T) / (np.abs(xd) @ np.abs(wd).T)).max())
-        assert err < PRODUCT_TOL, f"{name} T={t}: {err:.2e}"
+        assert err < PRODUCT_TOL, f"{name} K={k} T={t}: {err:.2e}"
         for i in {0, t - 1}:  # a row alone: the same bits as in the batch
-            assert np.array_equal(bits(q8_linear(x[i:i + 1], w)), bits(got[i:i + 1])), f"{name} T={t} row {i}"
+            assert np.array_equal(bits(q8_linear(x[i:i + 1], w)), bits(got[i:i + 1])), f"{name} K={k} T={t} row {i}"
 
 
+@pytest.mark.parametrize("k", WIDTHS)
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "Q5_0"])
-def test_rows_do_not_depend_on_the_batch_across_input_blocks_or_threads(q8_weights, name):
+def test_rows_do_not_depend_on_the_batch_across_input_blocks_or_threads(q8_weights, name, k):
     """Past the first input block, with groups of four and single rows at its end, on one and
     two threads: each row alone gives its bits."""
     import numba
 
     from refengine.runtime.numba_support import x_block_rows
 
-    w = q8_weights[name][0]
-    block = int(x_block_rows(576 // 4, 4))
-    x = np.random.default_rng(5).standard_normal((block + 5, 576)).astype(np.float32)  # last block: 4 + 1
+    w = q8_weights[name, k][0]
+    block = int(x_block_rows(2 * k, 4))  # the kernel's input block (int8 rows and their repeated scales)
+    x = np.random.default_rng(5).standard_normal((block + 5, k)).astype(np.float32)  # last block: 4 + 1
     before = numba.get_num_threads()
     try:
         runs = []
@@ -132,7 +139,7 @@ def test_rows_do_not_depend_on_the_batch_across_input_blocks_or_threads(q8_weigh
         numba.set_num_threads(before)
     assert all(np.array_equal(bits(r), bits(runs[0])) for r in runs)
     for i in sorted({0, block - 1, block, block + 3, block + 4}):
-        assert np.array_equal(bits(q8_linear(x[i:i + 1], w)), bits(runs[0][i:i + 1])), f"{name} row {i}"
+        assert np.array_equal(bits(q8_linear(x[i:i + 1], w)), bits(runs[0][i:i + 1])), f"{name} K={k} row {i}"
 
 
 def test_other_types_keep_their_float_products():
@@ -229,30 +236,40 @@ def test_engine_with_q8_activations(gguf_path):
 
 def _lane_dots():
     """A fresh (uncompiled) function: the integer dots of ``w[i]`` and ``x[i]`` (32 bytes each),
-    unsigned and signed weights, as their eight lanes, into ``out_u[i]``, ``out_s[i]``."""
+    unsigned and signed weights, as their eight lanes, into ``out_u[i]``, ``out_s[i]``, by the
+    one-block dots; and the same lanes by the two-block dots into ``pair_u``, ``pair_s``."""
     from numba import njit
 
-    from refengine.quant.numba_gguf import f8_store
-    from refengine.quant.numba_q8 import b32_dot, b32_dot_signed, b32_load, i8_to_f8
+    from refengine.quant.numba_gguf import f8_store, q16_to_f, v16_store
+    from refengine.quant.numba_q8 import b32_dot, b32_dot_signed, b32_load, b64_dot, b64_dot_signed, b64_load, i8_to_f8
 
     @njit
-    def dots(wu, ws, x, out_u, out_s):  # flat arrays: 32 bytes and 8 lanes a block
+    def dots(wu, ws, x, out_u, out_s, pair_u, pair_s):  # flat arrays: 32 bytes and 8 lanes a block
         for i in range(x.shape[0] // 32):
             xv = b32_load(x, i * 32)
             f8_store(out_u, i * 8, i8_to_f8(b32_dot(b32_load(wu, i * 32), xv)))
             f8_store(out_s, i * 8, i8_to_f8(b32_dot_signed(b32_load(ws, i * 32), xv)))
+        for i in range(0, x.shape[0] // 32, 2):
+            xv = b64_load(x, i * 32)
+            v16_store(pair_u, i * 8, q16_to_f(b64_dot(b64_load(wu, i * 32), xv)))
+            v16_store(pair_s, i * 8, q16_to_f(b64_dot_signed(b64_load(ws, i * 32), xv)))
 
     return dots
 
 
-@pytest.mark.parametrize("avx2", [True, False], ids=["avx2-if-present", "generic-ir"])
-def test_integer_dots_exact_on_both_code_paths(monkeypatch, avx2):
-    """The block dot's lanes (four products each) are exact, through the AVX2 instructions
-    and through the generic IR a CPU without AVX2 compiles (forced here), at the extremes:
-    unsigned weights up to 31, signed ones from -128, activations in [-127, 127]."""
+@pytest.mark.parametrize("path", ["native", "no-avx512-vnni", "avx2-no-vnni", "generic-ir"])
+def test_integer_dots_exact_on_every_code_path(monkeypatch, path):
+    """The block dots' lanes (four products each) are exact, one block and two at a time,
+    on each way the instructions are chosen (the CPU's own; forced down here: no 512-bit
+    ``vpdpbusd``, no VNNI at all, no AVX2), at the extremes: unsigned weights up to 31,
+    signed ones from -128, activations in [-127, 127]."""
     from refengine.quant import numba_q8
 
-    if not avx2:
+    if path != "native":
+        monkeypatch.setattr(numba_q8, "_has_avx512_vnni", lambda context: False)
+    if path in ("avx2-no-vnni", "generic-ir"):
+        monkeypatch.setattr(numba_q8, "_has_vnni", lambda context: False)
+    if path == "generic-ir":
         monkeypatch.setattr(numba_q8, "_has_avx2", lambda context: False)
     rng = np.random.default_rng(9)
     n = 64
@@ -260,8 +277,12 @@ def test_integer_dots_exact_on_both_code_paths(monkeypatch, avx2):
     ws = rng.integers(-128, 128, (n, 32)).astype(np.int8)
     x = rng.integers(-127, 128, (n, 32)).astype(np.int8)
     wu[0], ws[0], x[0] = 31, -128, -127  # the largest sums
-    out_u, out_s = np.empty((n, 8), np.float32), np.empty((n, 8), np.float32)
-    _lane_dots()(wu.reshape(-1), ws.reshape(-1), x.reshape(-1), out_u.reshape(-1), out_s.reshape(-1))
+    wu[1], ws[1], x[1] = 31, -128, 127
+    out_u, out_s, pair_u, pair_s = (np.empty((n, 8), np.float32) for _ in range(4))
+    _lane_dots()(wu.reshape(-1), ws.reshape(-1), x.reshape(-1), out_u.reshape(-1), out_s.reshape(-1),
+                 pair_u.reshape(-1), pair_s.reshape(-1))
     xi = x.astype(np.int64)
-    assert np.array_equal(out_u, (wu.astype(np.int64) * xi).reshape(n, 8, 4).sum(-1).astype(np.float32))
-    assert np.array_equal(out_s, (ws.astype(np.int64) * xi).reshape(n, 8, 4).sum(-1).astype(np.float32))
+    want_u = (wu.astype(np.int64) * xi).reshape(n, 8, 4).sum(-1).astype(np.float32)
+    want_s = (ws.astype(np.int64) * xi).reshape(n, 8, 4).sum(-1).astype(np.float32)
+    for got, want in ((out_u, want_u), (out_s, want_s), (pair_u, want_u), (pair_s, want_s)):
+        assert np.array_equal(got, want)

@@ -309,7 +309,7 @@ def test_tile_path_rows_do_not_depend_on_the_batch(threads, monkeypatch):
     w = Int8Weight.quantize(_matrix(rng, (960, 576)))
     x = rng.standard_normal((200, 576)).astype(np.float32)
     monkeypatch.setattr(blas, "_threads", threads)
-    assert numba_int._balanced_tiles(960, 576, 2) == 480  # two equal tiles, one per thread
+    assert blas.balanced_tile_rows(960, 576, 2, numba_int.TILE_BYTES) == 480  # two equal tiles, one per thread
     switch = 64  # the tile path from 64 rows here (INT8_BLAS_MIN_ROWS is larger: 200 rows would not reach it)
     full = numba_int.int8_linear(x, w.q, w.scales, switch)
     part = numba_int.int8_linear(x[:switch + 3], w.q, w.scales, switch)

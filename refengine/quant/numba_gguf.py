@@ -1424,9 +1424,10 @@ def dequantize_rows(w, j0: int, j1: int, buf: np.ndarray) -> np.ndarray:
 
 
 def tiled_blas_linear(x: np.ndarray, w) -> np.ndarray:
-    """``x [T, in] @ w.T`` -> float32 ``[T, out]``: tiles of :data:`TILE_BYTES` of dequantized
-    weight rows (:func:`dequantize_rows`), each multiplied by single-threaded BLAS
-    (``np.matmul`` into its columns of the output), the tiles dealt round-robin to
+    """``x [T, in] @ w.T`` -> float32 ``[T, out]``: tiles of at most :data:`TILE_BYTES` of
+    dequantized weight rows (:func:`dequantize_rows`), each multiplied by single-threaded BLAS
+    (``np.matmul`` into its columns of the output), the tiles as many per thread
+    (:func:`refengine.runtime.blas.balanced_tile_rows`) and dealt round-robin to
     refengine's BLAS threads (:func:`refengine.runtime.blas.get_threads`; the calling thread
     is one of them, each has its own buffer). F32 weights: :func:`refengine.runtime.blas.matmul`.
     ``x``: C-contiguous float32 (not checked here)."""
@@ -1437,7 +1438,7 @@ def tiled_blas_linear(x: np.ndarray, w) -> np.ndarray:
     out = np.empty((rows, n), dtype=np.float32)
     if rows == 0 or n == 0:
         return out
-    tile = max(8, min(n, TILE_BYTES // (4 * k)))
+    tile = min(n, blas.balanced_tile_rows(n, k, blas.get_threads(), TILE_BYTES, 8))
     starts = list(range(0, n, tile))
     threads = max(1, min(blas.get_threads(), len(starts)))
 

@@ -251,21 +251,11 @@ def _int8_dequant_rows(q, scales, out, j0, j1):  # pragma: no cover - compiled
             out[r - j0, i] = np.float32(q[r, i]) * s
 
 
-def _balanced_tiles(n: int, k_dim: int, threads: int) -> int:
-    """Weight rows per tile on the int8 BLAS path: about :data:`TILE_BYTES` of float32 or
-    less, the tile count a multiple of ``threads`` so each thread gets the same rows (960
-    rows on two threads: two tiles of 480, not one of 896 beside one of 64), a multiple of 16."""
-    count = max(1, -(-n * k_dim * 4 // TILE_BYTES))
-    count = -(-count // threads) * threads
-    per = -(-n // count)
-    return max(16, -(-per // 16) * 16)
-
-
 def int8_linear(x: np.ndarray, q: np.ndarray, scales: np.ndarray, blas_min_rows: int | None = None) -> np.ndarray:
     """``x [T, K] @ (q * scales[:, None]).T`` -> float32 ``[T, N]``.
 
     The tile path (from ``blas_min_rows`` rows): the weight rows cut into tiles
-    (:func:`_balanced_tiles`), dealt round-robin to refengine's BLAS threads
+    (:func:`refengine.runtime.blas.balanced_tile_rows`), dealt round-robin to refengine's BLAS threads
     (:func:`refengine.runtime.blas.get_threads`, the calling thread one of them); each
     thread dequantizes its tile into its own buffer (:func:`_int8_dequant_rows`, no GIL)
     and multiplies all of ``x`` by it with single-threaded BLAS straight into its columns
@@ -289,7 +279,7 @@ def int8_linear(x: np.ndarray, q: np.ndarray, scales: np.ndarray, blas_min_rows:
         _int8_dot(x, q, scales, out, _block_rows(n))
         return out
     k_dim = q.shape[1]
-    step = _balanced_tiles(n, k_dim, blas.get_threads())
+    step = blas.balanced_tile_rows(n, k_dim, blas.get_threads(), TILE_BYTES)
     starts = list(range(0, n, step))
     threads = max(1, min(blas.get_threads(), len(starts)))
 

@@ -21,20 +21,25 @@ The integer products are llama.cpp's AVX2 ones (``mul_sum_us8_pairs_float``,
 ``mul_sum_i8_pairs_float``): ``vpmaddubsw`` multiplies 32 unsigned weight bytes with 32
 signed activation bytes and adds adjacent pairs into int16, ``vpmaddwd`` by ones adds
 those pairs into eight int32 lanes; signed weights go first through ``vpsignb``/``vpabsb``
-(``|w| * (x * sign(w))``). LLVM does not form these instructions from generic IR (it
-rewrote a ``vpmaddwd`` pattern into twice the work), so :func:`_dot_intrinsic` calls them
-by name on a CPU with AVX2, and computes the same sums in generic IR elsewhere.
+(``|w| * (x * sign(w))``). With VNNI one ``vpdpbusd`` does both steps, and the kernels
+take two blocks per instruction (:func:`_dot64_intrinsic`: 512-bit with AVX512-VNNI).
+LLVM does not form these instructions from generic IR (it rewrote a ``vpmaddwd`` pattern
+into twice the work), so the intrinsics here call them by name on a CPU that has them,
+and compute the same sums in generic IR elsewhere.
 
 What it costs and saves: the activations carry ggml's Q8_0 rounding error (each value
 within half a step, ``max|x| / 254`` of its block); ``refengine eval perplexity
---activation-dtype q8_0`` measures what that does to a model. A block costs two integer
-multiply-adds, one conversion and one FMA per activation row instead of four float32 FMAs
-and the weights' conversion to float32 (AVX2 registers).
+--activation-dtype q8_0`` measures what that does to a model. Per activation row a pair of
+blocks costs one ``vpdpbusd``, one conversion, one multiply (the scales) and one FMA in
+AVX-512 registers (AVX2: two integer multiply-adds, one conversion and one FMA per block)
+instead of four float32 FMAs per block and the weights' conversion to float32.
 
 Numerics: a block's integer sum is exact whatever the order of its lanes; the float32 sums
-run in one fixed order per output (eight lanes across the blocks, :func:`f8_sum`, then the
-minimum terms as in :mod:`refengine.quant.numba_gguf`), the same whatever the number of
-rows, the group a row falls in, or the threads: batch-invariant at every row count. This
+run in one fixed order per output (sixteen lanes across the block pairs, even blocks in
+lanes 0-7 and odd ones in 8-15, folded into eight (:func:`v16_halves`), an odd last block
+added there, :func:`f8_sum`, then the minimum terms as in
+:mod:`refengine.quant.numba_gguf`), the same whatever the number of rows, the group a row
+falls in, or the threads: batch-invariant at every row count. This
 path therefore serves every row count (it has no BLAS twin); the other block types keep
 their float32 kernels (:func:`linear` falls back to :func:`refengine.quant.numba_gguf.linear`).
 """
@@ -52,8 +57,9 @@ from numba.extending import intrinsic
 from refengine.quant import numba_gguf
 from refengine.quant.numba_gguf import (
     _BLOCKS32, _F8, _I8, _I32, CHUNK_ROWS, PREFETCH_BYTES, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, _chunk_scales, _fours_end,
-    _is_c_array, _planes, _splat, _scale_scratch, _store_row, _task_rows, _vector_ptr, _vector_type, f16_to_f32,
-    f32_to_f16, f8_fma, f8_splat, f8_sum, f8_zero, f32x8)
+    _F16L, _I16L, _is_c_array, _planes, _splat, _scale_scratch, _store_row, _task_rows, _vector_ptr, _vector_type,
+    f16_to_f32, f32_to_f16, f8_fma, f8_splat, f8_sum, f8_zero, f32x8, f32x16, i32x16, q16_to_f, v16_fma, v16_halves,
+    v16_load, v16_mul, v16_zero)
 from refengine.runtime.numba_support import get_num_threads, parallel_kernel, prefetch, register_kernels, x_block_rows
 
 #: Block types whose products take Q8_0 activations here (the others stay float32).
@@ -65,8 +71,14 @@ _U = np.uintp
 _B32 = ir.VectorType(ir.IntType(8), 32)
 _W16 = ir.VectorType(ir.IntType(16), 16)
 
+_B64 = ir.VectorType(ir.IntType(8), 64)
+_W32 = ir.VectorType(ir.IntType(16), 32)
+
 #: Thirty-two int8 lanes (LLVM ``<32 x i8>``, one AVX2 ``ymm`` register): a block's 32 quants.
 i8x32 = _vector_type("i8x32", _B32)
+#: Sixty-four int8 lanes (LLVM ``<64 x i8>``, one AVX-512 ``zmm`` register, two ``ymm`` where
+#: LLVM splits it): the quants of two consecutive blocks.
+i8x64 = _vector_type("i8x64", _B64)
 #: Eight int32 lanes (LLVM ``<8 x i32>``): a block's integer partial sums.
 i32x8 = _vector_type("i32x8", _I8)
 
@@ -75,6 +87,18 @@ def _has_avx2(context) -> bool:
     """Whether the code is compiled for a CPU with AVX2 (numba targets the host CPU; its cache
     is keyed by the CPU's features)."""
     return "+avx2" in str(getattr(context.codegen(), "_tm_features", "")).split(",")
+
+
+def _has_vnni(context) -> bool:
+    """Whether the code is compiled for a CPU with a 256-bit ``vpdpbusd``: AVX-VNNI, or
+    AVX512-VNNI with AVX512-VL (numba targets the host CPU, as :func:`_has_avx2`)."""
+    features = str(getattr(context.codegen(), "_tm_features", "")).split(",")
+    return "+avxvnni" in features or ("+avx512vnni" in features and "+avx512vl" in features)
+
+
+def _has_avx512_vnni(context) -> bool:
+    """Whether the code is compiled for a CPU with the 512-bit ``vpdpbusd`` (AVX512-VNNI)."""
+    return "+avx512vnni" in str(getattr(context.codegen(), "_tm_features", "")).split(",")
 
 
 def _mask(lanes) -> ir.Constant:
@@ -149,6 +173,81 @@ def b32_add(typingctx, v, n):
     return i8x32(v, n), codegen
 
 
+@intrinsic
+def b64_load(typingctx, arr, idx):
+    """Elements ``idx .. idx + 63`` (flat) of a C-contiguous int8 or uint8 array, as :data:`i8x64`. Not bounds-checked."""
+    if not (_is_c_array(arr, types.uint8, types.int8) and isinstance(idx, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _B64), align=1)
+
+    return i8x64(arr, idx), codegen
+
+
+@intrinsic
+def b64_nibbles(typingctx, arr, idx):
+    """:func:`b32_nibbles` of two consecutive 16-byte blocks at once: bytes ``idx .. idx + 31``
+    of a C-contiguous uint8 array as :data:`i8x64`, lanes 0-31 the first block's quants
+    (low nibbles, then high), lanes 32-63 the second's."""
+    if not (_is_c_array(arr, types.uint8) and isinstance(idx, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = builder.load(_vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _B32), align=1)
+        lo = builder.and_(v, ir.Constant(_B32, [15] * 32))
+        hi = builder.lshr(v, ir.Constant(_B32, [4] * 32))
+        return builder.shuffle_vector(lo, hi, _mask([*range(16), *range(32, 48), *range(16, 32), *range(48, 64)]))
+
+    return i8x64(arr, idx), codegen
+
+
+@intrinsic
+def b64_high_bits(typingctx, v, word0, word1):
+    """:func:`b32_high_bits` of two blocks: lanes 0-31 take their fifth bit from ``word0``,
+    lanes 32-63 from ``word1``."""
+    if not (v == i8x64 and isinstance(word0, types.Integer) and isinstance(word1, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        words = ir.Constant(ir.VectorType(_I32, 2), None)
+        for i in (0, 1):
+            words = builder.insert_element(words, context.cast(builder, args[1 + i], sig.args[1 + i], types.uint32),
+                                           _I32(i))
+        bytes8 = builder.bitcast(words, ir.VectorType(ir.IntType(8), 8))
+        spread = builder.shuffle_vector(bytes8, bytes8, _mask([i // 8 for i in range(64)]))
+        bit = builder.and_(spread, ir.Constant(_B64, [1 << (i % 8) for i in range(64)]))
+        set_ = builder.icmp_unsigned("!=", bit, ir.Constant(_B64, [0] * 64))
+        return builder.or_(args[0], builder.select(set_, ir.Constant(_B64, [16] * 64), ir.Constant(_B64, [0] * 64)))
+
+    return i8x64(v, word0, word1), codegen
+
+
+@intrinsic
+def b64_add(typingctx, v, n):
+    """``v + n`` lane-wise (int8, wrapping), ``n`` an integer."""
+    if not (v == i8x64 and isinstance(n, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.add(args[0], _splat(builder, context.cast(builder, args[1], sig.args[1], types.int8), _B64))
+
+    return i8x64(v, n), codegen
+
+
+@intrinsic
+def v16_pair(typingctx, a, b):
+    """An :data:`f32x16` with ``a`` in lanes 0-7 and ``b`` in lanes 8-15 (two blocks' scales)."""
+    if not (isinstance(a, types.Float) and isinstance(b, types.Float)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        halves = [_splat(builder, context.cast(builder, v, t, types.float32), _F8) for v, t in zip(args, sig.args)]
+        return builder.shuffle_vector(halves[0], halves[1], _mask(range(16)))
+
+    return f32x16(a, b), codegen
+
+
 def _pairs(builder, v, out):
     """Adjacent lanes of ``v`` added, as ``out`` (``<2n x iK>`` -> ``<n x iM>``, ``M >= K``,
     sign-extended where ``M > K``)."""
@@ -161,6 +260,22 @@ def _pairs(builder, v, out):
     return builder.add(lanes(0), lanes(1))
 
 
+def _dot32_ir(context, builder, a, b, is_signed: bool):
+    """The IR of :func:`_dot_intrinsic`'s sums for one 32-byte pair ``a`` (weights), ``b``."""
+    if _has_avx2(context):
+        if is_signed:
+            b = _call(builder, "llvm.x86.avx2.psign.b", _B32, b, a)
+            a = builder.select(builder.icmp_signed("<", a, ir.Constant(_B32, [0] * 32)), builder.neg(a), a)
+        if _has_vnni(context):  # both steps in one instruction, int32 sums, no int16 stage
+            return _call(builder, "llvm.x86.avx512.vpdpbusd.256", _I8, ir.Constant(_I8, [0] * 8),
+                         builder.bitcast(a, _I8), builder.bitcast(b, _I8))
+        p16 = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16, a, b)
+        return _call(builder, "llvm.x86.avx2.pmadd.wd", _I8, p16, ir.Constant(_W16, [1] * 16))
+    wide = ir.VectorType(ir.IntType(16), 32)
+    prod = builder.mul(builder.sext(a, wide) if is_signed else builder.zext(a, wide), builder.sext(b, wide))
+    return _pairs(builder, _pairs(builder, prod, _W16), _I8)
+
+
 def _dot_intrinsic(is_signed: bool):
     """An intrinsic ``(w, x) -> i32x8``: the 32 products ``w[i] * x[i]`` summed in fours into
     eight exact int32 lanes (lane ``l``: ``i = 4l .. 4l + 3``); ``x`` int8, ``w`` int8 when
@@ -169,25 +284,45 @@ def _dot_intrinsic(is_signed: bool):
     On AVX2: ``vpmaddubsw`` (unsigned times signed bytes, adjacent pairs added into int16:
     at most ``2 * 128 * 127`` here, so it never saturates) then ``vpmaddwd`` by ones; signed
     weights first through ``vpsignb``/``vpabsb`` (``|w| * (x * sign(w))``), as llama.cpp's
-    ``mul_sum_i8_pairs_float``. Elsewhere the same sums in generic IR."""
+    ``mul_sum_i8_pairs_float``. With AVX-VNNI or AVX512-VNNI, one ``vpdpbusd`` instead of
+    the two (the same sums: no int16 stage to saturate). Elsewhere the same sums in generic IR."""
     @intrinsic
     def dot(typingctx, w, x):
         if not (w == i8x32 and x == i8x32):
             return None
 
         def codegen(context, builder, sig, args):
-            a, b = args
-            if _has_avx2(context):
-                if is_signed:
-                    b = _call(builder, "llvm.x86.avx2.psign.b", _B32, b, a)
-                    a = builder.select(builder.icmp_signed("<", a, ir.Constant(_B32, [0] * 32)), builder.neg(a), a)
-                p16 = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16, a, b)
-                return _call(builder, "llvm.x86.avx2.pmadd.wd", _I8, p16, ir.Constant(_W16, [1] * 16))
-            wide = ir.VectorType(ir.IntType(16), 32)
-            prod = builder.mul(builder.sext(a, wide) if is_signed else builder.zext(a, wide), builder.sext(b, wide))
-            return _pairs(builder, _pairs(builder, prod, _W16), _I8)
+            return _dot32_ir(context, builder, args[0], args[1], is_signed)
 
         return i32x8(w, x), codegen
+
+    return dot
+
+
+def _dot64_intrinsic(is_signed: bool):
+    """:func:`_dot_intrinsic` of two blocks at once: ``(w, x) -> i32x16`` for :data:`i8x64`
+    operands, lanes 0-7 the first 32 bytes' sums, 8-15 the second's. With AVX512-VNNI one
+    512-bit ``vpdpbusd`` (signed weights: ``|w|`` and ``x`` negated where ``w < 0``, as
+    AVX-512 has no ``vpsignb``); elsewhere each half as :func:`_dot_intrinsic` and the two joined."""
+    @intrinsic
+    def dot(typingctx, w, x):
+        if not (w == i8x64 and x == i8x64):
+            return None
+
+        def codegen(context, builder, sig, args):
+            a, b = args
+            if _has_avx512_vnni(context):
+                if is_signed:
+                    neg = builder.icmp_signed("<", a, ir.Constant(_B64, [0] * 64))
+                    b = builder.select(neg, builder.neg(b), b)
+                    a = builder.select(neg, builder.neg(a), a)
+                return _call(builder, "llvm.x86.avx512.vpdpbusd.512", _I16L, ir.Constant(_I16L, [0] * 16),
+                             builder.bitcast(a, _I16L), builder.bitcast(b, _I16L))
+            halves = [_dot32_ir(context, builder, builder.shuffle_vector(a, a, _mask(range(h, h + 32))),
+                                builder.shuffle_vector(b, b, _mask(range(h, h + 32))), is_signed) for h in (0, 32)]
+            return builder.shuffle_vector(halves[0], halves[1], _mask(range(16)))
+
+        return i32x16(w, x), codegen
 
     return dot
 
@@ -196,6 +331,10 @@ def _dot_intrinsic(is_signed: bool):
 b32_dot = _dot_intrinsic(False)
 #: :func:`_dot_intrinsic` for int8 weight quants (Q8_0, and Q4_0, Q5_0 with their offsets).
 b32_dot_signed = _dot_intrinsic(True)
+#: :func:`_dot64_intrinsic` for unsigned weight quants.
+b64_dot = _dot64_intrinsic(False)
+#: :func:`_dot64_intrinsic` for int8 weight quants.
+b64_dot_signed = _dot64_intrinsic(True)
 
 
 @intrinsic
@@ -359,24 +498,70 @@ def _block_idot(kind, w, xq, xo, scale, acc):  # pragma: no cover - compiled
 
 
 @njit(inline="always")
-def _q8_rows(kind, xq, dx, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
-    """``out[:, j] = x̂ @ w[j]`` for ``j0 <= j < j1`` (the task of ``_q4_1_q8_linear`` ...;
-    ``kind`` a constant): ``xq``, ``dx``, ``xsq`` from :func:`quantize_q8_0`; ``d``, ``m``,
-    ``qh``, ``qs`` the weight planes as in :func:`refengine.quant.numba_gguf._blocks32_rows`;
-    ``out`` float32 ``[T, N]``; ``scratch`` float32 ``[>= 2 * (CHUNK_ROWS * K/32 + 8)]``:
-    the f16 scales (and minimums) of :data:`CHUNK_ROWS` weight rows at a time; with one
-    activation row the scales are multiplied in place by that row's ``dx`` once per chunk,
-    the same products ``d_w * d_x`` the multi-row path forms block by block.
+def _decode_pair(kind, qs, qh, j, b):  # pragma: no cover - compiled
+    """Blocks ``b`` and ``b + 1`` of row ``j`` as :data:`i8x64`: each block's quants as
+    :func:`_decode_bytes` gives them, the first in lanes 0-31."""
+    if kind == Q8_0:
+        return b64_load(qs, (_U(j) * _U(qs.shape[1] // 32) + _U(b)) * _U(32))
+    q = b64_nibbles(qs, (_U(j) * _U(qs.shape[1] // 16) + _U(b)) * _U(16))
+    if kind == Q5_0 or kind == Q5_1:
+        q = b64_high_bits(q, qh[j, b], qh[j, b + 1])
+    if kind == Q4_0:
+        q = b64_add(q, -8)
+    elif kind == Q5_0:
+        q = b64_add(q, -16)
+    return q
 
-    One row (decode at batch 1): two weight rows at a time (two FMA chains; one load of each
-    activation block for both), their quants prefetched. More rows: blocks of input rows
-    that stay in cache while the task's weight rows pass, in groups of four sharing each
-    decoded weight block (a last group of 2-3 repeats its last row), then one by one. Every
-    output's sums are the same whichever way it ran."""
+
+@njit(inline="always")
+def _pair_idot(kind, w, xq, xo, scale, acc):  # pragma: no cover - compiled
+    """Two blocks: the integer dots of their quants ``w`` (:func:`_decode_pair`) with
+    ``xq[xo : xo + 64]`` (flat int8), exact, converted once and added as ``acc + scale * sum``
+    (sixteen float32 lanes: 0-7 the first block's, with ``scale``'s lanes 0-7, 8-15 the second's)."""
+    x = b64_load(xq, xo)
+    p = b64_dot(w, x) if kind == Q4_1 or kind == Q5_1 else b64_dot_signed(w, x)
+    return v16_fma(scale, q16_to_f(p), acc)
+
+
+@njit(inline="always")
+def _last_block(kind, h, qs, qh, j, xq, xo, scale):  # pragma: no cover - compiled
+    """``h`` (eight lanes: a row's block pairs folded, :func:`v16_halves`) plus the odd last
+    block of row ``j`` with ``xq[xo : xo + 32]`` and ``scale`` (:func:`_block_idot`). Called
+    inside the callers' ``if odd`` itself: arrays passed into an inlined function that
+    branches at run time keep numba's reference counting (atomic ``NRT_incref``/``NRT_decref``
+    calls, measured at half the kernel's time) in the loop."""
+    nb = _U(qs.shape[1]) // _U(32) if kind == Q8_0 else _U(qs.shape[1]) // _U(16)
+    return _block_idot(kind, _decode_bytes(kind, qs, qh, j, nb - _U(1)), xq, xo, scale, h)
+
+
+@njit(inline="always")
+def _q8_rows(kind, xq, dx, dxe, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
+    """``out[:, j] = x̂ @ w[j]`` for ``j0 <= j < j1`` (the task of ``_q4_1_q8_linear`` ...;
+    ``kind`` a constant): ``xq``, ``dx``, ``xsq`` from :func:`quantize_q8_0`, ``dxe`` the
+    scales ``dx`` with each repeated eight times (``[T, K/4]``; more than one row only);
+    ``d``, ``m``, ``qh``, ``qs`` the weight planes as in
+    :func:`refengine.quant.numba_gguf._blocks32_rows`; ``out`` float32 ``[T, N]``;
+    ``scratch`` float32 ``[>= 2 * (CHUNK_ROWS * K/32 + 8)]``: the f16 scales (and minimums)
+    of :data:`CHUNK_ROWS` weight rows at a time; with one activation row the scales are
+    multiplied in place by that row's ``dx`` once per chunk, the same products ``d_w * d_x``
+    the multi-row path forms (sixteen lanes at once, ``dxe``).
+
+    Blocks go in pairs (:func:`_pair_idot`: one 64-byte integer dot, one conversion, one FMA
+    for both), a last odd block alone (:func:`_last_block`). One row (decode at batch 1): two
+    weight rows at a time (two FMA chains; one load of each activation pair for both), their
+    quants prefetched. More rows: blocks of input rows that stay in cache while the task's
+    weight rows pass, two weight rows at a time, in groups of four input rows (a 4 x 2 tile
+    of sixteen-lane accumulators: each activation pair read once for both weight rows,
+    each decoded weight pair used four times; a last group of 2-3 repeats its last row),
+    then one by one. Every output's sums are the same whichever
+    way it ran."""
     rows, k = xq.shape
     nb = _U(d.shape[1])
+    pairs = nb // _U(2) * _U(2)
+    odd = pairs < nb
+    last = (nb - _U(1)) * _U(32)  # the odd last block's first quant in a row
     kk = _U(k)
-    xqf, dxf, xsf = xq.reshape(-1), dx.reshape(-1), xsq.reshape(-1)
+    xqf, dxf, dxef, xsf = xq.reshape(-1), dx.reshape(-1), dxe.reshape(-1), xsq.reshape(-1)
     half = _U(CHUNK_ROWS) * nb + _U(8)
     sd, sm = scratch[:half], scratch[half:]
     with_min = kind == Q4_1 or kind == Q5_1
@@ -393,118 +578,168 @@ def _q8_rows(kind, xq, dx, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pragma: 
                 prefetch(qs, o)
             if j + _U(1) < _U(j1):
                 so1 = so + nb
-                a0 = a1 = f8_zero()
-                for b in range(nb):
+                a0 = a1 = v16_zero()
+                for b in range(_U(0), pairs, _U(2)):
                     c = b * _U(32)
-                    a0 = _block_idot(kind, _decode_bytes(kind, qs, qh, j, b), xqf, c, sd[so + b], a0)
-                    a1 = _block_idot(kind, _decode_bytes(kind, qs, qh, j + _U(1), b), xqf, c, sd[so1 + b], a1)
-                _store_row(out, _U(0), j + _U(1), f8_sum(a1), with_min, sm, so1, xsf, nb)
-                _store_row(out, _U(0), j, f8_sum(a0), with_min, sm, so, xsf, nb)
+                    a0 = _pair_idot(kind, _decode_pair(kind, qs, qh, j, b), xqf, c,
+                                    v16_pair(sd[so + b], sd[so + b + _U(1)]), a0)
+                    a1 = _pair_idot(kind, _decode_pair(kind, qs, qh, j + _U(1), b), xqf, c,
+                                    v16_pair(sd[so1 + b], sd[so1 + b + _U(1)]), a1)
+                h0, h1 = v16_halves(a0), v16_halves(a1)
+                if odd:
+                    h1 = _last_block(kind, h1, qs, qh, j + _U(1), xqf, last, sd[so1 + nb - _U(1)])
+                    h0 = _last_block(kind, h0, qs, qh, j, xqf, last, sd[so + nb - _U(1)])
+                s1, s0 = f8_sum(h1), f8_sum(h0)
+                _store_row(out, _U(0), j + _U(1), s1, with_min, sm, so1, xsf, nb)
+                _store_row(out, _U(0), j, s0, with_min, sm, so, xsf, nb)
             else:
-                a0 = f8_zero()
-                for b in range(nb):
-                    a0 = _block_idot(kind, _decode_bytes(kind, qs, qh, j, b), xqf, b * _U(32), sd[so + b], a0)
-                _store_row(out, _U(0), j, f8_sum(a0), with_min, sm, so, xsf, nb)
+                a0 = v16_zero()
+                for b in range(_U(0), pairs, _U(2)):
+                    a0 = _pair_idot(kind, _decode_pair(kind, qs, qh, j, b), xqf, b * _U(32),
+                                    v16_pair(sd[so + b], sd[so + b + _U(1)]), a0)
+                h0 = v16_halves(a0)
+                if odd:
+                    h0 = _last_block(kind, h0, qs, qh, j, xqf, last, sd[so + nb - _U(1)])
+                _store_row(out, _U(0), j, f8_sum(h0), with_min, sm, so, xsf, nb)
         return
-    x_block = x_block_rows(k // 4, 4)  # int8 rows: a quarter of a float32 row's bytes
+    x_block = x_block_rows(2 * k, 4)  # int8 rows and their repeated scales: a quarter of X_BLOCK_BYTES, within L1
+    ke = kk // _U(4)  # dxe's row length
     for r0 in range(_U(0), _U(rows), x_block):
         r1 = min(r0 + x_block, _U(rows))
-        fours, last = _fours_end(r0, r1)
-        for j in range(_U(j0), _U(j1)):
+        fours, last_row = _fours_end(r0, r1)
+        for j in range(_U(j0), _U(j1), _U(2)):  # weight rows in pairs (same chunk: j - j0 is even)
             so = _chunk_scales(d, m, j, j0, j1, sd, sm, with_min, nb)
+            two = j + _U(1) < _U(j1)
+            jb = j + _U(1) if two else j  # a last odd weight row is computed twice, stored once
+            sob = so + nb if two else so
             for t0 in range(r0, fours, _U(4)):
-                t1, t2, t3 = min(t0 + _U(1), last), min(t0 + _U(2), last), min(t0 + _U(3), last)
-                a0 = a1 = a2 = a3 = f8_zero()
-                for b in range(nb):
-                    w = _decode_bytes(kind, qs, qh, j, b)
-                    c, db = b * _U(32), sd[so + b]
-                    a0 = _block_idot(kind, w, xqf, t0 * kk + c, db * dxf[t0 * nb + b], a0)
-                    a1 = _block_idot(kind, w, xqf, t1 * kk + c, db * dxf[t1 * nb + b], a1)
-                    a2 = _block_idot(kind, w, xqf, t2 * kk + c, db * dxf[t2 * nb + b], a2)
-                    a3 = _block_idot(kind, w, xqf, t3 * kk + c, db * dxf[t3 * nb + b], a3)
-                _store_row(out, t3, j, f8_sum(a3), with_min, sm, so, xsf, nb)
-                _store_row(out, t2, j, f8_sum(a2), with_min, sm, so, xsf, nb)
-                _store_row(out, t1, j, f8_sum(a1), with_min, sm, so, xsf, nb)
-                _store_row(out, t0, j, f8_sum(a0), with_min, sm, so, xsf, nb)
+                t1, t2, t3 = min(t0 + _U(1), last_row), min(t0 + _U(2), last_row), min(t0 + _U(3), last_row)
+                x0, x1, x2, x3 = t0 * kk, t1 * kk, t2 * kk, t3 * kk
+                e0, e1, e2, e3 = t0 * ke, t1 * ke, t2 * ke, t3 * ke
+                a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = v16_zero()
+                for b in range(_U(0), pairs, _U(2)):
+                    wa, wb = _decode_pair(kind, qs, qh, j, b), _decode_pair(kind, qs, qh, jb, b)
+                    sa, sb = v16_pair(sd[so + b], sd[so + b + _U(1)]), v16_pair(sd[sob + b], sd[sob + b + _U(1)])
+                    c, e = b * _U(32), b * _U(8)
+                    # each activation pair and its scales loaded once for both weight rows (LLVM merges the loads)
+                    d0, d1, d2, d3 = (v16_load(dxef, e0 + e), v16_load(dxef, e1 + e), v16_load(dxef, e2 + e),
+                                      v16_load(dxef, e3 + e))
+                    a0 = _pair_idot(kind, wa, xqf, x0 + c, v16_mul(sa, d0), a0)
+                    b0 = _pair_idot(kind, wb, xqf, x0 + c, v16_mul(sb, d0), b0)
+                    a1 = _pair_idot(kind, wa, xqf, x1 + c, v16_mul(sa, d1), a1)
+                    b1 = _pair_idot(kind, wb, xqf, x1 + c, v16_mul(sb, d1), b1)
+                    a2 = _pair_idot(kind, wa, xqf, x2 + c, v16_mul(sa, d2), a2)
+                    b2 = _pair_idot(kind, wb, xqf, x2 + c, v16_mul(sb, d2), b2)
+                    a3 = _pair_idot(kind, wa, xqf, x3 + c, v16_mul(sa, d3), a3)
+                    b3 = _pair_idot(kind, wb, xqf, x3 + c, v16_mul(sb, d3), b3)
+                ha0, ha1, ha2, ha3 = v16_halves(a0), v16_halves(a1), v16_halves(a2), v16_halves(a3)
+                hb0, hb1, hb2, hb3 = v16_halves(b0), v16_halves(b1), v16_halves(b2), v16_halves(b3)
+                if odd:
+                    lb = nb - _U(1)
+                    da, db = sd[so + lb], sd[sob + lb]
+                    ha0 = _last_block(kind, ha0, qs, qh, j, xqf, x0 + last, da * dxf[t0 * nb + lb])
+                    ha1 = _last_block(kind, ha1, qs, qh, j, xqf, x1 + last, da * dxf[t1 * nb + lb])
+                    ha2 = _last_block(kind, ha2, qs, qh, j, xqf, x2 + last, da * dxf[t2 * nb + lb])
+                    ha3 = _last_block(kind, ha3, qs, qh, j, xqf, x3 + last, da * dxf[t3 * nb + lb])
+                    hb0 = _last_block(kind, hb0, qs, qh, jb, xqf, x0 + last, db * dxf[t0 * nb + lb])
+                    hb1 = _last_block(kind, hb1, qs, qh, jb, xqf, x1 + last, db * dxf[t1 * nb + lb])
+                    hb2 = _last_block(kind, hb2, qs, qh, jb, xqf, x2 + last, db * dxf[t2 * nb + lb])
+                    hb3 = _last_block(kind, hb3, qs, qh, jb, xqf, x3 + last, db * dxf[t3 * nb + lb])
+                if two:
+                    _store_row(out, t3, jb, f8_sum(hb3), with_min, sm, sob, xsf, nb)
+                    _store_row(out, t2, jb, f8_sum(hb2), with_min, sm, sob, xsf, nb)
+                    _store_row(out, t1, jb, f8_sum(hb1), with_min, sm, sob, xsf, nb)
+                    _store_row(out, t0, jb, f8_sum(hb0), with_min, sm, sob, xsf, nb)
+                _store_row(out, t3, j, f8_sum(ha3), with_min, sm, so, xsf, nb)
+                _store_row(out, t2, j, f8_sum(ha2), with_min, sm, so, xsf, nb)
+                _store_row(out, t1, j, f8_sum(ha1), with_min, sm, so, xsf, nb)
+                _store_row(out, t0, j, f8_sum(ha0), with_min, sm, so, xsf, nb)
             for t in range(fours, r1):
-                a0 = f8_zero()
-                for b in range(nb):
-                    w = _decode_bytes(kind, qs, qh, j, b)
-                    a0 = _block_idot(kind, w, xqf, t * kk + b * _U(32), sd[so + b] * dxf[t * nb + b], a0)
-                _store_row(out, t, j, f8_sum(a0), with_min, sm, so, xsf, nb)
+                for jj in range(j, jb + _U(1)):
+                    sj = so + (jj - j) * nb
+                    a0 = v16_zero()
+                    for b in range(_U(0), pairs, _U(2)):
+                        ws = v16_pair(sd[sj + b], sd[sj + b + _U(1)])
+                        a0 = _pair_idot(kind, _decode_pair(kind, qs, qh, jj, b), xqf, t * kk + b * _U(32),
+                                        v16_mul(ws, v16_load(dxef, t * ke + b * _U(8))), a0)
+                    h0 = v16_halves(a0)
+                    if odd:
+                        h0 = _last_block(kind, h0, qs, qh, jj, xqf, t * kk + last,
+                                         sd[sj + nb - _U(1)] * dxf[t * nb + nb - _U(1)])
+                    _store_row(out, t, jj, f8_sum(h0), with_min, sm, sj, xsf, nb)
 
 
 # One compiled version per type (the type a constant, so its branches fold away): task, parallel loop.
 
 
 @njit(cache=True)
-def _q8_0_q8_rows(xq, dx, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
+def _q8_0_q8_rows(xq, dx, dxe, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
     """:func:`_q8_rows` for Q8_0 weights."""
-    _q8_rows(Q8_0, xq, dx, xsq, d, m, qh, qs, out, j0, j1, scratch)
+    _q8_rows(Q8_0, xq, dx, dxe, xsq, d, m, qh, qs, out, j0, j1, scratch)
 
 
 @parallel_kernel()
-def _q8_0_q8_linear(xq, dx, xsq, d, m, qh, qs, out, block, scratch):  # pragma: no cover - compiled
+def _q8_0_q8_linear(xq, dx, dxe, xsq, d, m, qh, qs, out, block, scratch):  # pragma: no cover - compiled
     """Q8_0 weights: ``out [T, N]`` in tasks of ``block`` output rows (task ``i`` uses ``scratch[i]``)."""
     n = out.shape[1]
     for blk in prange((n + block - 1) // block):
-        _q8_0_q8_rows(xq, dx, xsq, d, m, qh, qs, out, blk * block, min(blk * block + block, n), scratch[blk])
+        _q8_0_q8_rows(xq, dx, dxe, xsq, d, m, qh, qs, out, blk * block, min(blk * block + block, n), scratch[blk])
 
 
 @njit(cache=True)
-def _q4_0_q8_rows(xq, dx, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
+def _q4_0_q8_rows(xq, dx, dxe, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
     """:func:`_q8_rows` for Q4_0 weights."""
-    _q8_rows(Q4_0, xq, dx, xsq, d, m, qh, qs, out, j0, j1, scratch)
+    _q8_rows(Q4_0, xq, dx, dxe, xsq, d, m, qh, qs, out, j0, j1, scratch)
 
 
 @parallel_kernel()
-def _q4_0_q8_linear(xq, dx, xsq, d, m, qh, qs, out, block, scratch):  # pragma: no cover - compiled
+def _q4_0_q8_linear(xq, dx, dxe, xsq, d, m, qh, qs, out, block, scratch):  # pragma: no cover - compiled
     """Q4_0 weights: ``out [T, N]`` in tasks of ``block`` output rows (task ``i`` uses ``scratch[i]``)."""
     n = out.shape[1]
     for blk in prange((n + block - 1) // block):
-        _q4_0_q8_rows(xq, dx, xsq, d, m, qh, qs, out, blk * block, min(blk * block + block, n), scratch[blk])
+        _q4_0_q8_rows(xq, dx, dxe, xsq, d, m, qh, qs, out, blk * block, min(blk * block + block, n), scratch[blk])
 
 
 @njit(cache=True)
-def _q4_1_q8_rows(xq, dx, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
+def _q4_1_q8_rows(xq, dx, dxe, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
     """:func:`_q8_rows` for Q4_1 weights."""
-    _q8_rows(Q4_1, xq, dx, xsq, d, m, qh, qs, out, j0, j1, scratch)
+    _q8_rows(Q4_1, xq, dx, dxe, xsq, d, m, qh, qs, out, j0, j1, scratch)
 
 
 @parallel_kernel()
-def _q4_1_q8_linear(xq, dx, xsq, d, m, qh, qs, out, block, scratch):  # pragma: no cover - compiled
+def _q4_1_q8_linear(xq, dx, dxe, xsq, d, m, qh, qs, out, block, scratch):  # pragma: no cover - compiled
     """Q4_1 weights: ``out [T, N]`` in tasks of ``block`` output rows (task ``i`` uses ``scratch[i]``)."""
     n = out.shape[1]
     for blk in prange((n + block - 1) // block):
-        _q4_1_q8_rows(xq, dx, xsq, d, m, qh, qs, out, blk * block, min(blk * block + block, n), scratch[blk])
+        _q4_1_q8_rows(xq, dx, dxe, xsq, d, m, qh, qs, out, blk * block, min(blk * block + block, n), scratch[blk])
 
 
 @njit(cache=True)
-def _q5_0_q8_rows(xq, dx, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
+def _q5_0_q8_rows(xq, dx, dxe, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
     """:func:`_q8_rows` for Q5_0 weights."""
-    _q8_rows(Q5_0, xq, dx, xsq, d, m, qh, qs, out, j0, j1, scratch)
+    _q8_rows(Q5_0, xq, dx, dxe, xsq, d, m, qh, qs, out, j0, j1, scratch)
 
 
 @parallel_kernel()
-def _q5_0_q8_linear(xq, dx, xsq, d, m, qh, qs, out, block, scratch):  # pragma: no cover - compiled
+def _q5_0_q8_linear(xq, dx, dxe, xsq, d, m, qh, qs, out, block, scratch):  # pragma: no cover - compiled
     """Q5_0 weights: ``out [T, N]`` in tasks of ``block`` output rows (task ``i`` uses ``scratch[i]``)."""
     n = out.shape[1]
     for blk in prange((n + block - 1) // block):
-        _q5_0_q8_rows(xq, dx, xsq, d, m, qh, qs, out, blk * block, min(blk * block + block, n), scratch[blk])
+        _q5_0_q8_rows(xq, dx, dxe, xsq, d, m, qh, qs, out, blk * block, min(blk * block + block, n), scratch[blk])
 
 
 @njit(cache=True)
-def _q5_1_q8_rows(xq, dx, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
+def _q5_1_q8_rows(xq, dx, dxe, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
     """:func:`_q8_rows` for Q5_1 weights."""
-    _q8_rows(Q5_1, xq, dx, xsq, d, m, qh, qs, out, j0, j1, scratch)
+    _q8_rows(Q5_1, xq, dx, dxe, xsq, d, m, qh, qs, out, j0, j1, scratch)
 
 
 @parallel_kernel()
-def _q5_1_q8_linear(xq, dx, xsq, d, m, qh, qs, out, block, scratch):  # pragma: no cover - compiled
+def _q5_1_q8_linear(xq, dx, dxe, xsq, d, m, qh, qs, out, block, scratch):  # pragma: no cover - compiled
     """Q5_1 weights: ``out [T, N]`` in tasks of ``block`` output rows (task ``i`` uses ``scratch[i]``)."""
     n = out.shape[1]
     for blk in prange((n + block - 1) // block):
-        _q5_1_q8_rows(xq, dx, xsq, d, m, qh, qs, out, blk * block, min(blk * block + block, n), scratch[blk])
+        _q5_1_q8_rows(xq, dx, dxe, xsq, d, m, qh, qs, out, blk * block, min(blk * block + block, n), scratch[blk])
 
 
 _KERNELS = {"Q8_0": _q8_0_q8_linear, "Q4_0": _q4_0_q8_linear, "Q4_1": _q4_1_q8_linear,
@@ -528,8 +763,9 @@ def q8_linear(x: np.ndarray, w) -> np.ndarray:
     if rows == 0 or n == 0:
         return out
     xq, dx, xsq = quantize_q8_0(x)
+    dxe = np.repeat(dx, 8, axis=1) if rows > 1 else dx  # a block's scale in each of its eight lanes
     block = _task_rows(n)
-    _KERNELS[w.format](xq, dx, xsq, *_planes(w), out, block, _scale_scratch(w, -(-n // block)))
+    _KERNELS[w.format](xq, dx, dxe, xsq, *_planes(w), out, block, _scale_scratch(w, -(-n // block)))
     return out
 
 

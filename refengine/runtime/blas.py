@@ -72,6 +72,18 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
+def balanced_tile_rows(n: int, k_dim: int, threads: int, tile_bytes: int, multiple: int = 16) -> int:
+    """Weight rows per tile when ``n`` rows of ``k_dim`` float32 columns are cut into tiles of
+    about ``tile_bytes`` (or less) and dealt round-robin to ``threads`` threads: the tile count
+    a multiple of ``threads``, so each thread gets the same rows (960 rows of 576 in 2 MiB
+    tiles on two threads: two of 480, not one of 896 beside one of 64, which left one thread
+    idle for most of the product), rounded up to a multiple of ``multiple`` (at least that)."""
+    count = max(1, -(-n * k_dim * 4 // tile_bytes))
+    count = -(-count // max(1, threads)) * max(1, threads)
+    per = -(-n // count)
+    return max(multiple, -(-per // multiple) * multiple)
+
+
 def run_parts(work, n: int) -> None:
     """Call ``work(part)`` for ``part`` in ``0 .. n-1`` at once: part 0 on this thread, the
     others on the pool's workers (each does its own single-threaded BLAS calls). Returns
