@@ -127,7 +127,7 @@ def test_rows_do_not_depend_on_the_batch_across_input_blocks_or_threads(q8_weigh
     from refengine.runtime.numba_support import x_block_rows
 
     w = q8_weights[name, k][0]
-    block = int(x_block_rows(2 * k, 4))  # the kernel's input block (int8 rows and their repeated scales)
+    block = int(x_block_rows(k // 2, 4))  # the kernel's input block (int8 rows and their repeated scales)
     x = np.random.default_rng(5).standard_normal((block + 5, k)).astype(np.float32)  # last block: 4 + 1
     before = numba.get_num_threads()
     try:

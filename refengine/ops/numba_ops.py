@@ -208,8 +208,9 @@ def _dot_rows_4x4(x, wt, out, j0, j1):  # pragma: no cover - compiled
     :data:`~refengine.runtime.numba_support.X_BLOCK_BYTES` (a multiple of four
     rows), each block over all the task's weight rows before the next: a long prefill chunk
     is megabytes, and streaming all of it from the outer caches for every four weight rows
-    made the tile wait on memory. A block and the task's weight rows stay in L2. Blocking
-    changes which outputs are computed together, never how one is summed.
+    made the tile wait on memory. A block stays in L1 while four weight rows pass it, the
+    task's weight rows in L2.
+    Blocking changes which outputs are computed together, never how one is summed.
     """
     rows, k_dim = x.shape
     k_lanes = _U(k_dim // LANES * LANES)

@@ -172,7 +172,8 @@ def _int8_rows_4x2(x, q, scales, out, j0, j1):  # pragma: no cover - compiled
     Blocked as a GEMM: blocks of :data:`W_BLOCK_BYTES` of weight rows are converted to
     float32 once each (not once per four input rows), and every block of about
     :data:`~refengine.runtime.numba_support.X_BLOCK_BYTES` of input rows passes over the
-    block, both in L2. With AVX-512, per 32 columns: 16 FMAs on 12 loads, all float32 (no
+    block: the weight block in L2, the input block in L1 with the two weight rows that pass
+    it. With AVX-512, per 32 columns: 16 FMAs on 12 loads, all float32 (no
     conversions in the loop), the partial sums in 16 of its 32 registers (AVX2 code, with
     16 registers, spills some: the same results). Each output is the same sum in the same order as in the pair loop
     (lanes of 32 columns, :func:`_fold32`, the tail, the scale), so a row's result does not

@@ -602,7 +602,7 @@ def _q8_rows(kind, xq, dx, dxe, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pra
                     h0 = _last_block(kind, h0, qs, qh, j, xqf, last, sd[so + nb - _U(1)])
                 _store_row(out, _U(0), j, f8_sum(h0), with_min, sm, so, xsf, nb)
         return
-    x_block = x_block_rows(2 * k, 4)  # int8 rows and their repeated scales: a quarter of X_BLOCK_BYTES, within L1
+    x_block = x_block_rows(k // 2, 4)  # an int8 row and its repeated scales: half a float32 row
     ke = kk // _U(4)  # dxe's row length
     for r0 in range(_U(0), _U(rows), x_block):
         r1 = min(r0 + x_block, _U(rows))

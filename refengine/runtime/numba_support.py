@@ -118,9 +118,12 @@ def prefetch(typingctx, array, index):
 
 
 #: Bytes of input rows a multi-row dot kernel keeps in cache while it passes over a task's
-#: weight rows (:func:`refengine.ops.numba_ops._dot_rows_4x4`, the int8 and GGUF block
-#: kernels): with those rows, well inside any L2 of 256 KB or more.
-X_BLOCK_BYTES = 96 * 1024
+#: weight rows (:func:`refengine.ops.numba_ops._dot_rows_4x4`, the int8, GGUF block and
+#: Q8_0-activation kernels): with the few weight rows of a register tile, inside a 32 KB L1
+#: (the tiles load from it at every FMA or two). Measured side by side on SmolLM2's shapes at
+#: 512 rows (AMD EPYC Zen 5, 48 KB L1): 96 KB blocks (in L2) left the float32 and int8
+#: tiles and the Q8_0 kernel 1.3-1.8x slower than 24 KB; 12 KB was no faster than 24.
+X_BLOCK_BYTES = 24 * 1024
 
 
 @njit(inline="always")
