@@ -145,28 +145,6 @@ def test_paged_decode(head_dim, group):
     run_both(make_batch(rng, [(n, 1) for n in EDGES], heads, kv, head_dim, BS))
 
 
-@pytest.mark.parametrize("head_dim,int8,cap", [(64, False, None), (40, False, None), (256, False, 30.0),
-                                               (96, True, None)])
-def test_decode_loop_orders_give_the_same_bits(head_dim, int8, cap):
-    """The paged decode kernel reads a partition position by position (a batch of decode
-    rows) or block by block (batch-invariant prefill rows): every score and output element
-    is the same sum in both, so the same bits (a row's result may not depend on the rows
-    beside it)."""
-    rng = np.random.default_rng(head_dim)
-    batch = make_batch(rng, [(n, 1) for n in (1, 15, 16, 17, 70, 300)], 9, 3, head_dim, BS, int8=int8)
-    scales = {} if batch.k_scale is None else {"k_scale": batch.k_scale, "v_scale": batch.v_scale}
-    nb = NumbaAttention(batch_invariant=True)
-    nb.prepare(batch.meta)
-    nb.write_kv(batch.k_cache, batch.v_cache, batch.k_new, batch.v_new, batch.meta, **scales)
-    outs = []
-    for by_position in (True, False):
-        nb._plan.decode_only = by_position
-        outs.append(nb.forward(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125, logits_soft_cap=cap,
-                               **scales))
-    assert np.isfinite(outs[0]).all()
-    assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
-
-
 def test_paged_decode_long_context_partitions():
     """Contexts past one decode partition (merged partial softmaxes), lengths around the cut."""
     from refengine.attention import numba_cpu

@@ -127,8 +127,8 @@ _NO_WINDOW = 1 << 40
 
 _FM = {"contract", "reassoc"}
 #: The paged decode kernel's flags: its sums are written as explicit vector operations, and
-#: without ``reassoc`` every scalar sum is kept in its written order, so its two loop orders
-#: (:func:`_decode_partition`) give the same bits.
+#: without ``reassoc`` every scalar sum is kept in its written order, whatever LLVM makes
+#: of the code around it (its serial and parallel versions give the same bits).
 _CONTRACT = {"contract"}
 _U = np.uintp  # unsigned indices: no negative-index wraparound in the inner loops
 
@@ -414,21 +414,18 @@ def _block_span(block_tables, seq, b, end_block, start, end, block_size):  # pra
 
 @njit(cache=True, fastmath=_CONTRACT)
 def _decode_partition(p, q, k_cache, v_cache, k_scale, v_scale, block_tables, seqs, rows, part_seq, part_start,
-                      part_end, scale32, cap, by_position, part_max, part_sum, part_acc):  # pragma: no cover - compiled
+                      part_end, scale32, cap, part_max, part_sum, part_acc):  # pragma: no cover - compiled
     """Partition ``p`` of :func:`_paged_decode`: its scores, their max and exp-sum, and the
     unnormalised output, into ``part_max[p]``, ``part_sum[p]``, ``part_acc[p]``.
 
     Scores by :func:`_block_scores`, then one softmax per query head, then ``P V`` by
-    :func:`_block_values` into ``part_acc``, in one of two orders of the same operations
-    (each score and each output element is summed in the same order, so the same bits):
-
-    * ``by_position``: position by position, every query head at each (one row's KV heads
-      are contiguous), the same row of the next block prefetched: the cache is read in
-      order, as memory streams it best (a decode row's keys were last read a step ago).
-    * block by block: each query head scores a block's positions sixteen at a time and
-      sums its values there while the block is in L1; the block and the next one are
-      prefetched first (each head reads a stride of every row). Prefill rows read keys
-      their neighbours have just read, so compute decides there.
+    :func:`_block_values` into ``part_acc``, block by block: each query head scores a
+    block's positions sixteen at a time and sums its values there while the block is in L1;
+    the block and the next one are prefetched first (each head reads a stride of every row).
+    (A second order, position by position with every query head at each, reading the cache
+    in address order, gave the same bits; measured side by side it was 1.3-1.6x slower for
+    decode rows too, one or eight sequences, float32 and float16 caches, on an AMD EPYC
+    Zen 5, and was removed.)
 
     The cache is indexed flat with unsigned indices (no row views: each costs two atomic
     reference-count updates; no negative-index checks); blocks are scattered, so the
@@ -456,19 +453,11 @@ def _decode_partition(p, q, k_cache, v_cache, k_scale, v_scale, block_tables, se
     first_block, end_block = start // block_size, (end + block_size - 1) // block_size
     for b in range(first_block, end_block):
         block, ahead, off, j, n_pos = _block_span(block_tables, seq, b, end_block, start, end, block_size)
-        if by_position:
-            for t in range(n_pos):
-                _prefetch_row(k_cache, (ahead * bsz + off + t) * kv_row, kv_row)
-                kb = (block * bsz + off + t) * kv_row
-                for i in range(_U(num_heads)):
-                    _block_scores(qs, i * dims, kf, kb + i // _U(group) * dims, kv_row, _U(1), dims, scores,
-                                  i * nn + j + t)
-        else:
-            _prefetch_row(k_cache, (block * bsz + off) * kv_row, n_pos * kv_row)
-            _prefetch_row(k_cache, (ahead * bsz + off) * kv_row, n_pos * kv_row)
-            for i in range(_U(num_heads)):
-                kb = (block * bsz + off) * kv_row + i // _U(group) * dims
-                _block_scores(qs, i * dims, kf, kb, kv_row, n_pos, dims, scores, i * nn + j)
+        _prefetch_row(k_cache, (block * bsz + off) * kv_row, n_pos * kv_row)
+        _prefetch_row(k_cache, (ahead * bsz + off) * kv_row, n_pos * kv_row)
+        for i in range(_U(num_heads)):
+            kb = (block * bsz + off) * kv_row + i // _U(group) * dims
+            _block_scores(qs, i * dims, kf, kb, kv_row, n_pos, dims, scores, i * nn + j)
         if k_scale is not None:
             for i in range(_U(num_heads)):
                 for t in range(n_pos):
@@ -486,34 +475,26 @@ def _decode_partition(p, q, k_cache, v_cache, k_scale, v_scale, block_tables, se
         acc[ob + i] = 0.0
     for b in range(first_block, end_block):
         block, ahead, off, j, n_pos = _block_span(block_tables, seq, b, end_block, start, end, block_size)
-        if by_position:
-            for t in range(n_pos):
-                _prefetch_row(v_cache, (ahead * bsz + off + t) * kv_row, kv_row)
-                vb = (block * bsz + off + t) * kv_row
-                for i in range(_U(num_heads)):
-                    h = i // _U(group)
-                    _block_values(scores, i * nn + j + t, vf, vb + h * dims, kv_row, _U(1), dims, v_scale, block,
-                                  off + t, h, acc, ob + i * dims)
-        else:
-            _prefetch_row(v_cache, (block * bsz + off) * kv_row, n_pos * kv_row)
-            _prefetch_row(v_cache, (ahead * bsz + off) * kv_row, n_pos * kv_row)
-            for i in range(_U(num_heads)):
-                h = i // _U(group)
-                vb = (block * bsz + off) * kv_row + h * dims
-                _block_values(scores, i * nn + j, vf, vb, kv_row, n_pos, dims, v_scale, block, off, h, acc,
-                              ob + i * dims)
+        _prefetch_row(v_cache, (block * bsz + off) * kv_row, n_pos * kv_row)
+        _prefetch_row(v_cache, (ahead * bsz + off) * kv_row, n_pos * kv_row)
+        for i in range(_U(num_heads)):
+            h = i // _U(group)
+            vb = (block * bsz + off) * kv_row + h * dims
+            _block_values(scores, i * nn + j, vf, vb, kv_row, n_pos, dims, v_scale, block, off, h, acc,
+                          ob + i * dims)
 
 
 @njit(cache=True, inline="always")
 def _prefetch_row(cache, first, length):  # pragma: no cover - compiled
-    """Prefetch ``length`` float32 of ``cache`` from flat element ``first``, a line (16 floats) at a time."""
-    for i in range(_U(0), length, _U(16)):
+    """Prefetch ``length`` elements of ``cache`` from flat element ``first``, one hint per
+    64-byte line (16 float32, 32 float16 or 64 int8 elements)."""
+    for i in range(_U(0), length, _U(64 // cache.itemsize)):
         prefetch(cache, first + i)
 
 
 @parallel_kernel(fastmath=_CONTRACT)
 def _paged_decode(q, k_cache, v_cache, k_scale, v_scale, block_tables, seqs, rows, part_seq, part_start, part_end,
-                  scale, cap, by_position, out):  # pragma: no cover - compiled
+                  scale, cap, out):  # pragma: no cover - compiled
     """Decode attention for the batch sequences ``seqs`` whose query rows are ``rows``.
 
     Args:
@@ -527,9 +508,6 @@ def _paged_decode(q, k_cache, v_cache, k_scale, v_scale, block_tables, seqs, row
             of one sequence are consecutive and cover the positions it attends to (its whole
             context, or the last ``W`` positions with a sliding window).
         cap: ``logits_soft_cap`` (float), or None.
-        by_position: read each partition position by position (a batch of decode rows, whose
-            keys come from memory), else block by block (prefill rows, which share theirs in
-            cache); the same bits either way (:func:`_decode_partition`).
         out: ``[T, H, D]`` float32; the rows ``rows`` are written.
     """
     num_parts = part_seq.shape[0]
@@ -537,7 +515,7 @@ def _paged_decode(q, k_cache, v_cache, k_scale, v_scale, block_tables, seqs, row
     scale32 = np.float32(scale)
     for p in prange(num_parts):
         _decode_partition(p, q, k_cache, v_cache, k_scale, v_scale, block_tables, seqs, rows, part_seq, part_start,
-                          part_end, scale32, cap, by_position, part_max, part_sum, part_acc)
+                          part_end, scale32, cap, part_max, part_sum, part_acc)
     _merge_partitions(part_seq, rows, part_max, part_sum, part_acc, out)
 
 
@@ -852,7 +830,6 @@ class _Plan:
         q_lens = np.diff(qsl)
         if (q_lens < 1).any() or (q_lens > seq_lens).any():
             raise ValueError("each sequence needs 1 <= q_len <= seq_len")
-        self.decode_only = bool((q_lens == 1).all())  # the decode kernel's loop order (by position)
         # every block a sequence reads must exist: checked here, once, since the kernels do not
         blocks_needed = -(-seq_lens // block_size)
         if blocks_needed.max(initial=0) > self.block_tables.shape[1]:
@@ -1031,8 +1008,7 @@ class NumbaAttention:
             for a, b, tokens in parts.launches:
                 decode = _paged_decode.serial if tokens < SERIAL_DECODE_MAX_TOKENS else _paged_decode
                 decode(q, kc, vc, k_scale, v_scale, plan.block_tables, plan.decode_seqs, plan.decode_rows,
-                       parts.seq[a:b], parts.start[a:b], parts.end[a:b], float(scale), logits_soft_cap,
-                       plan.decode_only, out)
+                       parts.seq[a:b], parts.start[a:b], parts.end[a:b], float(scale), logits_soft_cap, out)
         if plan.tile_seq.shape[0]:
             _flash_prefill(q, kc, vc, k_scale, v_scale, plan.block_tables, plan.seq_lens,
                            plan.query_start_loc, plan.tile_seq, plan.tile_q0, float(scale), window, logits_soft_cap,
