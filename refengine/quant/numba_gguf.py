@@ -16,8 +16,10 @@ block by block, never the whole matrix (:class:`refengine.quant.gguf_blocks.GGUF
   bytes stream in, or the decoding keeps up with, whichever is slower. At one activation
   row (decode at batch 1) the 32-weight block kernels take two weight rows per pass
   instead (four FMA chains rather than two, one load of each activation vector for both)
-  and prefetch their quants :data:`PREFETCH_BYTES` ahead; each row's sums are computed in
-  the same order as in a batch.
+  and prefetch their quants :data:`PREFETCH_BYTES` ahead (their scales as many rows ahead);
+  they convert each f16 scale as the loop reads it (a batch decodes a chunk of rows' scales
+  into a scratch buffer first, a pass that outweighs one row's dot products:
+  docs/quantization.md); each row's sums are computed in the same order as in a batch.
 * **Many rows (prefill)**, from :data:`PREFILL_MIN_ROWS` rows: each of refengine's BLAS
   threads (:mod:`refengine.runtime.blas`) dequantizes tiles of :data:`TILE_BYTES` worth of
   weight rows into a float32 buffer of its own and multiplies ``x @ tile.T`` with
@@ -463,6 +465,26 @@ f8_load_f16 = _f16_intrinsic(True)
 f8_load_f16_bits = _f16_intrinsic(False)
 #: Sixteen lanes of :data:`f8_load_f16` (the float16 KV cache's reads).
 v16_load_f16 = _f16_intrinsic(True, 16)
+
+
+@intrinsic
+def f16_load(typingctx, arr, idx):
+    """Element ``idx`` (flat) of a C-contiguous uint16 array of f16 bit patterns as float32:
+    ``vcvtph2ps`` on a CPU with F16C, else :func:`f16_to_f32`'s bit arithmetic; exact."""
+    if not (_is_c_array(arr, types.uint16) and isinstance(idx, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        one = ir.VectorType(ir.IntType(16), 1)
+        raw = builder.load(_vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], one), align=2)
+        if _has_f16c(context):
+            v = builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), 1)), ir.VectorType(ir.FloatType(), 1))
+        else:
+            i1, f1 = ir.VectorType(ir.IntType(32), 1), ir.VectorType(ir.FloatType(), 1)
+            v = _halves_to_float(builder, builder.zext(raw, i1), i1, f1)
+        return builder.extract_element(v, _I32(0))
+
+    return types.float32(arr, idx), codegen
 #: :data:`v16_load_f16` by bit arithmetic only.
 v16_load_f16_bits = _f16_intrinsic(False, 16)
 
@@ -575,6 +597,22 @@ def _weighted_sum(a, ao, xs, xo, n):  # pragma: no cover - compiled
     s = f8_sum(acc)
     for b in range(n8, _U(n)):
         s += a[ao + b] * xs[xo + b]
+    return s
+
+
+@njit(inline="always")
+def _weighted_sum_f16(m, mo, xs, n):  # pragma: no cover - compiled
+    """:func:`_weighted_sum` of the f16 plane ``m`` (flat, from
+    ``mo``) with ``xs[0 : n]``, each minimum converted as it is read: the same values in the
+    same order, so the same bits."""
+    mo = _U(mo)
+    n8 = _U(n) // _U(8) * _U(8)
+    acc = f8_zero()
+    for b in range(_U(0), n8, _U(8)):
+        acc = f8_fma(f8_load_f16(m, mo + b), f8_load(xs, b), acc)
+    s = f8_sum(acc)
+    for b in range(n8, _U(n)):
+        s += f16_to_f32(m[mo + b]) * xs[b]
     return s
 
 
@@ -728,6 +766,27 @@ def _blocks32_many(kind, x, xs, d, m, qh, qs, out, j0, j1, sd, sm):  # pragma: n
 
 
 @njit(inline="always")
+def _prefetch_pair(kind, qs, qh, d, m, j):  # pragma: no cover - compiled
+    """One activation row's loops over weight rows ``j``, ``j + 1``: ask for their quants
+    :data:`PREFETCH_BYTES` ahead, and for the scales (minimums, high bits) of the rows as
+    far ahead (two interleaved rows are streams whose jumps from row to row the hardware
+    prefetcher does not follow; the scale planes are read in the loop, a few bytes a row)."""
+    qrow = _U(qs.shape[1])  # one row's quants, in bytes (one byte each)
+    ahead = _U(j) * qrow + _U(PREFETCH_BYTES)
+    for o in range(ahead, ahead + _U(2) * qrow, _U(64)):
+        prefetch(qs, o)
+    nb = _U(d.shape[1])
+    row = (_U(j) + _U(PREFETCH_BYTES) // qrow) * nb
+    for o in range(row, row + _U(2) * nb, _U(32)):  # 32 f16 per 64-byte line
+        prefetch(d, o)
+        if kind == Q4_1 or kind == Q5_1:
+            prefetch(m, o)
+    if kind == Q5_0 or kind == Q5_1:
+        for o in range(row, row + _U(2) * nb, _U(16)):
+            prefetch(qh, o)
+
+
+@njit(inline="always")
 def _blocks32_rows(kind, x, xs, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
     """``out[:, j] = x @ w[j]`` for ``j0 <= j < j1``: the fused kernel of the 32-weight block
     types (the task of ``_q8_0_linear`` ... ``_q5_1_linear``; ``kind`` a constant).
@@ -736,7 +795,8 @@ def _blocks32_rows(kind, x, xs, d, m, qh, qs, out, j0, j1, scratch):  # pragma: 
     with a minimum); ``d``, ``m`` uint16 ``[N, K/32]`` (``m`` unused without a minimum);
     ``qh`` uint32 ``[N, K/32]`` (Q5 only); ``qs`` the quants plane; ``out`` float32
     ``[T, N]``; ``scratch`` float32 ``[>= 2 * (CHUNK_ROWS * K/32 + 8)]``: the scales (and
-    minimums) of :data:`CHUNK_ROWS` rows at a time. Two activation rows or more go through
+    minimums) of :data:`CHUNK_ROWS` rows at a time (unused for one row, whose loop converts
+    each scale as it reads it). Two activation rows or more go through
     :func:`_blocks32_many` (blocks of input rows; groups of eight, four, one); a batch of
     one row (decode at batch 1) in a loop of its own over two weight rows at a time, which
     computes each row's sums in the same order, so a row's result is the same bits
@@ -756,16 +816,13 @@ def _blocks32_rows(kind, x, xs, d, m, qh, qs, out, j0, j1, scratch):  # pragma: 
     # One activation row (decode at batch 1): weight rows two at a time, sharing the
     # activation loads; two rows' accumulators are two independent FMA chains (one row's
     # chain alone waits on the FMA latency). Each row's sums are the same as in _blocks32_many.
-    t = _U(0)
-    xo = t * kk
-    qrow = _U(qs.shape[1])  # one row's quants, in bytes (one byte each)
+    # The scales converted in the loop (f16_load; no chunk pass), the minimums in the sums
+    # (_weighted_sum_f16): the same values in the same order as _blocks32_many's scratch.
+    xo = _U(0)
+    df, mf = d.reshape(-1), m.reshape(-1)
     for j in range(_U(j0), _U(j1), _U(2)):
-        so = _chunk_scales(d, m, j, j0, j1, sd, sm, with_min, nb)
-        # Two rows are two interleaved streams whose jumps from row to row the hardware
-        # prefetcher does not follow: fetch the quants PREFETCH_BYTES ahead of this pair.
-        ahead = j * qrow + _U(PREFETCH_BYTES)
-        for o in range(ahead, ahead + _U(2) * qrow, _U(64)):
-            prefetch(qs, o)
+        so = _U(j) * nb
+        _prefetch_pair(kind, qs, qh, d, m, j)
         if j + _U(1) < _U(j1):
             a0 = a1 = v16_zero()
             so1 = so + nb
@@ -773,23 +830,23 @@ def _blocks32_rows(kind, x, xs, d, m, qh, qs, out, j0, j1, scratch):  # pragma: 
                 w_lo, w_hi = _decode32(kind, qs, qh, j, b)
                 v_lo, v_hi = _decode32(kind, qs, qh, j + _U(1), b)
                 c = xo + b * _U(32)
-                a0 = _block_dot16(w_lo, w_hi, xf, c, sd[so + b], a0)
-                a1 = _block_dot16(v_lo, v_hi, xf, c, sd[so1 + b], a1)
+                a0 = _block_dot16(w_lo, w_hi, xf, c, f16_load(df, so + b), a0)
+                a1 = _block_dot16(v_lo, v_hi, xf, c, f16_load(df, so1 + b), a1)
             s0, s1 = f8_sum(v16_halves(a0)), f8_sum(v16_halves(a1))
             if with_min:
-                s0 += _weighted_sum(sm, so, xsf, t * nb, nb)
-                s1 += _weighted_sum(sm, so1, xsf, t * nb, nb)
-            out[t, j + _U(1)] = s1
-            out[t, j] = s0
+                s0 += _weighted_sum_f16(mf, so, xsf, nb)
+                s1 += _weighted_sum_f16(mf, so1, xsf, nb)
+            out[0, j + _U(1)] = s1
+            out[0, j] = s0
         else:
             a0 = v16_zero()
             for b in range(nb):
                 w_lo, w_hi = _decode32(kind, qs, qh, j, b)
-                a0 = _block_dot16(w_lo, w_hi, xf, xo + b * _U(32), sd[so + b], a0)
+                a0 = _block_dot16(w_lo, w_hi, xf, xo + b * _U(32), f16_load(df, so + b), a0)
             s0 = f8_sum(v16_halves(a0))
             if with_min:
-                s0 += _weighted_sum(sm, so, xsf, t * nb, nb)
-            out[t, j] = s0
+                s0 += _weighted_sum_f16(mf, so, xsf, nb)
+            out[0, j] = s0
 
 
 @njit(inline="always")

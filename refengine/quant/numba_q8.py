@@ -56,11 +56,11 @@ from numba.extending import intrinsic
 
 from refengine.quant import numba_gguf
 from refengine.quant.numba_gguf import (
-    _BLOCKS32, _F8, _I8, _I32, CHUNK_ROWS, PREFETCH_BYTES, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, _chunk_scales, _fours_end,
-    _F16L, _I16L, _is_c_array, _planes, _splat, _scale_scratch, _store_row, _task_rows, _vector_ptr, _vector_type,
-    f16_to_f32, f32_to_f16, f8_fma, f8_splat, f8_sum, f8_zero, f32x8, f32x16, i32x16, q16_to_f, v16_fma, v16_halves,
-    v16_load, v16_mul, v16_zero)
-from refengine.runtime.numba_support import get_num_threads, parallel_kernel, prefetch, register_kernels, x_block_rows
+    _BLOCKS32, _F8, _F16L, _I8, _I16L, _I32, CHUNK_ROWS, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, _chunk_scales, _fours_end,
+    _halves_to_float, _has_f16c, _is_c_array, _planes, _prefetch_pair, _splat, _scale_scratch, _store_row,
+    _task_rows, _vector_ptr, _vector_type, _weighted_sum_f16, f16_to_f32, f32_to_f16, f8_fma, f8_splat, f8_sum,
+    f32x8, f32x16, i32x16, q16_to_f, v16_fma, v16_halves, v16_load, v16_mul, v16_zero)
+from refengine.runtime.numba_support import get_num_threads, parallel_kernel, register_kernels, x_block_rows
 
 #: Block types whose products take Q8_0 activations here (the others stay float32).
 Q8_TYPES = _BLOCKS32
@@ -246,6 +246,26 @@ def v16_pair(typingctx, a, b):
         return builder.shuffle_vector(halves[0], halves[1], _mask(range(16)))
 
     return f32x16(a, b), codegen
+
+
+@intrinsic
+def v16_f16_pair(typingctx, arr, idx):
+    """Elements ``idx`` and ``idx + 1`` (flat) of a C-contiguous uint16 array of f16 bit
+    patterns as an :data:`f32x16`: the first in lanes 0-7, the second in lanes 8-15 (two
+    blocks' scales, converted where the loop needs them: one 4-byte load, one shuffle, one
+    ``vcvtph2ps`` with F16C, else bit arithmetic; exact either way)."""
+    if not (_is_c_array(arr, types.uint16) and isinstance(idx, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        two = ir.VectorType(ir.IntType(16), 2)
+        raw = builder.load(_vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], two), align=2)
+        wide = builder.shuffle_vector(raw, raw, _mask([0] * 8 + [1] * 8))
+        if _has_f16c(context):
+            return builder.fpext(builder.bitcast(wide, ir.VectorType(ir.HalfType(), 16)), _F16L)
+        return _halves_to_float(builder, builder.zext(wide, _I16L), _I16L, _F16L)
+
+    return f32x16(arr, idx), codegen
 
 
 def _pairs(builder, v, out):
@@ -542,9 +562,10 @@ def _q8_rows(kind, xq, dx, dxe, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pra
     ``d``, ``m``, ``qh``, ``qs`` the weight planes as in
     :func:`refengine.quant.numba_gguf._blocks32_rows`; ``out`` float32 ``[T, N]``;
     ``scratch`` float32 ``[>= 2 * (CHUNK_ROWS * K/32 + 8)]``: the f16 scales (and minimums)
-    of :data:`CHUNK_ROWS` weight rows at a time; with one activation row the scales are
-    multiplied in place by that row's ``dx`` once per chunk, the same products ``d_w * d_x``
-    the multi-row path forms (sixteen lanes at once, ``dxe``).
+    of :data:`CHUNK_ROWS` weight rows at a time (several activation rows), or that row's
+    ``dx`` with each repeated eight times (one row: the weight scales are converted in the
+    loop, :func:`v16_f16_pair`, and multiplied by it, the same products ``d_w * d_x`` the
+    multi-row path forms with ``dxe``).
 
     Blocks go in pairs (:func:`_pair_idot`: one 64-byte integer dot, one conversion, one FMA
     for both), a last odd block alone (:func:`_last_block`). One row (decode at batch 1): two
@@ -566,41 +587,51 @@ def _q8_rows(kind, xq, dx, dxe, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pra
     sd, sm = scratch[:half], scratch[half:]
     with_min = kind == Q4_1 or kind == Q5_1
     if _U(rows) == _U(1):
-        qrow = _U(qs.shape[1])
+        # No scale pass: each pair's two f16 scales converted in the loop and multiplied by
+        # the activation scales, expanded to eight lanes each in the scratch once per task
+        # (the products d_w * d_x the chunk pass forms, so the same bits).
+        dxl = scratch[:nb * _U(8)]
+        for b in range(nb):
+            for i in range(_U(8)):
+                dxl[b * _U(8) + i] = dxf[b]
+        df, mf = d.reshape(-1), m.reshape(-1)
         for j in range(_U(j0), _U(j1), _U(2)):
-            so = _chunk_scales(d, m, j, j0, j1, sd, sm, with_min, nb)
-            if so == _U(0):  # a new chunk: each block's d_w * d_x once (one row: the same d_x for every weight row)
-                for r in range(min(_U(j1) - _U(j), _U(CHUNK_ROWS))):
-                    for b in range(nb):
-                        sd[r * nb + b] *= dxf[b]
-            ahead = j * qrow + _U(PREFETCH_BYTES)
-            for o in range(ahead, ahead + _U(2) * qrow, _U(64)):
-                prefetch(qs, o)
+            _prefetch_pair(kind, qs, qh, d, m, j)
+            so = _U(j) * nb
             if j + _U(1) < _U(j1):
                 so1 = so + nb
                 a0 = a1 = v16_zero()
                 for b in range(_U(0), pairs, _U(2)):
                     c = b * _U(32)
+                    dxp = v16_load(dxl, b * _U(8))
                     a0 = _pair_idot(kind, _decode_pair(kind, qs, qh, j, b), xqf, c,
-                                    v16_pair(sd[so + b], sd[so + b + _U(1)]), a0)
+                                    v16_mul(v16_f16_pair(df, so + b), dxp), a0)
                     a1 = _pair_idot(kind, _decode_pair(kind, qs, qh, j + _U(1), b), xqf, c,
-                                    v16_pair(sd[so1 + b], sd[so1 + b + _U(1)]), a1)
+                                    v16_mul(v16_f16_pair(df, so1 + b), dxp), a1)
                 h0, h1 = v16_halves(a0), v16_halves(a1)
                 if odd:
-                    h1 = _last_block(kind, h1, qs, qh, j + _U(1), xqf, last, sd[so1 + nb - _U(1)])
-                    h0 = _last_block(kind, h0, qs, qh, j, xqf, last, sd[so + nb - _U(1)])
+                    lb = nb - _U(1)
+                    h1 = _last_block(kind, h1, qs, qh, j + _U(1), xqf, last, f16_to_f32(df[so1 + lb]) * dxf[lb])
+                    h0 = _last_block(kind, h0, qs, qh, j, xqf, last, f16_to_f32(df[so + lb]) * dxf[lb])
                 s1, s0 = f8_sum(h1), f8_sum(h0)
-                _store_row(out, _U(0), j + _U(1), s1, with_min, sm, so1, xsf, nb)
-                _store_row(out, _U(0), j, s0, with_min, sm, so, xsf, nb)
+                if with_min:
+                    s1 += _weighted_sum_f16(mf, so1, xsf, nb)
+                    s0 += _weighted_sum_f16(mf, so, xsf, nb)
+                out[0, j + _U(1)] = s1
+                out[0, j] = s0
             else:
                 a0 = v16_zero()
                 for b in range(_U(0), pairs, _U(2)):
                     a0 = _pair_idot(kind, _decode_pair(kind, qs, qh, j, b), xqf, b * _U(32),
-                                    v16_pair(sd[so + b], sd[so + b + _U(1)]), a0)
+                                    v16_mul(v16_f16_pair(df, so + b), v16_load(dxl, b * _U(8))), a0)
                 h0 = v16_halves(a0)
                 if odd:
-                    h0 = _last_block(kind, h0, qs, qh, j, xqf, last, sd[so + nb - _U(1)])
-                _store_row(out, _U(0), j, f8_sum(h0), with_min, sm, so, xsf, nb)
+                    lb = nb - _U(1)
+                    h0 = _last_block(kind, h0, qs, qh, j, xqf, last, f16_to_f32(df[so + lb]) * dxf[lb])
+                s0 = f8_sum(h0)
+                if with_min:
+                    s0 += _weighted_sum_f16(mf, so, xsf, nb)
+                out[0, j] = s0
         return
     x_block = x_block_rows(k // 2, 4)  # an int8 row and its repeated scales: half a float32 row
     ke = kk // _U(4)  # dxe's row length
