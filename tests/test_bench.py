@@ -518,6 +518,24 @@ def test_machine_facts_name_the_cpu_and_the_commit():
     assert git_commit(pathlib.Path(__file__).parent) == "not a git checkout"  # tests/ is not the top of a checkout
 
 
+@pytest.mark.parametrize("name, expected", [
+    ("AMD EPYC", "AMD EPYC (family 25, model 17)"),  # a VM's bare name: the generation added
+    ("Intel(R) Xeon(R) Platinum 8488C", "Intel(R) Xeon(R) Platinum 8488C"),  # a model number already
+])
+def test_cpu_model_adds_family_and_model_to_a_bare_name(monkeypatch, name, expected):
+    import builtins
+    import io
+
+    from refengine.bench import machine
+
+    text = (f"processor\t: 0\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: {name}\n\n"
+            "processor\t: 1\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: other\n")
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **k: io.StringIO(text) if f == "/proc/cpuinfo"
+                        else real_open(f, *a, **k))
+    assert machine.cpu_model() == expected
+
+
 # --- the bench commands that were scripts, tiny ------------------------------------------------
 
 

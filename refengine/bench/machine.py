@@ -63,16 +63,25 @@ def _timed(fn) -> float:
 
 
 def cpu_model() -> str:
-    """The CPU's name: ``model name`` in ``/proc/cpuinfo`` (Linux), else what ``platform``
-    says, else ``"unknown"``."""
+    """The CPU's name: ``model name`` in ``/proc/cpuinfo`` (Linux), with its ``cpu family``
+    and ``model`` numbers where the name has no model number of its own (a VM's bare "AMD
+    EPYC" is a Zen 4 at family 25 and a Zen 5 at family 26, whose kernels run differently);
+    else what ``platform`` says, else ``"unknown"``."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() == "model name" and value.strip():
-                    return " ".join(value.split())
+                if not key.strip() and fields:
+                    break  # the first processor's block is enough
+                fields.setdefault(key.strip(), " ".join(value.split()))
     except OSError:
         pass
+    name = fields.get("model name")
+    if name:
+        if not any(c.isdigit() for c in name) and "cpu family" in fields and "model" in fields:
+            name += f" (family {fields['cpu family']}, model {fields['model']})"
+        return name
     return platform.processor() or platform.machine() or "unknown"
 
 
