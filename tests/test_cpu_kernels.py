@@ -503,8 +503,9 @@ def test_rope_bitwise(head_dim):
     got_q, got_k = NumbaOps().rope(q, k, NumbaOps().device_positions(positions), rope)
     np.testing.assert_array_equal(got_q, want_q)
     np.testing.assert_array_equal(got_k, want_k)
-    with pytest.raises(IndexError):
-        NumbaOps().rope(q, k, np.array([4096] * tokens), rope)
+    for bad in ([4096] * tokens, [0] * (tokens - 1) + [-1]):
+        with pytest.raises(IndexError, match=r"\[0, 4096\)"):
+            NumbaOps().rope(q, k, np.array(bad), rope)
 
 
 @pytest.mark.parametrize("rows", [1, 9])

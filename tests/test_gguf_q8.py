@@ -142,6 +142,41 @@ def test_rows_do_not_depend_on_the_batch_across_input_blocks_or_threads(q8_weigh
         assert np.array_equal(bits(q8_linear(x[i:i + 1], w)), bits(runs[0][i:i + 1])), f"{name} K={k} row {i}"
 
 
+def test_product_plans_per_thread_count_thread_and_not_pickled(q8_weights):
+    """The arguments kept on a weight (:func:`refengine.quant.numba_gguf.product_plan`): one
+    plan per thread count and calling thread, each giving the bits a fresh weight gives, and
+    none carried through pickle."""
+    import pickle
+    import threading
+
+    import numba
+
+    from refengine.quant import numba_gguf
+
+    w = q8_weights["Q4_1", 544][0]
+    x = np.random.default_rng(9).standard_normal((1, 544)).astype(np.float32)
+    fresh = GGUFWeight("Q4_1", w.planes, w.shape)
+    want = (bits(q8_linear(x, fresh)), bits(numba_gguf.linear(x, fresh)))
+    before = numba.get_num_threads()
+    try:
+        for threads in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
+            numba.set_num_threads(threads)
+            for _ in range(2):  # the second call reuses the plan's buffers
+                assert np.array_equal(bits(q8_linear(x, w)), want[0])
+                assert np.array_equal(bits(numba_gguf.linear(x, w)), want[1])
+    finally:
+        numba.set_num_threads(before)
+    other = []
+    t = threading.Thread(target=lambda: other.append(bits(q8_linear(x, w))))
+    t.start()
+    t.join()
+    assert np.array_equal(other[0], want[0])
+    idents = {key[2] for key in w._plans}
+    assert threading.get_ident() in idents and len(idents) == 2
+    copy = pickle.loads(pickle.dumps(w))
+    assert "_plans" not in vars(copy) and np.array_equal(bits(q8_linear(x, copy)), want[0])
+
+
 def test_other_types_keep_their_float_products():
     """numba_q8.linear sends a type without a Q8-activation kernel to the float32 products."""
     from refengine.quant import numba_gguf, numba_q8

@@ -352,6 +352,16 @@ def _rms_norm_blocks(x, weight, eps, out, per):  # pragma: no cover - compiled
         _rms_norm(x, weight, eps, out, c * per, min(x.shape[0], (c + 1) * per))
 
 
+@njit(cache=True)
+def _in_range(positions, n):  # pragma: no cover - compiled
+    """Whether every ``positions[i]`` is in ``[0, n)`` (one compiled call: two NumPy
+    reductions cost a decode step's RoPE more than the rotation)."""
+    for i in range(positions.shape[0]):
+        if positions[i] < 0 or positions[i] >= n:
+            return False
+    return True
+
+
 @parallel_kernel()
 def _rope_blocks(x, positions, cos, sin, per):  # pragma: no cover - compiled
     for c in prange((x.shape[0] + per - 1) // per):
@@ -459,8 +469,8 @@ class NumbaOps:
         """Run a row-block kernel over ``rows`` rows: in parallel blocks from
         :data:`ELEMENTWISE_PARALLEL_MIN_ROWS` rows when numba has threads, else as one block
         on the calling thread (its serial twin)."""
-        threads = get_num_threads()
-        if threads > 1 and rows >= ELEMENTWISE_PARALLEL_MIN_ROWS:
+        threads = get_num_threads() if rows >= ELEMENTWISE_PARALLEL_MIN_ROWS else 1
+        if threads > 1:
             kernel.parallel(*args, -(-rows // (4 * threads)))  # a few blocks per thread: uneven cores finish together
         else:
             kernel.serial(*args, max(rows, 1))
@@ -480,7 +490,7 @@ class NumbaOps:
         Raises:
             IndexError: a position outside the tables (checked, since the kernel is not).
         """
-        if positions.shape[0] and (positions.min() < 0 or positions.max() >= rope.cos.shape[0]):
+        if not _in_range(positions, rope.cos.shape[0]):
             raise IndexError(f"positions outside the RoPE tables [0, {rope.cos.shape[0]})")
         for x in (q, k):
             self._over_rows(_rope_blocks, x.shape[0], x, positions, rope.cos, rope.sin)

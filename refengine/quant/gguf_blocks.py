@@ -19,6 +19,8 @@ Files are taken to be little-endian (GGUF's default; the big-endian variant is n
 
 from __future__ import annotations
 
+import importlib
+import sys
 from typing import Sequence
 
 import numpy as np
@@ -87,6 +89,13 @@ def k_scales_mins(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     high_sc = (s[..., 8:12] & np.uint8(0x0F)) | ((s[..., 0:4] >> np.uint8(6)) << np.uint8(4))
     high_m = (s[..., 8:12] >> np.uint8(4)) | ((s[..., 4:8] >> np.uint8(6)) << np.uint8(4))
     return np.concatenate([low[0], high_sc], axis=-1), np.concatenate([low[1], high_m], axis=-1)
+
+
+def _kernels(name: str):
+    """The module ``refengine.quant.<name>``, imported at the first product (numba loads only
+    then), from ``sys.modules`` after: a decode step asks over a hundred times."""
+    module = sys.modules.get("refengine.quant." + name)
+    return module if module is not None else importlib.import_module("refengine.quant." + name)
 
 
 class GGUFWeight(QuantizedWeight):
@@ -318,14 +327,15 @@ class GGUFWeight(QuantizedWeight):
                 not in :attr:`activation_dtypes`.
         """
         if activation_dtype == "q8_0":
-            from refengine.quant import numba_q8
-
-            return numba_q8.linear(x, self, batch_invariant=batch_invariant)
+            return _kernels("numba_q8").linear(x, self, batch_invariant=batch_invariant)
         if activation_dtype != "auto":
             raise ValueError(f"activation_dtype={activation_dtype!r} is not one of {self.activation_dtypes}")
-        from refengine.quant import numba_gguf
+        return _kernels("numba_gguf").linear(x, self, batch_invariant=batch_invariant)
 
-        return numba_gguf.linear(x, self, batch_invariant=batch_invariant)
+    def __getstate__(self) -> dict:
+        """Pickled without the kernels' product plans (compiled functions and scratch kept on
+        the weight by :func:`refengine.quant.numba_gguf.product_plan`, rebuilt at first use)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_plans"}
 
 
 # -------------------------------------------------------------------------------------

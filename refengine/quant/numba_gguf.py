@@ -75,6 +75,7 @@ with the weights exactly as stored.
 from __future__ import annotations
 
 import sys
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -1427,6 +1428,37 @@ def _task_rows(n: int) -> int:
     return max(4, -(-n // (16 * get_num_threads())) * 4)
 
 
+def product_plan(w, name: str, build):
+    """What a product of ``w`` needs besides its input, built once and kept on ``w``: the
+    compiled function (the parallel or the serial twin), the plane arguments, the task size,
+    scratch. ``build(w, threads)`` makes it; it is kept per ``name``, numba thread count and
+    calling thread (a plan's scratch is written by every call, so two threads never share
+    one); pickling drops them (:meth:`GGUFWeight.__getstate__`). A decode step makes over
+    a hundred products of one row each, and assembling these arguments anew at each cost
+    a third of a small product's time."""
+    threads = get_num_threads()
+    key = (name, threads, threading.get_ident())
+    plans = w.__dict__.get("_plans")
+    if plans is None:
+        plans = w._plans = {}
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = build(w, threads)
+    return plan
+
+
+def _fused_plan(w, threads: int) -> tuple:
+    """:func:`product_plan` builder of :func:`fused_linear`: ``(kernel, planes, block,
+    scratch, xs)``, ``scratch`` None for F16/BF16, ``xs`` float32 ``[1, in/32]`` (a one-row
+    input's block sums)."""
+    n = w.shape[0]
+    block = _task_rows(n)
+    pair = _KERNELS[w.format][0]
+    kernel = pair.parallel if threads > 1 else pair.serial
+    scratch = None if w.format in ("F16", "BF16") else _scale_scratch(w, -(-n // block))
+    return kernel, _planes(w), block, scratch, np.empty((1, w.shape[1] // 32), dtype=np.float32)
+
+
 def fused_linear(x: np.ndarray, w) -> np.ndarray:
     """``x [T, in] @ w.T`` -> float32 ``[T, out]`` by the fused decode kernels, any ``T``
     (:func:`linear` picks them below :data:`PREFILL_MIN_ROWS` rows; F32 weights go to
@@ -1439,18 +1471,16 @@ def fused_linear(x: np.ndarray, w) -> np.ndarray:
     out = np.empty((rows, n), dtype=np.float32)
     if rows == 0 or n == 0:
         return out
-    block = _task_rows(n)
-    kernel = _KERNELS[w.format][0]
-    if w.format in ("F16", "BF16"):
-        kernel(x, *_planes(w), out, block)
+    kernel, planes, block, scratch, xs1 = product_plan(w, "fused", _fused_plan)
+    if scratch is None:  # F16, BF16
+        kernel(x, *planes, out, block)
         return out
-    scratch = _scale_scratch(w, -(-n // block))
     if w.format == "Q6_K":
-        kernel(x, *_planes(w), out, block, scratch)
+        kernel(x, *planes, out, block, scratch)
         return out
-    xs = np.empty((rows, w.shape[1] // 32), dtype=np.float32)
+    xs = xs1 if rows == 1 else np.empty((rows, w.shape[1] // 32), dtype=np.float32)
     _block_sums(x, xs, 32)
-    kernel(x, xs, *_planes(w), out, block, scratch)
+    kernel(x, xs, *planes, out, block, scratch)
     return out
 
 

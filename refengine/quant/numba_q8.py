@@ -793,11 +793,27 @@ def q8_linear(x: np.ndarray, w) -> np.ndarray:
     out = np.empty((rows, n), dtype=np.float32)
     if rows == 0 or n == 0:
         return out
-    xq, dx, xsq = quantize_q8_0(x)
-    dxe = np.repeat(dx, 8, axis=1) if rows > 1 else dx  # a block's scale in each of its eight lanes
-    block = _task_rows(n)
-    _KERNELS[w.format](xq, dx, dxe, xsq, *_planes(w), out, block, _scale_scratch(w, -(-n // block)))
+    kernel, planes, block, scratch, xq, dx, xsq = numba_gguf.product_plan(w, "q8", _q8_plan)
+    if rows == 1:  # into the plan's buffers; the one-row kernel spreads the scales to lanes itself
+        _quantize_task(x, xq, dx, xsq, 0, 1)
+        dxe = dx
+    else:
+        xq, dx, xsq = quantize_q8_0(x)
+        dxe = np.repeat(dx, 8, axis=1)  # a block's scale in each of its eight lanes
+    kernel(xq, dx, dxe, xsq, *planes, out, block, scratch)
     return out
+
+
+def _q8_plan(w, threads: int) -> tuple:
+    """:func:`refengine.quant.numba_gguf.product_plan` builder of :func:`q8_linear`:
+    ``(kernel, planes, block, scratch, xq, dx, xsq)``, the last three a one-row input's
+    :func:`quantize_q8_0` buffers."""
+    n, k = w.shape
+    block = _task_rows(n)
+    pair = _KERNELS[w.format]
+    kernel = pair.parallel if threads > 1 else pair.serial
+    return (kernel, _planes(w), block, _scale_scratch(w, -(-n // block)), np.empty((1, k), dtype=np.int8),
+            np.empty((1, k // 32), dtype=np.float32), np.empty((1, k // 32), dtype=np.float32))
 
 
 def linear(x: np.ndarray, w, *, batch_invariant: bool = False) -> np.ndarray:
