@@ -167,12 +167,17 @@ def test_product_plans_per_thread_count_thread_and_not_pickled(q8_weights):
     finally:
         numba.set_num_threads(before)
     other = []
-    t = threading.Thread(target=lambda: other.append(bits(q8_linear(x, w))))
+
+    def in_another_thread():
+        other.append(bits(q8_linear(x, w)))
+        other.append(dict(vars(w._plans)))  # that thread's plans
+
+    t = threading.Thread(target=in_another_thread)
     t.start()
     t.join()
     assert np.array_equal(other[0], want[0])
-    idents = {key[2] for key in w._plans}
-    assert threading.get_ident() in idents and len(idents) == 2
+    mine, theirs = vars(w._plans), other[1]
+    assert theirs and mine and all(theirs[key] is not mine.get(key) for key in theirs)
     copy = pickle.loads(pickle.dumps(w))
     assert "_plans" not in vars(copy) and np.array_equal(bits(q8_linear(x, copy)), want[0])
 

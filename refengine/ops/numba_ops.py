@@ -354,8 +354,8 @@ def _rms_norm_blocks(x, weight, eps, out, per):  # pragma: no cover - compiled
 
 @njit(cache=True)
 def _in_range(positions, n):  # pragma: no cover - compiled
-    """Whether every ``positions[i]`` is in ``[0, n)`` (one compiled call: two NumPy
-    reductions cost a decode step's RoPE more than the rotation)."""
+    """Whether every ``positions[i]`` (int, ``[T]``) is in ``[0, n)``: one compiled call
+    where ``min()`` and ``max()`` were two NumPy reductions per layer."""
     for i in range(positions.shape[0]):
         if positions[i] < 0 or positions[i] >= n:
             return False

@@ -1420,43 +1420,58 @@ def _scale_scratch(w, *lead) -> np.ndarray:
     return np.empty((*lead, n), dtype=np.float32)
 
 
-def _task_rows(n: int) -> int:
+def _task_rows(n: int, threads: int) -> int:
     """Output rows per task: a multiple of four, about four tasks per thread (a core slowed
     by another process does not hold the others up for long). On a quiet machine fewer,
     larger tasks are a little faster: at one row on SmolLM2's shapes, two tasks per
     thread were 0-2% faster than four, and sixteen 5-20% slower (AMD EPYC, 2 threads)."""
-    return max(4, -(-n // (16 * get_num_threads())) * 4)
+    return max(4, -(-n // (16 * threads)) * 4)
 
 
 def product_plan(w, name: str, build):
     """What a product of ``w`` needs besides its input, built once and kept on ``w``: the
     compiled function (the parallel or the serial twin), the plane arguments, the task size,
-    scratch. ``build(w, threads)`` makes it; it is kept per ``name``, numba thread count and
-    calling thread (a plan's scratch is written by every call, so two threads never share
-    one); pickling drops them (:meth:`GGUFWeight.__getstate__`). A decode step makes over
-    a hundred products of one row each, and assembling these arguments anew at each cost
-    a third of a small product's time."""
+    scratch (:func:`plan_arguments`) and the builder's own buffers.
+
+    Args:
+        w: a :class:`refengine.quant.gguf_blocks.GGUFWeight`.
+        name: which product's plan (``"fused"``, ``"q8"``).
+        build: ``build(w, threads)`` -> the plan, called once per ``name`` and numba thread
+            count in each calling thread.
+    Returns:
+        What ``build`` returned. Plans live in a ``threading.local`` on ``w``: a plan's
+        scratch is written by every call, so two threads never share one, and a thread's
+        plans go with it. Pickling drops them (:meth:`GGUFWeight.__getstate__`). A decode
+        step makes over a hundred products of one row each, and these arguments used to be
+        assembled anew at each.
+    """
     threads = get_num_threads()
-    key = (name, threads, threading.get_ident())
-    plans = w.__dict__.get("_plans")
-    if plans is None:
-        plans = w._plans = {}
-    plan = plans.get(key)
+    local = w.__dict__.get("_plans")
+    if local is None:
+        local = w._plans = threading.local()
+    plans = local.__dict__  # this thread's
+    plan = plans.get((name, threads))
     if plan is None:
-        plan = plans[key] = build(w, threads)
+        plan = plans[name, threads] = build(w, threads)
     return plan
 
 
-def _fused_plan(w, threads: int) -> tuple:
-    """:func:`product_plan` builder of :func:`fused_linear`: ``(kernel, planes, block,
-    scratch, xs)``, ``scratch`` None for F16/BF16, ``xs`` float32 ``[1, in/32]`` (a one-row
-    input's block sums)."""
+def plan_arguments(w, pair, threads: int) -> tuple:
+    """``(kernel, planes, block, scratch)`` of a product of ``w`` on ``threads`` numba threads:
+    ``pair``'s parallel twin from two threads, else its serial one; the plane arguments
+    (:func:`_planes`); output rows per task (:func:`_task_rows`); the tasks' float32 scale
+    scratch (:func:`_scale_scratch`), None for F16/BF16, whose kernels take none."""
     n = w.shape[0]
-    block = _task_rows(n)
-    pair = _KERNELS[w.format][0]
+    block = _task_rows(n, threads)
     kernel = pair.parallel if threads > 1 else pair.serial
     scratch = None if w.format in ("F16", "BF16") else _scale_scratch(w, -(-n // block))
-    return kernel, _planes(w), block, scratch, np.empty((1, w.shape[1] // 32), dtype=np.float32)
+    return kernel, _planes(w), block, scratch
+
+
+def _fused_plan(w, threads: int) -> tuple:
+    """:func:`product_plan` builder of :func:`fused_linear`: :func:`plan_arguments` and
+    ``xs`` float32 ``[1, in/32]`` (a one-row input's block sums)."""
+    return (*plan_arguments(w, _KERNELS[w.format][0], threads), np.empty((1, w.shape[1] // 32), dtype=np.float32))
 
 
 def fused_linear(x: np.ndarray, w) -> np.ndarray:

@@ -57,8 +57,8 @@ from numba.extending import intrinsic
 from refengine.quant import numba_gguf
 from refengine.quant.numba_gguf import (
     _BLOCKS32, _F8, _F16L, _I8, _I16L, _I32, CHUNK_ROWS, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, _chunk_scales, _fours_end,
-    _halves_to_float, _has_f16c, _is_c_array, _planes, _prefetch_pair, _splat, _scale_scratch, _store_row,
-    _task_rows, _vector_ptr, _vector_type, _weighted_sum_f16, f16_to_f32, f32_to_f16, f8_fma, f8_splat, f8_sum,
+    _halves_to_float, _has_f16c, _is_c_array, _prefetch_pair, _splat, _store_row,
+    _vector_ptr, _vector_type, _weighted_sum_f16, f16_to_f32, f32_to_f16, f8_fma, f8_splat, f8_sum,
     f32x8, f32x16, i32x16, q16_to_f, v16_fma, v16_halves, v16_load, v16_mul, v16_zero)
 from refengine.runtime.numba_support import get_num_threads, parallel_kernel, register_kernels, x_block_rows
 
@@ -806,13 +806,10 @@ def q8_linear(x: np.ndarray, w) -> np.ndarray:
 
 def _q8_plan(w, threads: int) -> tuple:
     """:func:`refengine.quant.numba_gguf.product_plan` builder of :func:`q8_linear`:
-    ``(kernel, planes, block, scratch, xq, dx, xsq)``, the last three a one-row input's
-    :func:`quantize_q8_0` buffers."""
-    n, k = w.shape
-    block = _task_rows(n)
-    pair = _KERNELS[w.format]
-    kernel = pair.parallel if threads > 1 else pair.serial
-    return (kernel, _planes(w), block, _scale_scratch(w, -(-n // block)), np.empty((1, k), dtype=np.int8),
+    :func:`refengine.quant.numba_gguf.plan_arguments` and ``xq`` int8 ``[1, in]``, ``dx`` and
+    ``xsq`` float32 ``[1, in/32]``, a one-row input's :func:`quantize_q8_0` buffers."""
+    k = w.shape[1]
+    return (*numba_gguf.plan_arguments(w, _KERNELS[w.format], threads), np.empty((1, k), dtype=np.int8),
             np.empty((1, k // 32), dtype=np.float32), np.empty((1, k // 32), dtype=np.float32))
 
 
