@@ -118,7 +118,7 @@ def test_product_is_the_dequantized_product(q8_weights, name, k):
 
 
 @pytest.mark.parametrize("k", WIDTHS)
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "Q5_0"])
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0"])
 def test_rows_do_not_depend_on_the_batch_across_input_blocks_or_threads(q8_weights, name, k):
     """Past the first input block, with groups of four and single rows at its end, on one and
     two threads: each row alone gives its bits."""
@@ -179,7 +179,8 @@ def test_product_plans_per_thread_count_thread_and_not_pickled(q8_weights):
     mine, theirs = vars(w._plans), other[1]
     assert theirs and mine and all(theirs[key] is not mine.get(key) for key in theirs)
     copy = pickle.loads(pickle.dumps(w))
-    assert "_plans" not in vars(copy) and np.array_equal(bits(q8_linear(x, copy)), want[0])
+    assert "_plans" not in vars(copy) and "_x16" not in vars(copy)
+    assert np.array_equal(bits(q8_linear(x, copy)), want[0])
 
 
 def test_other_types_keep_their_float_products():
@@ -274,35 +275,58 @@ def test_engine_with_q8_activations(gguf_path):
     assert attention._plan.tile_seq.size and attention._plan.blas_prefill == []
 
 
-def _lane_dots():
-    """A fresh (uncompiled) function: the integer dots of ``w[i]`` and ``x[i]`` (32 bytes each),
-    unsigned and signed weights, as their eight lanes, into ``out_u[i]``, ``out_s[i]``, by the
-    one-block dots; and the same lanes by the two-block dots into ``pair_u``, ``pair_s``."""
+@pytest.mark.parametrize("name", Q8_TYPES)
+def test_interleaved_groups_of_any_row_count(name):
+    """The kernels at row counts around their groups of sixteen interleaved rows (a partial
+    group alone, whole groups, one row past): the dequantized product, and each input row
+    alone gives its bits; the interleaved planes are built once and are the size planned."""
+    from refengine.quant import numba_q8
+
+    rng = np.random.default_rng(17)
+    k = 96
+    x = rng.standard_normal((6, k)).astype(np.float32)
+    xd = dequantize(quantize(x, Q8_0), Q8_0).reshape(x.shape).astype(np.float64)
+    for n in (1, 5, 16, 17, 32):
+        raw = random_raw(name, n, k, rng)
+        w = GGUFWeight.from_raw(name, raw, (n, k))
+        wd = oracle(name, raw, k).astype(np.float64)
+        got = q8_linear(x, w)
+        err = float((np.abs(got - xd @ wd.T) / (np.abs(xd) @ np.abs(wd).T)).max())
+        assert err < PRODUCT_TOL, f"{name} N={n}: {err:.2e}"
+        planes = w._x16
+        for i in range(x.shape[0]):
+            assert np.array_equal(bits(q8_linear(x[i:i + 1], w)), bits(got[i:i + 1])), f"{name} N={n} row {i}"
+        assert w._x16 is planes and numba_q8.interleave(w) is planes
+        assert planes[0].size == -(-n // 16) * numba_q8.GROUP_BLOCK_BYTES[name] * (k // 32)
+        assert planes[1].size == (-(-n // 16) * 64 * (k // 32) if name.startswith("Q5") else 0)
+
+
+def _slice_dots():
+    """A fresh (uncompiled) function: the sixteen lanes of ``q16_dpbusd`` and
+    ``q16_dpbusd_small`` (each lane four products of ``w``'s bytes and the four bytes of
+    ``x`` broadcast), applied twice from zero, into ``out`` and ``out_small``."""
     from numba import njit
 
-    from refengine.quant.numba_gguf import f8_store, q16_to_f, v16_store
-    from refengine.quant.numba_q8 import b32_dot, b32_dot_signed, b32_load, b64_dot, b64_dot_signed, b64_load, i8_to_f8
+    from refengine.quant.numba_gguf import q16_to_f, v16_store
+    from refengine.quant.numba_q8 import b64_bcast4, b64_load, q16_dpbusd, q16_dpbusd_small, q16_zero
 
     @njit
-    def dots(wu, ws, x, out_u, out_s, pair_u, pair_s):  # flat arrays: 32 bytes and 8 lanes a block
-        for i in range(x.shape[0] // 32):
-            xv = b32_load(x, i * 32)
-            f8_store(out_u, i * 8, i8_to_f8(b32_dot(b32_load(wu, i * 32), xv)))
-            f8_store(out_s, i * 8, i8_to_f8(b32_dot_signed(b32_load(ws, i * 32), xv)))
-        for i in range(0, x.shape[0] // 32, 2):
-            xv = b64_load(x, i * 32)
-            v16_store(pair_u, i * 8, q16_to_f(b64_dot(b64_load(wu, i * 32), xv)))
-            v16_store(pair_s, i * 8, q16_to_f(b64_dot_signed(b64_load(ws, i * 32), xv)))
+    def dots(w, ws, x, out, out_small):  # 64 weight bytes and 4 activation bytes a slice
+        for i in range(out.shape[0] // 16):
+            xv = b64_bcast4(x, i * 4)
+            wv, wsv = b64_load(w, i * 64), b64_load(ws, i * 64)
+            v16_store(out, i * 16, q16_to_f(q16_dpbusd(q16_dpbusd(q16_zero(), wv, xv), wv, xv)))
+            v16_store(out_small, i * 16, q16_to_f(q16_dpbusd_small(q16_dpbusd_small(q16_zero(), wsv, xv), wsv, xv)))
 
     return dots
 
 
 @pytest.mark.parametrize("path", ["native", "no-avx512-vnni", "avx2-no-vnni", "generic-ir"])
 def test_integer_dots_exact_on_every_code_path(monkeypatch, path):
-    """The block dots' lanes (four products each) are exact, one block and two at a time,
+    """The slices' integer dots (four unsigned-times-signed byte products a lane) are exact
     on each way the instructions are chosen (the CPU's own; forced down here: no 512-bit
-    ``vpdpbusd``, no VNNI at all, no AVX2), at the extremes: unsigned weights up to 31,
-    signed ones from -128, activations in [-127, 127]."""
+    ``vpdpbusd``, no VNNI at all, no AVX2), at the extremes: bytes up to 255 (Q8_0's
+    ``q + 128``) and, for the small form, up to 31 (Q5); activations in [-127, 127]."""
     from refengine.quant import numba_q8
 
     if path != "native":
@@ -311,18 +335,15 @@ def test_integer_dots_exact_on_every_code_path(monkeypatch, path):
         monkeypatch.setattr(numba_q8, "_has_vnni", lambda context: False)
     if path == "generic-ir":
         monkeypatch.setattr(numba_q8, "_has_avx2", lambda context: False)
-    rng = np.random.default_rng(9)
-    n = 64
-    wu = rng.integers(0, 32, (n, 32)).astype(np.uint8)
-    ws = rng.integers(-128, 128, (n, 32)).astype(np.int8)
-    x = rng.integers(-127, 128, (n, 32)).astype(np.int8)
-    wu[0], ws[0], x[0] = 31, -128, -127  # the largest sums
-    wu[1], ws[1], x[1] = 31, -128, 127
-    out_u, out_s, pair_u, pair_s = (np.empty((n, 8), np.float32) for _ in range(4))
-    _lane_dots()(wu.reshape(-1), ws.reshape(-1), x.reshape(-1), out_u.reshape(-1), out_s.reshape(-1),
-                 pair_u.reshape(-1), pair_s.reshape(-1))
-    xi = x.astype(np.int64)
-    want_u = (wu.astype(np.int64) * xi).reshape(n, 8, 4).sum(-1).astype(np.float32)
-    want_s = (ws.astype(np.int64) * xi).reshape(n, 8, 4).sum(-1).astype(np.float32)
-    for got, want in ((out_u, want_u), (out_s, want_s), (pair_u, want_u), (pair_s, want_s)):
-        assert np.array_equal(got, want)
+    rng = np.random.default_rng(4)
+    n = 32
+    w = rng.integers(0, 256, (n, 16, 4)).astype(np.uint8)
+    ws = rng.integers(0, 32, (n, 16, 4)).astype(np.uint8)
+    x = rng.integers(-127, 128, (n, 4)).astype(np.int8)
+    w[0], ws[0], x[0] = 255, 31, -127  # the largest sums
+    w[1], ws[1], x[1] = 255, 31, 127
+    out, out_small = np.empty((n, 16), np.float32), np.empty((n, 16), np.float32)
+    _slice_dots()(w.reshape(-1), ws.reshape(-1), x.reshape(-1), out.reshape(-1), out_small.reshape(-1))
+    xi = x.astype(np.int64)[:, None, :]
+    assert np.array_equal(out, (2 * (w.astype(np.int64) * xi).sum(-1)).astype(np.float32))
+    assert np.array_equal(out_small, (2 * (ws.astype(np.int64) * xi).sum(-1)).astype(np.float32))

@@ -334,8 +334,9 @@ class GGUFWeight(QuantizedWeight):
 
     def __getstate__(self) -> dict:
         """Pickled without the kernels' product plans (compiled functions and scratch kept on
-        the weight by :func:`refengine.quant.numba_gguf.product_plan`, rebuilt at first use)."""
-        return {k: v for k, v in self.__dict__.items() if k != "_plans"}
+        the weight by :func:`refengine.quant.numba_gguf.product_plan`) and interleaved planes
+        (:func:`refengine.quant.numba_q8.interleave`), rebuilt at first use."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_plans", "_x16")}
 
 
 # -------------------------------------------------------------------------------------

@@ -8,45 +8,50 @@ blocks, in integers: llama.cpp's scheme for its CPU dot products, ``activation_d
    ``gguf.quants.quantize(x, Q8_0)`` do: per block of 32, ``d = max|x| / 127`` (stored as
    f16), ``q = roundf(x / d)`` (half away from zero; ``x * (1 / d)`` with the float32
    ``d``), ``q`` in ``[-127, 127]``. The value it stands for is ``x̂ = f16(d) * q``.
-2. The fused kernels take a block's 32 weight quants as bytes (Q4_0 and Q5_0 with their
-   offset, ``q - 8`` and ``q - 16``, applied in integers), multiply them with the block's
-   activation quants and sum the products in integers, exactly; then one conversion to
-   float32 and one FMA per block add ``d_w * d_x * sum`` to eight float32 accumulators.
-   Q4_1 and Q5_1 add their minimum, ``m_w * sum(x̂)`` per block, with
-   ``sum(x̂) = f16(d) * sum(q)`` from the integers. So every output is, up to float32
-   rounding, ``dequantize(quantize_q8_0(x)) @ dequantize(w).T`` (tested against gguf-py's
-   own quantizer and dequantizer, in float64).
+2. The kernels multiply the weights' quants with the activation quants and sum them in
+   integers, exactly, then scale each block's sum once in float32. So every output is, up
+   to float32 rounding, ``dequantize(quantize_q8_0(x)) @ dequantize(w).T`` (tested against
+   gguf-py's own quantizer and dequantizer, in float64).
 
-The integer products are llama.cpp's AVX2 ones (``mul_sum_us8_pairs_float``,
-``mul_sum_i8_pairs_float``): ``vpmaddubsw`` multiplies 32 unsigned weight bytes with 32
-signed activation bytes and adds adjacent pairs into int16, ``vpmaddwd`` by ones adds
-those pairs into eight int32 lanes; signed weights go first through ``vpsignb``/``vpabsb``
-(``|w| * (x * sign(w))``). With VNNI one ``vpdpbusd`` does both steps, and the kernels
-take two blocks per instruction (:func:`_dot64_intrinsic`: 512-bit with AVX512-VNNI).
-LLVM does not form these instructions from generic IR (it rewrote a ``vpmaddwd`` pattern
-into twice the work), so the intrinsics here call them by name on a CPU that has them,
-and compute the same sums in generic IR elsewhere.
+**Sixteen weight rows in the lanes.** A row-major kernel dots one weight row with the
+activation row in vector lanes and must add its lanes together at the end of every row.
+Here the lanes are sixteen *output rows* instead (the idea of ggml's "repack" layouts,
+``ggml-cpu/repack.cpp``, which use 4 or 8 rows). A weight is re-laid once, at its first
+product (:func:`interleave`): for each group of sixteen rows and each block, the rows'
+quant bytes go in 64-byte slices, four bytes of each row per slice, so that one
+``vpdpbusd`` (AVX512-VNNI) multiplies four quants of each of the sixteen rows with the same
+four activation quants (a 32-bit broadcast, folded into the instruction) and adds them into
+that row's int32 lane. A block of sixteen rows is 4 slices (4- and 5-bit types: each
+slice's low and high nibbles are two operands; Q5's fifth bits come from two 64-bit masks
+per slice) or 8 (Q8_0): 8 ``vpdpbusd``, one conversion and one or two FMAs, and no
+horizontal sums. Without AVX512-VNNI the same int32 sums come from AVX-VNNI's 256-bit
+``vpdpbusd``, or AVX2's ``vpmaddubsw`` and ``vpmaddwd`` (the 4- and 5-bit quants, whose
+pair sums cannot saturate int16), or generic LLVM IR; numba's LLVM does not form these
+instructions itself, so :func:`q16_dpbusd` calls them by name.
+
+The quants enter as unsigned bytes: Q4_1/Q5_1's as stored; Q4_0/Q5_0's ``n`` stand for
+``n - 8`` / ``n - 16`` and Q8_0's ``q`` is stored as ``q + 128``, so a block's sum is
+corrected by ``8``, ``16`` or ``128`` times the activation block's quant sum, in integers:
+the signed products' exact sum.
+
+**Numerics**, per output ``out[t, j]`` (one lane): ``acc = fma(float(isum_b), d_w[j, b] *
+d_x[t, b], acc)`` over the blocks ``b`` in order and, Q4_1/Q5_1, ``acc_m = fma(m_w[j, b],
+d_x[t, b] * sum(q_x[t, b]), acc_m)`` in order, then ``acc + acc_m``. One activation row or
+many (four rows at a time share each loaded slice), one thread or several, any CPU: each
+output is this chain, so the bits do not depend on the batch (this path serves every row
+count; it has no BLAS twin). The other block types keep their float32 products
+(:func:`linear` falls back to :func:`refengine.quant.numba_gguf.linear`).
 
 What it costs and saves: the activations carry ggml's Q8_0 rounding error (each value
 within half a step, ``max|x| / 254`` of its block); ``refengine eval perplexity
---activation-dtype q8_0`` measures what that does to a model. Per activation row a pair of
-blocks costs one ``vpdpbusd``, one conversion, one multiply (the scales) and one FMA in
-AVX-512 registers (AVX2: two integer multiply-adds, one conversion and one FMA per block)
-instead of four float32 FMAs per block and the weights' conversion to float32.
-
-Numerics: a block's integer sum is exact whatever the order of its lanes; the float32 sums
-run in one fixed order per output (sixteen lanes across the block pairs, even blocks in
-lanes 0-7 and odd ones in 8-15, folded into eight (:func:`v16_halves`), an odd last block
-added there, :func:`f8_sum`, then the minimum terms as in
-:mod:`refengine.quant.numba_gguf`), the same whatever the number of rows, the group a row
-falls in, or the threads: batch-invariant at every row count. This
-path therefore serves every row count (it has no BLAS twin); the other block types keep
-their float32 kernels (:func:`linear` falls back to :func:`refengine.quant.numba_gguf.linear`).
+--activation-dtype q8_0`` measures what that does to a model. The interleaved copy of a
+weight is kept beside its planes (the float32 products and the NumPy twin read those).
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 
 import numpy as np
 from llvmlite import ir
@@ -56,49 +61,54 @@ from numba.extending import intrinsic
 
 from refengine.quant import numba_gguf
 from refengine.quant.numba_gguf import (
-    _BLOCKS32, _F8, _F16L, _I8, _I16L, _I32, CHUNK_ROWS, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, _chunk_scales, _fours_end,
-    _halves_to_float, _has_f16c, _is_c_array, _prefetch_pair, _splat, _store_row,
-    _vector_ptr, _vector_type, _weighted_sum_f16, f16_to_f32, f32_to_f16, f8_fma, f8_splat, f8_sum,
-    f32x8, f32x16, i32x16, q16_to_f, v16_fma, v16_halves, v16_load, v16_mul, v16_zero)
+    _BLOCKS32, _F8, _I8, _I16L, _I32, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, _is_c_array, _splat, _vector_ptr, _vector_type,
+    f16_to_f32, f32_to_f16, i32x16, q16_add, q16_to_f, v16_add, v16_fma, v16_load_f16, v16_mul, v16_splat, v16_store,
+    v16_zero)
 from refengine.runtime.numba_support import get_num_threads, parallel_kernel, register_kernels, x_block_rows
 
 #: Block types whose products take Q8_0 activations here (the others stay float32).
 Q8_TYPES = _BLOCKS32
 #: From this many rows :func:`quantize_q8_0` runs its rows in parallel.
 QUANTIZE_PARALLEL_MIN_ROWS = 64
+#: Output rows interleaved per group (the int32 lanes of one AVX-512 register).
+GROUP = 16
+#: Quant bytes of one group's block, per type: sixteen rows of 16 (4-, 5-bit) or 32 (8-bit).
+GROUP_BLOCK_BYTES = {"Q8_0": 512, "Q4_0": 256, "Q4_1": 256, "Q5_0": 256, "Q5_1": 256}
+#: Per type: the offset its quant bytes carry (subtracted through the activation sums).
+_OFFSET = {"Q8_0": 128, "Q4_0": 8, "Q4_1": 0, "Q5_0": 16, "Q5_1": 0}
 
 _U = np.uintp
 _B32 = ir.VectorType(ir.IntType(8), 32)
-_W16 = ir.VectorType(ir.IntType(16), 16)
-
 _B64 = ir.VectorType(ir.IntType(8), 64)
-_W32 = ir.VectorType(ir.IntType(16), 32)
+_W16 = ir.VectorType(ir.IntType(16), 16)
+_LOCK = threading.Lock()
 
-#: Thirty-two int8 lanes (LLVM ``<32 x i8>``, one AVX2 ``ymm`` register): a block's 32 quants.
-i8x32 = _vector_type("i8x32", _B32)
 #: Sixty-four int8 lanes (LLVM ``<64 x i8>``, one AVX-512 ``zmm`` register, two ``ymm`` where
-#: LLVM splits it): the quants of two consecutive blocks.
+#: LLVM splits it): one slice, four quant bytes of each of sixteen rows.
 i8x64 = _vector_type("i8x64", _B64)
-#: Eight int32 lanes (LLVM ``<8 x i32>``): a block's integer partial sums.
-i32x8 = _vector_type("i32x8", _I8)
+
+
+def _features(context) -> list[str]:
+    """The CPU features the code is compiled for (numba targets the host CPU; its cache is
+    keyed by them)."""
+    return str(getattr(context.codegen(), "_tm_features", "")).split(",")
 
 
 def _has_avx2(context) -> bool:
-    """Whether the code is compiled for a CPU with AVX2 (numba targets the host CPU; its cache
-    is keyed by the CPU's features)."""
-    return "+avx2" in str(getattr(context.codegen(), "_tm_features", "")).split(",")
+    """Whether the code is compiled for a CPU with AVX2."""
+    return "+avx2" in _features(context)
 
 
 def _has_vnni(context) -> bool:
     """Whether the code is compiled for a CPU with a 256-bit ``vpdpbusd``: AVX-VNNI, or
-    AVX512-VNNI with AVX512-VL (numba targets the host CPU, as :func:`_has_avx2`)."""
-    features = str(getattr(context.codegen(), "_tm_features", "")).split(",")
+    AVX512-VNNI with AVX512-VL."""
+    features = _features(context)
     return "+avxvnni" in features or ("+avx512vnni" in features and "+avx512vl" in features)
 
 
 def _has_avx512_vnni(context) -> bool:
     """Whether the code is compiled for a CPU with the 512-bit ``vpdpbusd`` (AVX512-VNNI)."""
-    return "+avx512vnni" in str(getattr(context.codegen(), "_tm_features", "")).split(",")
+    return "+avx512vnni" in _features(context)
 
 
 def _mask(lanes) -> ir.Constant:
@@ -112,162 +122,6 @@ def _call(builder, name, ret, *vals):
     return builder.call(fn, vals)
 
 
-@intrinsic
-def b32_load(typingctx, arr, idx):
-    """Elements ``idx .. idx + 31`` (flat) of a C-contiguous int8 or uint8 array, as :data:`i8x32`. Not bounds-checked."""
-    if not (_is_c_array(arr, types.uint8, types.int8) and isinstance(idx, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.load(_vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _B32), align=1)
-
-    return i8x32(arr, idx), codegen
-
-
-@intrinsic
-def b32_nibbles(typingctx, arr, idx):
-    """The 32 nibbles of bytes ``idx .. idx + 15`` of a C-contiguous uint8 array as
-    :data:`i8x32`: lane ``i`` the low nibble of byte ``i``, lane ``i + 16`` its high nibble
-    (ggml's order within a 4-bit block)."""
-    if not (_is_c_array(arr, types.uint8) and isinstance(idx, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        b16 = ir.VectorType(ir.IntType(8), 16)
-        v = builder.load(_vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], b16), align=1)
-        both = builder.shuffle_vector(v, builder.lshr(v, ir.Constant(b16, [4] * 16)), _mask(range(32)))
-        return builder.and_(both, ir.Constant(_B32, [15] * 32))
-
-    return i8x32(arr, idx), codegen
-
-
-@intrinsic
-def b32_high_bits(typingctx, v, word):
-    """``v`` with bit ``i`` of the 32-bit ``word`` set as bit 4 of lane ``i`` (``v | 16``
-    there): the fifth bit of Q5_0/Q5_1 quants. ggml's ``bytes_from_bits_32`` in generic IR:
-    each lane takes its byte of ``word``, tests its bit, and selects 16 or 0."""
-    if not (v == i8x32 and isinstance(word, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        w = context.cast(builder, args[1], sig.args[1], types.uint32)
-        bytes4 = builder.bitcast(builder.insert_element(ir.Constant(ir.VectorType(_I32, 1), None), w, _I32(0)),
-                                 ir.VectorType(ir.IntType(8), 4))
-        spread = builder.shuffle_vector(bytes4, bytes4, _mask([i // 8 for i in range(32)]))
-        bit = builder.and_(spread, ir.Constant(_B32, [1 << (i % 8) for i in range(32)]))
-        set_ = builder.icmp_unsigned("!=", bit, ir.Constant(_B32, [0] * 32))
-        return builder.or_(args[0], builder.select(set_, ir.Constant(_B32, [16] * 32), ir.Constant(_B32, [0] * 32)))
-
-    return i8x32(v, word), codegen
-
-
-@intrinsic
-def b32_add(typingctx, v, n):
-    """``v + n`` lane-wise (int8, wrapping), ``n`` an integer."""
-    if not (v == i8x32 and isinstance(n, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.add(args[0], _splat(builder, context.cast(builder, args[1], sig.args[1], types.int8), _B32))
-
-    return i8x32(v, n), codegen
-
-
-@intrinsic
-def b64_load(typingctx, arr, idx):
-    """Elements ``idx .. idx + 63`` (flat) of a C-contiguous int8 or uint8 array, as :data:`i8x64`. Not bounds-checked."""
-    if not (_is_c_array(arr, types.uint8, types.int8) and isinstance(idx, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.load(_vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _B64), align=1)
-
-    return i8x64(arr, idx), codegen
-
-
-@intrinsic
-def b64_nibbles(typingctx, arr, idx):
-    """:func:`b32_nibbles` of two consecutive 16-byte blocks at once: bytes ``idx .. idx + 31``
-    of a C-contiguous uint8 array as :data:`i8x64`, lanes 0-31 the first block's quants
-    (low nibbles, then high), lanes 32-63 the second's."""
-    if not (_is_c_array(arr, types.uint8) and isinstance(idx, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        v = builder.load(_vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _B32), align=1)
-        lo = builder.and_(v, ir.Constant(_B32, [15] * 32))
-        hi = builder.lshr(v, ir.Constant(_B32, [4] * 32))
-        return builder.shuffle_vector(lo, hi, _mask([*range(16), *range(32, 48), *range(16, 32), *range(48, 64)]))
-
-    return i8x64(arr, idx), codegen
-
-
-@intrinsic
-def b64_high_bits(typingctx, v, word0, word1):
-    """:func:`b32_high_bits` of two blocks: lanes 0-31 take their fifth bit from ``word0``,
-    lanes 32-63 from ``word1``."""
-    if not (v == i8x64 and isinstance(word0, types.Integer) and isinstance(word1, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        words = ir.Constant(ir.VectorType(_I32, 2), None)
-        for i in (0, 1):
-            words = builder.insert_element(words, context.cast(builder, args[1 + i], sig.args[1 + i], types.uint32),
-                                           _I32(i))
-        bytes8 = builder.bitcast(words, ir.VectorType(ir.IntType(8), 8))
-        spread = builder.shuffle_vector(bytes8, bytes8, _mask([i // 8 for i in range(64)]))
-        bit = builder.and_(spread, ir.Constant(_B64, [1 << (i % 8) for i in range(64)]))
-        set_ = builder.icmp_unsigned("!=", bit, ir.Constant(_B64, [0] * 64))
-        return builder.or_(args[0], builder.select(set_, ir.Constant(_B64, [16] * 64), ir.Constant(_B64, [0] * 64)))
-
-    return i8x64(v, word0, word1), codegen
-
-
-@intrinsic
-def b64_add(typingctx, v, n):
-    """``v + n`` lane-wise (int8, wrapping), ``n`` an integer."""
-    if not (v == i8x64 and isinstance(n, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.add(args[0], _splat(builder, context.cast(builder, args[1], sig.args[1], types.int8), _B64))
-
-    return i8x64(v, n), codegen
-
-
-@intrinsic
-def v16_pair(typingctx, a, b):
-    """An :data:`f32x16` with ``a`` in lanes 0-7 and ``b`` in lanes 8-15 (two blocks' scales)."""
-    if not (isinstance(a, types.Float) and isinstance(b, types.Float)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        halves = [_splat(builder, context.cast(builder, v, t, types.float32), _F8) for v, t in zip(args, sig.args)]
-        return builder.shuffle_vector(halves[0], halves[1], _mask(range(16)))
-
-    return f32x16(a, b), codegen
-
-
-@intrinsic
-def v16_f16_pair(typingctx, arr, idx):
-    """Elements ``idx`` and ``idx + 1`` (flat) of a C-contiguous uint16 array of f16 bit
-    patterns as an :data:`f32x16`: the first in lanes 0-7, the second in lanes 8-15 (two
-    blocks' scales, converted where the loop needs them: one 4-byte load, one shuffle, one
-    ``vcvtph2ps`` with F16C, else bit arithmetic; exact either way)."""
-    if not (_is_c_array(arr, types.uint16) and isinstance(idx, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        two = ir.VectorType(ir.IntType(16), 2)
-        raw = builder.load(_vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], two), align=2)
-        wide = builder.shuffle_vector(raw, raw, _mask([0] * 8 + [1] * 8))
-        if _has_f16c(context):
-            return builder.fpext(builder.bitcast(wide, ir.VectorType(ir.HalfType(), 16)), _F16L)
-        return _halves_to_float(builder, builder.zext(wide, _I16L), _I16L, _F16L)
-
-    return f32x16(arr, idx), codegen
-
-
 def _pairs(builder, v, out):
     """Adjacent lanes of ``v`` added, as ``out`` (``<2n x iK>`` -> ``<n x iM>``, ``M >= K``,
     sign-extended where ``M > K``)."""
@@ -278,95 +132,6 @@ def _pairs(builder, v, out):
         return half if out.element.width == v.type.element.width else builder.sext(half, out)
 
     return builder.add(lanes(0), lanes(1))
-
-
-def _dot32_ir(context, builder, a, b, is_signed: bool):
-    """The IR of :func:`_dot_intrinsic`'s sums for one 32-byte pair ``a`` (weights), ``b``."""
-    if _has_avx2(context):
-        if is_signed:
-            b = _call(builder, "llvm.x86.avx2.psign.b", _B32, b, a)
-            a = builder.select(builder.icmp_signed("<", a, ir.Constant(_B32, [0] * 32)), builder.neg(a), a)
-        if _has_vnni(context):  # both steps in one instruction, int32 sums, no int16 stage
-            return _call(builder, "llvm.x86.avx512.vpdpbusd.256", _I8, ir.Constant(_I8, [0] * 8),
-                         builder.bitcast(a, _I8), builder.bitcast(b, _I8))
-        p16 = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16, a, b)
-        return _call(builder, "llvm.x86.avx2.pmadd.wd", _I8, p16, ir.Constant(_W16, [1] * 16))
-    wide = ir.VectorType(ir.IntType(16), 32)
-    prod = builder.mul(builder.sext(a, wide) if is_signed else builder.zext(a, wide), builder.sext(b, wide))
-    return _pairs(builder, _pairs(builder, prod, _W16), _I8)
-
-
-def _dot_intrinsic(is_signed: bool):
-    """An intrinsic ``(w, x) -> i32x8``: the 32 products ``w[i] * x[i]`` summed in fours into
-    eight exact int32 lanes (lane ``l``: ``i = 4l .. 4l + 3``); ``x`` int8, ``w`` int8 when
-    ``is_signed`` else unsigned bytes.
-
-    On AVX2: ``vpmaddubsw`` (unsigned times signed bytes, adjacent pairs added into int16:
-    at most ``2 * 128 * 127`` here, so it never saturates) then ``vpmaddwd`` by ones; signed
-    weights first through ``vpsignb``/``vpabsb`` (``|w| * (x * sign(w))``), as llama.cpp's
-    ``mul_sum_i8_pairs_float``. With AVX-VNNI or AVX512-VNNI, one ``vpdpbusd`` instead of
-    the two (the same sums: no int16 stage to saturate). Elsewhere the same sums in generic IR."""
-    @intrinsic
-    def dot(typingctx, w, x):
-        if not (w == i8x32 and x == i8x32):
-            return None
-
-        def codegen(context, builder, sig, args):
-            return _dot32_ir(context, builder, args[0], args[1], is_signed)
-
-        return i32x8(w, x), codegen
-
-    return dot
-
-
-def _dot64_intrinsic(is_signed: bool):
-    """:func:`_dot_intrinsic` of two blocks at once: ``(w, x) -> i32x16`` for :data:`i8x64`
-    operands, lanes 0-7 the first 32 bytes' sums, 8-15 the second's. With AVX512-VNNI one
-    512-bit ``vpdpbusd`` (signed weights: ``|w|`` and ``x`` negated where ``w < 0``, as
-    AVX-512 has no ``vpsignb``); elsewhere each half as :func:`_dot_intrinsic` and the two joined."""
-    @intrinsic
-    def dot(typingctx, w, x):
-        if not (w == i8x64 and x == i8x64):
-            return None
-
-        def codegen(context, builder, sig, args):
-            a, b = args
-            if _has_avx512_vnni(context):
-                if is_signed:
-                    neg = builder.icmp_signed("<", a, ir.Constant(_B64, [0] * 64))
-                    b = builder.select(neg, builder.neg(b), b)
-                    a = builder.select(neg, builder.neg(a), a)
-                return _call(builder, "llvm.x86.avx512.vpdpbusd.512", _I16L, ir.Constant(_I16L, [0] * 16),
-                             builder.bitcast(a, _I16L), builder.bitcast(b, _I16L))
-            halves = [_dot32_ir(context, builder, builder.shuffle_vector(a, a, _mask(range(h, h + 32))),
-                                builder.shuffle_vector(b, b, _mask(range(h, h + 32))), is_signed) for h in (0, 32)]
-            return builder.shuffle_vector(halves[0], halves[1], _mask(range(16)))
-
-        return i32x16(w, x), codegen
-
-    return dot
-
-
-#: :func:`_dot_intrinsic` for unsigned weight quants (Q4_1, Q5_1).
-b32_dot = _dot_intrinsic(False)
-#: :func:`_dot_intrinsic` for int8 weight quants (Q8_0, and Q4_0, Q5_0 with their offsets).
-b32_dot_signed = _dot_intrinsic(True)
-#: :func:`_dot64_intrinsic` for unsigned weight quants.
-b64_dot = _dot64_intrinsic(False)
-#: :func:`_dot64_intrinsic` for int8 weight quants.
-b64_dot_signed = _dot64_intrinsic(True)
-
-
-@intrinsic
-def i8_to_f8(typingctx, v):
-    """Eight int32 lanes -> float32 (exact below 2**24; a lane of a block's dot is at most 4 * 128 * 127)."""
-    if v != i32x8:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.sitofp(args[0], _F8)
-
-    return f32x8(v), codegen
 
 
 # ---------------------------------------------------------------------------------------
@@ -487,294 +252,393 @@ def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 # ---------------------------------------------------------------------------------------
-# The products.
+# Vector operations on the interleaved slices.
+
+
+@intrinsic
+def b64_load(typingctx, arr, idx):
+    """Elements ``idx .. idx + 63`` (flat) of a C-contiguous int8 or uint8 array, as :data:`i8x64`. Not bounds-checked."""
+    if not (_is_c_array(arr, types.uint8, types.int8) and isinstance(idx, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _B64), align=1)
+
+    return i8x64(arr, idx), codegen
+
+
+@intrinsic
+def b64_bcast4(typingctx, arr, idx):
+    """Bytes ``idx .. idx + 3`` (flat) of a C-contiguous int8 array in each of the sixteen
+    32-bit lanes of an :data:`i8x64`: four activation quants for every row. Not bounds-checked."""
+    if not (_is_c_array(arr, types.int8) and isinstance(idx, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        one = ir.VectorType(_I32, 1)
+        word = builder.load(_vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], one), align=1)
+        return builder.bitcast(_splat(builder, builder.extract_element(word, _I32(0)), _I16L), _B64)
+
+    return i8x64(arr, idx), codegen
+
+
+@intrinsic
+def b64_low_nibbles(typingctx, v):
+    """``v & 15`` lane-wise: the low nibble of each byte."""
+    if v != i8x64:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.and_(args[0], ir.Constant(_B64, [15] * 64))
+
+    return i8x64(v), codegen
+
+
+@intrinsic
+def b64_high_nibbles(typingctx, v):
+    """``v >> 4`` lane-wise (logical): the high nibble of each byte."""
+    if v != i8x64:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.lshr(args[0], ir.Constant(_B64, [4] * 64))
+
+    return i8x64(v), codegen
+
+
+@intrinsic
+def b64_fifth_bits(typingctx, v, arr, idx):
+    """``v`` with 16 added to byte ``i`` where bit ``i`` of the little-endian 64-bit word at
+    bytes ``idx .. idx + 7`` of the C-contiguous uint8 array is set: Q5's fifth bits (a mask
+    register and a masked add or blend on AVX-512). Not bounds-checked."""
+    if not (v == i8x64 and _is_c_array(arr, types.uint8) and isinstance(idx, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        one = ir.VectorType(ir.IntType(64), 1)
+        word = builder.load(_vector_ptr(context, builder, sig.args[1], args[1], sig.args[2], args[2], one), align=1)
+        bits = builder.bitcast(builder.extract_element(word, _I32(0)), ir.VectorType(ir.IntType(1), 64))
+        return builder.or_(args[0], builder.select(bits, ir.Constant(_B64, [16] * 64), ir.Constant(_B64, [0] * 64)))
+
+    return i8x64(v, arr, idx), codegen
+
+
+@intrinsic
+def q16_zero(typingctx):
+    """Sixteen int32 zeros."""
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_I16L, None)
+
+    return i32x16(), codegen
+
+
+@intrinsic
+def q16_sum(typingctx, a, b):
+    """``a + b`` lane-wise (int32)."""
+    if not (a == i32x16 and b == i32x16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.add(args[0], args[1])
+
+    return i32x16(a, b), codegen
+
+
+def _dpbusd_intrinsic(small: bool):
+    """An intrinsic ``(acc, a, b) -> acc + sum_{i<4} a[4l + i] * b[4l + i]`` in each int32
+    lane ``l``, ``a`` unsigned and ``b`` signed bytes, exact (at most ``32 * 255 * 127`` a
+    block): AVX512-VNNI's ``vpdpbusd``; else AVX-VNNI's on each 256-bit half; else, for
+    ``small`` operands ``a < 128`` whose adjacent products cannot saturate an int16, AVX2's
+    ``vpmaddubsw`` then ``vpmaddwd`` by ones on each half (llama.cpp's
+    ``mul_sum_us8_pairs_float``); else generic IR."""
+    @intrinsic
+    def dpbusd(typingctx, acc, a, b):
+        if not (acc == i32x16 and a == i8x64 and b == i8x64):
+            return None
+
+        def codegen(context, builder, sig, args):
+            acc, a, b = args
+            if _has_avx512_vnni(context):
+                return _call(builder, "llvm.x86.avx512.vpdpbusd.512", _I16L, acc, builder.bitcast(a, _I16L),
+                             builder.bitcast(b, _I16L))
+            if _has_vnni(context) or (small and _has_avx2(context)):
+                halves = []
+                for h in (0, 32):
+                    ah = builder.shuffle_vector(a, a, _mask(range(h, h + 32)))
+                    bh = builder.shuffle_vector(b, b, _mask(range(h, h + 32)))
+                    if _has_vnni(context):
+                        halves.append(_call(builder, "llvm.x86.avx512.vpdpbusd.256", _I8, ir.Constant(_I8, None),
+                                            builder.bitcast(ah, _I8), builder.bitcast(bh, _I8)))
+                    else:
+                        p16 = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16, ah, bh)
+                        halves.append(_call(builder, "llvm.x86.avx2.pmadd.wd", _I8, p16, ir.Constant(_W16, [1] * 16)))
+                return builder.add(acc, builder.shuffle_vector(halves[0], halves[1], _mask(range(16))))
+            wide = ir.VectorType(ir.IntType(32), 64)
+            prod = builder.mul(builder.zext(a, wide), builder.sext(b, wide))
+            return builder.add(acc, _pairs(builder, _pairs(builder, prod, ir.VectorType(ir.IntType(32), 32)), _I16L))
+
+        return i32x16(acc, a, b), codegen
+
+    return dpbusd
+
+
+#: :func:`_dpbusd_intrinsic` for any unsigned bytes (Q8_0's ``q + 128``).
+q16_dpbusd = _dpbusd_intrinsic(False)
+#: :func:`_dpbusd_intrinsic` for bytes below 32 (the 4- and 5-bit quants).
+q16_dpbusd_small = _dpbusd_intrinsic(True)
+
+
+# ---------------------------------------------------------------------------------------
+# The layout.
+
+
+def interleave(w) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The interleaved planes of a :class:`GGUFWeight` ``w [N, K]`` of a type in
+    :data:`Q8_TYPES`, built at its first product and kept on ``w`` (dropped on pickle).
+
+    Returns:
+        ``(qr, hr, dr, mr)`` for ``G = ceil(N / 16)`` groups of rows (rows past ``N`` are
+        zeros) and ``nb = K / 32`` blocks: ``qr`` uint8 flat ``[G, nb, S, 16, 4]``, slice
+        ``s`` of group ``g``'s block ``b`` holding bytes ``4s .. 4s + 3`` of each of the
+        sixteen rows' quants (``S`` = 4 slices of nibble bytes, or 8 for Q8_0, whose bytes
+        are ``q + 128``); ``hr`` uint8 flat ``[G, nb, 4, 2, 8]`` (Q5_0/Q5_1, else empty):
+        per slice, the fifth bits of its low nibbles' quants, then of its high nibbles', as
+        64-bit little-endian masks (bit ``4r + c`` for row ``r``, byte ``c``); ``dr`` and
+        ``mr`` uint16 flat ``[G, nb, 16]``: the rows' f16 scales and (Q4_1, Q5_1) minimums,
+        ``mr`` empty for the others.
+    """
+    planes = w.__dict__.get("_x16")
+    if planes is None:
+        with _LOCK:
+            planes = w.__dict__.get("_x16")
+            if planes is None:
+                planes = w._x16 = _interleave(w.format, w.planes, w.shape[0])
+    return planes
+
+
+def _interleave(fmt: str, p: dict, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    groups = -(-n // GROUP)
+    pad = groups * GROUP - n
+
+    def padded(a):
+        return np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
+
+    nb = p["d"].shape[1]
+    qs = padded(p["qs"].view(np.uint8))
+    if fmt == "Q8_0":
+        qs = qs ^ np.uint8(0x80)  # q + 128 as an unsigned byte
+    slices = qs.shape[1] // nb // 4
+    qr = np.ascontiguousarray(qs.reshape(groups, GROUP, nb, slices, 4).transpose(0, 2, 3, 1, 4)).reshape(-1)
+
+    def lanes(a):
+        return np.ascontiguousarray(padded(a).reshape(groups, GROUP, nb).transpose(0, 2, 1)).reshape(-1)
+
+    hr = np.zeros(0, np.uint8)
+    if fmt in ("Q5_0", "Q5_1"):
+        bits = (padded(p["qh"])[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1  # [rows, nb, 32]
+        bits = bits.reshape(groups, GROUP, nb, 2, 4, 4)  # (low/high nibble, slice, byte)
+        bits = bits.transpose(0, 2, 4, 3, 1, 5).reshape(groups, nb, 4, 2, 64).astype(np.uint8)
+        hr = np.packbits(bits, axis=-1, bitorder="little").reshape(-1)
+    mr = lanes(p["m"]) if fmt in ("Q4_1", "Q5_1") else np.zeros(0, np.uint16)
+    return qr, hr, lanes(p["d"]), mr
+
+
+# ---------------------------------------------------------------------------------------
+# The kernels.
 
 
 @njit(inline="always")
-def _decode_bytes(kind, qs, qh, j, b):  # pragma: no cover - compiled
-    """Block ``b`` of row ``j``: its 32 quants as :data:`i8x32`, signed for Q8_0 (``q``),
-    Q4_0 (``q - 8``) and Q5_0 (``q - 16``), unsigned for Q4_1 and Q5_1 (``q``): the values
-    :func:`refengine.quant.numba_gguf._decode32` gives as float32."""
+def _group_isum(kind, qr, hr, blk, xq, xo):  # pragma: no cover - compiled
+    """Block ``blk`` (counted over groups and blocks) of a group: the sixteen rows' exact
+    int32 dots of their unsigned quant bytes with the activation quants ``xq[xo : xo + 32]``
+    (flat int8), in two interleaved chains (low and high nibbles, or even and odd slices)."""
+    i0 = q16_zero()
+    i1 = q16_zero()
     if kind == Q8_0:
-        return b32_load(qs, (_U(j) * _U(qs.shape[1] // 32) + _U(b)) * _U(32))
-    q = b32_nibbles(qs, (_U(j) * _U(qs.shape[1] // 16) + _U(b)) * _U(16))
-    if kind == Q5_0 or kind == Q5_1:
-        q = b32_high_bits(q, qh[j, b])
-    if kind == Q4_0:
-        q = b32_add(q, -8)
-    elif kind == Q5_0:
-        q = b32_add(q, -16)
-    return q
+        base = blk * _U(512)
+        for s in range(_U(0), _U(8), _U(2)):
+            i0 = q16_dpbusd(i0, b64_load(qr, base + s * _U(64)), b64_bcast4(xq, xo + s * _U(4)))
+            i1 = q16_dpbusd(i1, b64_load(qr, base + (s + _U(1)) * _U(64)), b64_bcast4(xq, xo + (s + _U(1)) * _U(4)))
+    else:
+        base = blk * _U(256)
+        for s in range(_U(4)):
+            v = b64_load(qr, base + s * _U(64))
+            lo, hi = b64_low_nibbles(v), b64_high_nibbles(v)
+            if kind == Q5_0 or kind == Q5_1:
+                h = blk * _U(64) + s * _U(16)
+                lo, hi = b64_fifth_bits(lo, hr, h), b64_fifth_bits(hi, hr, h + _U(8))
+            i0 = q16_dpbusd_small(i0, lo, b64_bcast4(xq, xo + s * _U(4)))
+            i1 = q16_dpbusd_small(i1, hi, b64_bcast4(xq, xo + _U(16) + s * _U(4)))
+    return q16_sum(i0, i1)
 
 
 @njit(inline="always")
-def _block_idot(kind, w, xq, xo, scale, acc):  # pragma: no cover - compiled
-    """One block: the integer dot of its quants ``w`` (:func:`_decode_bytes`) with
-    ``xq[xo : xo + 32]`` (flat int8), exact, converted once and added as
-    ``acc + scale * sum`` (eight float32 lanes)."""
-    x = b32_load(xq, xo)
-    p = b32_dot(w, x) if kind == Q4_1 or kind == Q5_1 else b32_dot_signed(w, x)
-    return f8_fma(f8_splat(scale), i8_to_f8(p), acc)
-
-
-@njit(inline="always")
-def _decode_pair(kind, qs, qh, j, b):  # pragma: no cover - compiled
-    """Blocks ``b`` and ``b + 1`` of row ``j`` as :data:`i8x64`: each block's quants as
-    :func:`_decode_bytes` gives them, the first in lanes 0-31."""
+def _block_step(kind, isum, qsum, dx, xsq, t, b, dr, mr, blk, acc, accm):  # pragma: no cover - compiled
+    """Block ``b`` of activation row ``t`` into that row's accumulators (the module
+    docstring's chain): the offset's correction in integers (``qsum[t, b]``, read for the
+    types with an offset only), then ``acc += float(isum) * (d_w * dx[t, b])`` and, with a
+    minimum, ``accm += m_w * xsq[t, b]``."""
     if kind == Q8_0:
-        return b64_load(qs, (_U(j) * _U(qs.shape[1] // 32) + _U(b)) * _U(32))
-    q = b64_nibbles(qs, (_U(j) * _U(qs.shape[1] // 16) + _U(b)) * _U(16))
-    if kind == Q5_0 or kind == Q5_1:
-        q = b64_high_bits(q, qh[j, b], qh[j, b + 1])
-    if kind == Q4_0:
-        q = b64_add(q, -8)
+        isum = q16_add(isum, -128 * qsum[t, b])
+    elif kind == Q4_0:
+        isum = q16_add(isum, -8 * qsum[t, b])
     elif kind == Q5_0:
-        q = b64_add(q, -16)
-    return q
+        isum = q16_add(isum, -16 * qsum[t, b])
+    scale = v16_mul(v16_load_f16(dr, blk * _U(16)), v16_splat(dx[t, b]))
+    acc = v16_fma(q16_to_f(isum), scale, acc)
+    if kind == Q4_1 or kind == Q5_1:
+        accm = v16_fma(v16_load_f16(mr, blk * _U(16)), v16_splat(xsq[t, b]), accm)
+    return acc, accm
 
 
 @njit(inline="always")
-def _pair_idot(kind, w, xq, xo, scale, acc):  # pragma: no cover - compiled
-    """Two blocks: the integer dots of their quants ``w`` (:func:`_decode_pair`) with
-    ``xq[xo : xo + 64]`` (flat int8), exact, converted once and added as ``acc + scale * sum``
-    (sixteen float32 lanes: 0-7 the first block's, with ``scale``'s lanes 0-7, 8-15 the second's)."""
-    x = b64_load(xq, xo)
-    p = b64_dot(w, x) if kind == Q4_1 or kind == Q5_1 else b64_dot_signed(w, x)
-    return v16_fma(scale, q16_to_f(p), acc)
+def _store_group(of, t, j, n, acc, accm, tmp):  # pragma: no cover - compiled
+    """``out[t, j : j + 16] = acc + accm`` (``of``: ``out [T, n]`` flat), only the columns
+    below ``n`` (a last, partial group through ``tmp``)."""
+    r = v16_add(acc, accm)
+    o = t * n + j
+    if j + _U(16) <= n:
+        v16_store(of, o, r)
+    else:
+        v16_store(tmp, 0, r)
+        for i in range(n - j):
+            of[o + i] = tmp[i]
 
 
 @njit(inline="always")
-def _last_block(kind, h, qs, qh, j, xq, xo, scale):  # pragma: no cover - compiled
-    """``h`` (eight lanes: a row's block pairs folded, :func:`v16_halves`) plus the odd last
-    block of row ``j`` with ``xq[xo : xo + 32]`` and ``scale`` (:func:`_block_idot`). Called
-    inside the callers' ``if odd`` itself: arrays passed into an inlined function that
-    branches at run time keep numba's reference counting (atomic ``NRT_incref``/``NRT_decref``
-    calls, measured at half the kernel's time) in the loop."""
-    nb = _U(qs.shape[1]) // _U(32) if kind == Q8_0 else _U(qs.shape[1]) // _U(16)
-    return _block_idot(kind, _decode_bytes(kind, qs, qh, j, nb - _U(1)), xq, xo, scale, h)
-
-
-@njit(inline="always")
-def _q8_rows(kind, xq, dx, dxe, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
-    """``out[:, j] = x̂ @ w[j]`` for ``j0 <= j < j1`` (the task of ``_q4_1_q8_linear`` ...;
-    ``kind`` a constant): ``xq``, ``dx``, ``xsq`` from :func:`quantize_q8_0`, ``dxe`` the
-    scales ``dx`` with each repeated eight times (``[T, K/4]``; more than one row only);
-    ``d``, ``m``, ``qh``, ``qs`` the weight planes as in
-    :func:`refengine.quant.numba_gguf._blocks32_rows`; ``out`` float32 ``[T, N]``;
-    ``scratch`` float32 ``[>= 2 * (CHUNK_ROWS * K/32 + 8)]``: the f16 scales (and minimums)
-    of :data:`CHUNK_ROWS` weight rows at a time (several activation rows), or that row's
-    ``dx`` with each repeated eight times (one row: the weight scales are converted in the
-    loop, :func:`v16_f16_pair`, and multiplied by it, the same products ``d_w * d_x`` the
-    multi-row path forms with ``dxe``).
-
-    Blocks go in pairs (:func:`_pair_idot`: one 64-byte integer dot, one conversion, one FMA
-    for both), a last odd block alone (:func:`_last_block`). One row (decode at batch 1): two
-    weight rows at a time (two FMA chains; one load of each activation pair for both), their
-    quants prefetched. More rows: blocks of input rows that stay in cache while the task's
-    weight rows pass, two weight rows at a time, in groups of four input rows (a 4 x 2 tile
-    of sixteen-lane accumulators: each activation pair read once for both weight rows,
-    each decoded weight pair used four times; a last group of 2-3 repeats its last row),
-    then one by one. Every output's sums are the same whichever
-    way it ran."""
+def _q8_groups(kind, xq, dx, xsq, qsum, qr, hr, dr, mr, out, g0, g1, tmp):  # pragma: no cover - compiled
+    """``out[:, 16 g : 16 g + 16] = x̂ @ w[16 g : 16 g + 16].T`` for the groups ``g0 <= g < g1``
+    (the task of ``_q4_1_q8_linear`` ...; ``kind`` a constant): ``xq, dx, xsq`` as
+    :func:`quantize_q8_0` gives them, ``qsum`` int32 ``[T, nb]`` the activation blocks' quant
+    sums (read for the types with an offset), ``qr, hr, dr, mr`` from :func:`interleave`,
+    ``tmp`` float32 ``[16]``. Input rows in blocks that stay in cache while the task's
+    groups pass; in a block, four rows at a time share each loaded slice (LLVM loads and
+    decodes it once for the four), then single rows."""
     rows, k = xq.shape
-    nb = _U(d.shape[1])
-    pairs = nb // _U(2) * _U(2)
-    odd = pairs < nb
-    last = (nb - _U(1)) * _U(32)  # the odd last block's first quant in a row
+    nb = _U(dx.shape[1])
+    n = _U(out.shape[1])
     kk = _U(k)
-    xqf, dxf, dxef, xsf = xq.reshape(-1), dx.reshape(-1), dxe.reshape(-1), xsq.reshape(-1)
-    half = _U(CHUNK_ROWS) * nb + _U(8)
-    sd, sm = scratch[:half], scratch[half:]
-    with_min = kind == Q4_1 or kind == Q5_1
-    if _U(rows) == _U(1):
-        # No scale pass: each pair's two f16 scales converted in the loop and multiplied by
-        # the activation scales, expanded to eight lanes each in the scratch once per task
-        # (the products d_w * d_x the chunk pass forms, so the same bits).
-        dxl = scratch[:nb * _U(8)]
-        for b in range(nb):
-            for i in range(_U(8)):
-                dxl[b * _U(8) + i] = dxf[b]
-        df, mf = d.reshape(-1), m.reshape(-1)
-        for j in range(_U(j0), _U(j1), _U(2)):
-            _prefetch_pair(kind, qs, qh, d, m, j)
-            so = _U(j) * nb
-            if j + _U(1) < _U(j1):
-                so1 = so + nb
-                a0 = a1 = v16_zero()
-                for b in range(_U(0), pairs, _U(2)):
-                    c = b * _U(32)
-                    dxp = v16_load(dxl, b * _U(8))
-                    a0 = _pair_idot(kind, _decode_pair(kind, qs, qh, j, b), xqf, c,
-                                    v16_mul(v16_f16_pair(df, so + b), dxp), a0)
-                    a1 = _pair_idot(kind, _decode_pair(kind, qs, qh, j + _U(1), b), xqf, c,
-                                    v16_mul(v16_f16_pair(df, so1 + b), dxp), a1)
-                h0, h1 = v16_halves(a0), v16_halves(a1)
-                if odd:
-                    lb = nb - _U(1)
-                    h1 = _last_block(kind, h1, qs, qh, j + _U(1), xqf, last, f16_to_f32(df[so1 + lb]) * dxf[lb])
-                    h0 = _last_block(kind, h0, qs, qh, j, xqf, last, f16_to_f32(df[so + lb]) * dxf[lb])
-                s1, s0 = f8_sum(h1), f8_sum(h0)
-                if with_min:
-                    s1 += _weighted_sum_f16(mf, so1, xsf, nb)
-                    s0 += _weighted_sum_f16(mf, so, xsf, nb)
-                out[0, j + _U(1)] = s1
-                out[0, j] = s0
-            else:
-                a0 = v16_zero()
-                for b in range(_U(0), pairs, _U(2)):
-                    a0 = _pair_idot(kind, _decode_pair(kind, qs, qh, j, b), xqf, b * _U(32),
-                                    v16_mul(v16_f16_pair(df, so + b), v16_load(dxl, b * _U(8))), a0)
-                h0 = v16_halves(a0)
-                if odd:
-                    lb = nb - _U(1)
-                    h0 = _last_block(kind, h0, qs, qh, j, xqf, last, f16_to_f32(df[so + lb]) * dxf[lb])
-                s0 = f8_sum(h0)
-                if with_min:
-                    s0 += _weighted_sum_f16(mf, so, xsf, nb)
-                out[0, j] = s0
-        return
-    x_block = x_block_rows(k // 2, 4)  # an int8 row and its repeated scales: half a float32 row
-    ke = kk // _U(4)  # dxe's row length
+    xqf, of = xq.reshape(-1), out.reshape(-1)
+    x_block = x_block_rows(k // 4, 4)  # int8 rows: a quarter of a float32 row
     for r0 in range(_U(0), _U(rows), x_block):
         r1 = min(r0 + x_block, _U(rows))
-        fours, last_row = _fours_end(r0, r1)
-        for j in range(_U(j0), _U(j1), _U(2)):  # weight rows in pairs (same chunk: j - j0 is even)
-            so = _chunk_scales(d, m, j, j0, j1, sd, sm, with_min, nb)
-            two = j + _U(1) < _U(j1)
-            jb = j + _U(1) if two else j  # a last odd weight row is computed twice, stored once
-            sob = so + nb if two else so
-            for t0 in range(r0, fours, _U(4)):
-                t1, t2, t3 = min(t0 + _U(1), last_row), min(t0 + _U(2), last_row), min(t0 + _U(3), last_row)
-                x0, x1, x2, x3 = t0 * kk, t1 * kk, t2 * kk, t3 * kk
-                e0, e1, e2, e3 = t0 * ke, t1 * ke, t2 * ke, t3 * ke
-                a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = v16_zero()
-                for b in range(_U(0), pairs, _U(2)):
-                    wa, wb = _decode_pair(kind, qs, qh, j, b), _decode_pair(kind, qs, qh, jb, b)
-                    sa, sb = v16_pair(sd[so + b], sd[so + b + _U(1)]), v16_pair(sd[sob + b], sd[sob + b + _U(1)])
-                    c, e = b * _U(32), b * _U(8)
-                    # each activation pair and its scales loaded once for both weight rows (LLVM merges the loads)
-                    d0, d1, d2, d3 = (v16_load(dxef, e0 + e), v16_load(dxef, e1 + e), v16_load(dxef, e2 + e),
-                                      v16_load(dxef, e3 + e))
-                    a0 = _pair_idot(kind, wa, xqf, x0 + c, v16_mul(sa, d0), a0)
-                    b0 = _pair_idot(kind, wb, xqf, x0 + c, v16_mul(sb, d0), b0)
-                    a1 = _pair_idot(kind, wa, xqf, x1 + c, v16_mul(sa, d1), a1)
-                    b1 = _pair_idot(kind, wb, xqf, x1 + c, v16_mul(sb, d1), b1)
-                    a2 = _pair_idot(kind, wa, xqf, x2 + c, v16_mul(sa, d2), a2)
-                    b2 = _pair_idot(kind, wb, xqf, x2 + c, v16_mul(sb, d2), b2)
-                    a3 = _pair_idot(kind, wa, xqf, x3 + c, v16_mul(sa, d3), a3)
-                    b3 = _pair_idot(kind, wb, xqf, x3 + c, v16_mul(sb, d3), b3)
-                ha0, ha1, ha2, ha3 = v16_halves(a0), v16_halves(a1), v16_halves(a2), v16_halves(a3)
-                hb0, hb1, hb2, hb3 = v16_halves(b0), v16_halves(b1), v16_halves(b2), v16_halves(b3)
-                if odd:
-                    lb = nb - _U(1)
-                    da, db = sd[so + lb], sd[sob + lb]
-                    ha0 = _last_block(kind, ha0, qs, qh, j, xqf, x0 + last, da * dxf[t0 * nb + lb])
-                    ha1 = _last_block(kind, ha1, qs, qh, j, xqf, x1 + last, da * dxf[t1 * nb + lb])
-                    ha2 = _last_block(kind, ha2, qs, qh, j, xqf, x2 + last, da * dxf[t2 * nb + lb])
-                    ha3 = _last_block(kind, ha3, qs, qh, j, xqf, x3 + last, da * dxf[t3 * nb + lb])
-                    hb0 = _last_block(kind, hb0, qs, qh, jb, xqf, x0 + last, db * dxf[t0 * nb + lb])
-                    hb1 = _last_block(kind, hb1, qs, qh, jb, xqf, x1 + last, db * dxf[t1 * nb + lb])
-                    hb2 = _last_block(kind, hb2, qs, qh, jb, xqf, x2 + last, db * dxf[t2 * nb + lb])
-                    hb3 = _last_block(kind, hb3, qs, qh, jb, xqf, x3 + last, db * dxf[t3 * nb + lb])
-                if two:
-                    _store_row(out, t3, jb, f8_sum(hb3), with_min, sm, sob, xsf, nb)
-                    _store_row(out, t2, jb, f8_sum(hb2), with_min, sm, sob, xsf, nb)
-                    _store_row(out, t1, jb, f8_sum(hb1), with_min, sm, sob, xsf, nb)
-                    _store_row(out, t0, jb, f8_sum(hb0), with_min, sm, sob, xsf, nb)
-                _store_row(out, t3, j, f8_sum(ha3), with_min, sm, so, xsf, nb)
-                _store_row(out, t2, j, f8_sum(ha2), with_min, sm, so, xsf, nb)
-                _store_row(out, t1, j, f8_sum(ha1), with_min, sm, so, xsf, nb)
-                _store_row(out, t0, j, f8_sum(ha0), with_min, sm, so, xsf, nb)
+        fours = r0 + (r1 - r0) // _U(4) * _U(4)
+        for g in range(_U(g0), _U(g1)):
+            j = g * _U(16)
+            for t in range(r0, fours, _U(4)):
+                t1, t2, t3 = t + _U(1), t + _U(2), t + _U(3)
+                a0 = a1 = a2 = a3 = m0 = m1 = m2 = m3 = v16_zero()
+                for b in range(nb):
+                    blk, c = g * nb + b, t * kk + b * _U(32)
+                    i0 = _group_isum(kind, qr, hr, blk, xqf, c)
+                    i1 = _group_isum(kind, qr, hr, blk, xqf, c + kk)
+                    i2 = _group_isum(kind, qr, hr, blk, xqf, c + _U(2) * kk)
+                    i3 = _group_isum(kind, qr, hr, blk, xqf, c + _U(3) * kk)
+                    a0, m0 = _block_step(kind, i0, qsum, dx, xsq, t, b, dr, mr, blk, a0, m0)
+                    a1, m1 = _block_step(kind, i1, qsum, dx, xsq, t1, b, dr, mr, blk, a1, m1)
+                    a2, m2 = _block_step(kind, i2, qsum, dx, xsq, t2, b, dr, mr, blk, a2, m2)
+                    a3, m3 = _block_step(kind, i3, qsum, dx, xsq, t3, b, dr, mr, blk, a3, m3)
+                _store_group(of, t, j, n, a0, m0, tmp)
+                _store_group(of, t1, j, n, a1, m1, tmp)
+                _store_group(of, t2, j, n, a2, m2, tmp)
+                _store_group(of, t3, j, n, a3, m3, tmp)
             for t in range(fours, r1):
-                for jj in range(j, jb + _U(1)):
-                    sj = so + (jj - j) * nb
-                    a0 = v16_zero()
-                    for b in range(_U(0), pairs, _U(2)):
-                        ws = v16_pair(sd[sj + b], sd[sj + b + _U(1)])
-                        a0 = _pair_idot(kind, _decode_pair(kind, qs, qh, jj, b), xqf, t * kk + b * _U(32),
-                                        v16_mul(ws, v16_load(dxef, t * ke + b * _U(8))), a0)
-                    h0 = v16_halves(a0)
-                    if odd:
-                        h0 = _last_block(kind, h0, qs, qh, jj, xqf, t * kk + last,
-                                         sd[sj + nb - _U(1)] * dxf[t * nb + nb - _U(1)])
-                    _store_row(out, t, jj, f8_sum(h0), with_min, sm, sj, xsf, nb)
+                a0 = m0 = v16_zero()
+                for b in range(nb):
+                    blk = g * nb + b
+                    i0 = _group_isum(kind, qr, hr, blk, xqf, t * kk + b * _U(32))
+                    a0, m0 = _block_step(kind, i0, qsum, dx, xsq, t, b, dr, mr, blk, a0, m0)
+                _store_group(of, t, j, n, a0, m0, tmp)
 
 
 # One compiled version per type (the type a constant, so its branches fold away): task, parallel loop.
 
 
 @njit(cache=True)
-def _q8_0_q8_rows(xq, dx, dxe, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
-    """:func:`_q8_rows` for Q8_0 weights."""
-    _q8_rows(Q8_0, xq, dx, dxe, xsq, d, m, qh, qs, out, j0, j1, scratch)
+def _q8_0_q8_groups(xq, dx, xsq, qsum, qr, hr, dr, mr, out, g0, g1, tmp):  # pragma: no cover - compiled
+    """:func:`_q8_groups` for Q8_0 weights."""
+    _q8_groups(Q8_0, xq, dx, xsq, qsum, qr, hr, dr, mr, out, g0, g1, tmp)
 
 
 @parallel_kernel()
-def _q8_0_q8_linear(xq, dx, dxe, xsq, d, m, qh, qs, out, block, scratch):  # pragma: no cover - compiled
-    """Q8_0 weights: ``out [T, N]`` in tasks of ``block`` output rows (task ``i`` uses ``scratch[i]``)."""
-    n = out.shape[1]
-    for blk in prange((n + block - 1) // block):
-        _q8_0_q8_rows(xq, dx, dxe, xsq, d, m, qh, qs, out, blk * block, min(blk * block + block, n), scratch[blk])
+def _q8_0_q8_linear(xq, dx, xsq, qsum, qr, hr, dr, mr, out, block, tmp):  # pragma: no cover - compiled
+    """Q8_0 weights: ``out [T, N]`` in tasks of ``block`` groups of rows (task ``i`` uses ``tmp[i]``)."""
+    groups = (out.shape[1] + 15) // 16
+    for i in prange((groups + block - 1) // block):
+        _q8_0_q8_groups(xq, dx, xsq, qsum, qr, hr, dr, mr, out, i * block, min(i * block + block, groups), tmp[i])
 
 
 @njit(cache=True)
-def _q4_0_q8_rows(xq, dx, dxe, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
-    """:func:`_q8_rows` for Q4_0 weights."""
-    _q8_rows(Q4_0, xq, dx, dxe, xsq, d, m, qh, qs, out, j0, j1, scratch)
+def _q4_0_q8_groups(xq, dx, xsq, qsum, qr, hr, dr, mr, out, g0, g1, tmp):  # pragma: no cover - compiled
+    """:func:`_q8_groups` for Q4_0 weights."""
+    _q8_groups(Q4_0, xq, dx, xsq, qsum, qr, hr, dr, mr, out, g0, g1, tmp)
 
 
 @parallel_kernel()
-def _q4_0_q8_linear(xq, dx, dxe, xsq, d, m, qh, qs, out, block, scratch):  # pragma: no cover - compiled
-    """Q4_0 weights: ``out [T, N]`` in tasks of ``block`` output rows (task ``i`` uses ``scratch[i]``)."""
-    n = out.shape[1]
-    for blk in prange((n + block - 1) // block):
-        _q4_0_q8_rows(xq, dx, dxe, xsq, d, m, qh, qs, out, blk * block, min(blk * block + block, n), scratch[blk])
+def _q4_0_q8_linear(xq, dx, xsq, qsum, qr, hr, dr, mr, out, block, tmp):  # pragma: no cover - compiled
+    """Q4_0 weights: ``out [T, N]`` in tasks of ``block`` groups of rows (task ``i`` uses ``tmp[i]``)."""
+    groups = (out.shape[1] + 15) // 16
+    for i in prange((groups + block - 1) // block):
+        _q4_0_q8_groups(xq, dx, xsq, qsum, qr, hr, dr, mr, out, i * block, min(i * block + block, groups), tmp[i])
 
 
 @njit(cache=True)
-def _q4_1_q8_rows(xq, dx, dxe, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
-    """:func:`_q8_rows` for Q4_1 weights."""
-    _q8_rows(Q4_1, xq, dx, dxe, xsq, d, m, qh, qs, out, j0, j1, scratch)
+def _q4_1_q8_groups(xq, dx, xsq, qsum, qr, hr, dr, mr, out, g0, g1, tmp):  # pragma: no cover - compiled
+    """:func:`_q8_groups` for Q4_1 weights."""
+    _q8_groups(Q4_1, xq, dx, xsq, qsum, qr, hr, dr, mr, out, g0, g1, tmp)
 
 
 @parallel_kernel()
-def _q4_1_q8_linear(xq, dx, dxe, xsq, d, m, qh, qs, out, block, scratch):  # pragma: no cover - compiled
-    """Q4_1 weights: ``out [T, N]`` in tasks of ``block`` output rows (task ``i`` uses ``scratch[i]``)."""
-    n = out.shape[1]
-    for blk in prange((n + block - 1) // block):
-        _q4_1_q8_rows(xq, dx, dxe, xsq, d, m, qh, qs, out, blk * block, min(blk * block + block, n), scratch[blk])
+def _q4_1_q8_linear(xq, dx, xsq, qsum, qr, hr, dr, mr, out, block, tmp):  # pragma: no cover - compiled
+    """Q4_1 weights: ``out [T, N]`` in tasks of ``block`` groups of rows (task ``i`` uses ``tmp[i]``)."""
+    groups = (out.shape[1] + 15) // 16
+    for i in prange((groups + block - 1) // block):
+        _q4_1_q8_groups(xq, dx, xsq, qsum, qr, hr, dr, mr, out, i * block, min(i * block + block, groups), tmp[i])
 
 
 @njit(cache=True)
-def _q5_0_q8_rows(xq, dx, dxe, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
-    """:func:`_q8_rows` for Q5_0 weights."""
-    _q8_rows(Q5_0, xq, dx, dxe, xsq, d, m, qh, qs, out, j0, j1, scratch)
+def _q5_0_q8_groups(xq, dx, xsq, qsum, qr, hr, dr, mr, out, g0, g1, tmp):  # pragma: no cover - compiled
+    """:func:`_q8_groups` for Q5_0 weights."""
+    _q8_groups(Q5_0, xq, dx, xsq, qsum, qr, hr, dr, mr, out, g0, g1, tmp)
 
 
 @parallel_kernel()
-def _q5_0_q8_linear(xq, dx, dxe, xsq, d, m, qh, qs, out, block, scratch):  # pragma: no cover - compiled
-    """Q5_0 weights: ``out [T, N]`` in tasks of ``block`` output rows (task ``i`` uses ``scratch[i]``)."""
-    n = out.shape[1]
-    for blk in prange((n + block - 1) // block):
-        _q5_0_q8_rows(xq, dx, dxe, xsq, d, m, qh, qs, out, blk * block, min(blk * block + block, n), scratch[blk])
+def _q5_0_q8_linear(xq, dx, xsq, qsum, qr, hr, dr, mr, out, block, tmp):  # pragma: no cover - compiled
+    """Q5_0 weights: ``out [T, N]`` in tasks of ``block`` groups of rows (task ``i`` uses ``tmp[i]``)."""
+    groups = (out.shape[1] + 15) // 16
+    for i in prange((groups + block - 1) // block):
+        _q5_0_q8_groups(xq, dx, xsq, qsum, qr, hr, dr, mr, out, i * block, min(i * block + block, groups), tmp[i])
 
 
 @njit(cache=True)
-def _q5_1_q8_rows(xq, dx, dxe, xsq, d, m, qh, qs, out, j0, j1, scratch):  # pragma: no cover - compiled
-    """:func:`_q8_rows` for Q5_1 weights."""
-    _q8_rows(Q5_1, xq, dx, dxe, xsq, d, m, qh, qs, out, j0, j1, scratch)
+def _q5_1_q8_groups(xq, dx, xsq, qsum, qr, hr, dr, mr, out, g0, g1, tmp):  # pragma: no cover - compiled
+    """:func:`_q8_groups` for Q5_1 weights."""
+    _q8_groups(Q5_1, xq, dx, xsq, qsum, qr, hr, dr, mr, out, g0, g1, tmp)
 
 
 @parallel_kernel()
-def _q5_1_q8_linear(xq, dx, dxe, xsq, d, m, qh, qs, out, block, scratch):  # pragma: no cover - compiled
-    """Q5_1 weights: ``out [T, N]`` in tasks of ``block`` output rows (task ``i`` uses ``scratch[i]``)."""
-    n = out.shape[1]
-    for blk in prange((n + block - 1) // block):
-        _q5_1_q8_rows(xq, dx, dxe, xsq, d, m, qh, qs, out, blk * block, min(blk * block + block, n), scratch[blk])
+def _q5_1_q8_linear(xq, dx, xsq, qsum, qr, hr, dr, mr, out, block, tmp):  # pragma: no cover - compiled
+    """Q5_1 weights: ``out [T, N]`` in tasks of ``block`` groups of rows (task ``i`` uses ``tmp[i]``)."""
+    groups = (out.shape[1] + 15) // 16
+    for i in prange((groups + block - 1) // block):
+        _q5_1_q8_groups(xq, dx, xsq, qsum, qr, hr, dr, mr, out, i * block, min(i * block + block, groups), tmp[i])
 
 
 _KERNELS = {"Q8_0": _q8_0_q8_linear, "Q4_0": _q4_0_q8_linear, "Q4_1": _q4_1_q8_linear,
             "Q5_0": _q5_0_q8_linear, "Q5_1": _q5_1_q8_linear}
+
+
+@njit(cache=True)
+def _block_qsums(xq, out):  # pragma: no cover - compiled
+    """``out[t, b] = sum(xq[t, 32 b : 32 b + 32])``: the activation blocks' int8 quant sums,
+    int32 (the offset corrections)."""
+    rows, nb = out.shape
+    for t in range(rows):
+        for b in range(nb):
+            s = 0
+            for i in range(32 * b, 32 * b + 32):
+                s += xq[t, i]
+            out[t, b] = s
 
 
 def q8_linear(x: np.ndarray, w) -> np.ndarray:
@@ -793,24 +657,31 @@ def q8_linear(x: np.ndarray, w) -> np.ndarray:
     out = np.empty((rows, n), dtype=np.float32)
     if rows == 0 or n == 0:
         return out
-    kernel, planes, block, scratch, xq, dx, xsq = numba_gguf.product_plan(w, "q8", _q8_plan)
-    if rows == 1:  # into the plan's buffers; the one-row kernel spreads the scales to lanes itself
+    kernel, block, tmp, xq, dx, xsq, qsum = numba_gguf.product_plan(w, "q8", _q8_plan)
+    if rows == 1:  # into the plan's buffers
         _quantize_task(x, xq, dx, xsq, 0, 1)
-        dxe = dx
     else:
         xq, dx, xsq = quantize_q8_0(x)
-        dxe = np.repeat(dx, 8, axis=1)  # a block's scale in each of its eight lanes
-    kernel(xq, dx, dxe, xsq, *planes, out, block, scratch)
+        qsum = np.empty(dx.shape, np.int32)
+    if _OFFSET[w.format]:
+        _block_qsums(xq, qsum)
+    kernel(xq, dx, xsq, qsum, *interleave(w), out, block, tmp)
     return out
 
 
 def _q8_plan(w, threads: int) -> tuple:
-    """:func:`refengine.quant.numba_gguf.product_plan` builder of :func:`q8_linear`:
-    :func:`refengine.quant.numba_gguf.plan_arguments` and ``xq`` int8 ``[1, in]``, ``dx`` and
-    ``xsq`` float32 ``[1, in/32]``, a one-row input's :func:`quantize_q8_0` buffers."""
+    """:func:`refengine.quant.numba_gguf.product_plan` builder of :func:`q8_linear`: the
+    kernel (its parallel twin from two threads), groups of rows per task (about four tasks
+    per thread), a float32 ``[16]`` scratch per task, and a one-row input's buffers:
+    :func:`quantize_q8_0`'s ``xq`` int8 ``[1, in]``, ``dx`` and ``xsq`` float32 ``[1, in/32]``,
+    and the block sums, int32 ``[1, in/32]``."""
+    groups = -(-w.shape[0] // GROUP)
+    block = max(1, -(-groups // (4 * threads)))
+    pair = _KERNELS[w.format]
     k = w.shape[1]
-    return (*numba_gguf.plan_arguments(w, _KERNELS[w.format], threads), np.empty((1, k), dtype=np.int8),
-            np.empty((1, k // 32), dtype=np.float32), np.empty((1, k // 32), dtype=np.float32))
+    return (pair.parallel if threads > 1 else pair.serial, block,
+            np.empty((-(-groups // block), GROUP), np.float32), np.empty((1, k), np.int8),
+            np.empty((1, k // 32), np.float32), np.empty((1, k // 32), np.float32), np.empty((1, k // 32), np.int32))
 
 
 def linear(x: np.ndarray, w, *, batch_invariant: bool = False) -> np.ndarray:
