@@ -163,6 +163,10 @@ def build_model(config, dequantize_gguf: bool, partition=None):
                        dequantize_gguf=dequantize_gguf, quantization=config.quantization,
                        max_model_len=config.max_model_len, partition=partition)
     close_gguf_files()  # the blocks are copied out: the file's memory map is no longer needed
+    if config.device == "cpu" and config.activation_dtype == "q8_0":
+        from refengine.quant.numba_q8 import interleave_model
+
+        interleave_model(model)  # their products read only the interleaved copies: one copy each in memory
     if config.device == "cpu" and hasattr(attention, "use_blas_prefill") and not layer_products_use_blas(model):
         # Every product runs in numba's kernels (Q8_0 activations): a chunk's BLAS attention
         # would make its step a BLAS step, and numba's threads would sit out the products

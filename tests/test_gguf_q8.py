@@ -259,6 +259,9 @@ def test_engine_with_q8_activations(gguf_path):
         llm = LLM(model=str(gguf_path), activation_dtype=act, max_model_len=256, enable_prefix_caching=False)
         texts[act] = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
     assert texts["q8_0"] == texts["auto"]
+    model = llm.llm_engine.model  # the q8_0 engine: one copy of each matrix, the interleaved one
+    assert model.lm_head is model.embed and model.embed._planes is None
+    assert all(w._planes is None for w in (model.layers[0].o, model.layers[-1].down))
 
     def prompt_logprobs(**kw):
         llm = LLM(model=str(gguf_path), activation_dtype="q8_0", max_model_len=256, enable_prefix_caching=False, **kw)
@@ -347,3 +350,34 @@ def test_integer_dots_exact_on_every_code_path(monkeypatch, path):
     xi = x.astype(np.int64)[:, None, :]
     assert np.array_equal(out, (2 * (w.astype(np.int64) * xi).sum(-1)).astype(np.float32))
     assert np.array_equal(out_small, (2 * (ws.astype(np.int64) * xi).sum(-1)).astype(np.float32))
+
+
+@pytest.mark.parametrize("name", Q8_TYPES)
+def test_interleaved_copy_alone_gives_the_planes_back(name):
+    """A weight that keeps only its interleaved copy (``interleave(w, keep_row_major=False)``):
+    its planes, row lookups, dequantization and pickle are those of the row-major weight,
+    its products the same bits, and it holds one copy."""
+    import pickle
+
+    from refengine.quant import numba_q8
+
+    rng = np.random.default_rng(31)
+    n, k = 37, 96
+    raw = random_raw(name, n, k, rng)
+    want = GGUFWeight.from_raw(name, raw, (n, k))
+    w = GGUFWeight.from_raw(name, raw, (n, k))
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    product = bits(q8_linear(x, w))
+    row_major = want.nbytes
+    numba_q8.interleave(w, keep_row_major=False)
+    assert w._planes is None and row_major <= w.nbytes <= row_major * 48 // 37 + 1  # 48 rows: three groups
+    for key, plane in want.planes.items():
+        assert np.array_equal(w.planes[key], plane) and w.planes[key].dtype == plane.dtype, key
+    rows = np.array([36, 0, 17, -1, 16])
+    assert np.array_equal(bits(w.select_rows(rows)), bits(want.select_rows(rows)))
+    assert np.array_equal(bits(w.dequantize(3, 20)), bits(want.dequantize(3, 20)))
+    assert np.array_equal(bits(q8_linear(x, w)), product)
+    copy = pickle.loads(pickle.dumps(w))
+    assert "_x16" not in vars(copy) and all(np.array_equal(copy.planes[key], p) for key, p in want.planes.items())
+    with pytest.raises(IndexError):
+        w.select_rows(np.array([37]))

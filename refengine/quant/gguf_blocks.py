@@ -152,14 +152,14 @@ class GGUFWeight(QuantizedWeight):
         nb = cols // self.block_size
         if set(planes) != {f[0] for f in fields}:
             raise ValueError(f"{self.format} planes must be {[f[0] for f in fields]}, got {sorted(planes)}")
-        self.planes = {}
+        self._planes = {}
         for name, _offset, size, dtype in fields:
             plane = planes[name]
             want = (rows, nb * size // np.dtype(dtype).itemsize)
             if plane.dtype != np.dtype(dtype).newbyteorder("=") or plane.shape != want:
                 raise ValueError(f"{self.format} plane {name!r} must be {np.dtype(dtype).name} {want}, "
                                  f"got {plane.dtype.name} {plane.shape}")
-            self.planes[name] = np.ascontiguousarray(plane)
+            self._planes[name] = np.ascontiguousarray(plane)
 
     @classmethod
     def from_raw(cls, qtype, data: np.ndarray, shape: Sequence[int] | None = None) -> "GGUFWeight":
@@ -221,8 +221,31 @@ class GGUFWeight(QuantizedWeight):
     # bytes
 
     @property
+    def planes(self) -> dict[str, np.ndarray]:
+        """The fields' arrays (the class docstring). A weight whose products run on its
+        interleaved copy alone (:meth:`drop_planes`) rebuilds them on each access, from
+        that copy (:func:`refengine.quant.numba_q8.row_major_planes`)."""
+        if self._planes is None:
+            return _kernels("numba_q8").row_major_planes(self)
+        return self._planes
+
+    def drop_planes(self) -> None:
+        """Keep only the interleaved copy of the quants (built first,
+        :func:`refengine.quant.numba_q8.interleave`): one copy of the matrix in memory.
+
+        Raises:
+            ValueError: no interleaved copy yet.
+        """
+        if "_x16" not in self.__dict__:
+            raise ValueError(f"{self.format} weight {self.shape} has no interleaved copy to keep")
+        self._planes = None
+
+    @property
     def nbytes(self) -> int:
-        """Bytes held (and read by the product): the file's ``rows * bytes_per_row``."""
+        """Bytes held: the file's ``rows * bytes_per_row`` (the interleaved copy's, padding
+        rows included, once the planes are dropped)."""
+        if self._planes is None:
+            return sum(int(p.nbytes) for p in self._x16)
         return sum(int(p.nbytes) for p in self.planes.values())
 
     @property
@@ -300,6 +323,8 @@ class GGUFWeight(QuantizedWeight):
             IndexError: an index outside ``[-rows, rows)``.
         """
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        if self._planes is None:
+            return self._decode(_kernels("numba_q8").row_major_planes(self, rows))
         return self._decode({k: p[rows] for k, p in self.planes.items()})
 
     def _decode(self, planes: dict[str, np.ndarray]) -> np.ndarray:
@@ -335,8 +360,11 @@ class GGUFWeight(QuantizedWeight):
     def __getstate__(self) -> dict:
         """Pickled without the kernels' product plans (compiled functions and scratch kept on
         the weight by :func:`refengine.quant.numba_gguf.product_plan`) and interleaved planes
-        (:func:`refengine.quant.numba_q8.interleave`), rebuilt at first use."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("_plans", "_x16")}
+        (:func:`refengine.quant.numba_q8.interleave`), rebuilt at first use; with the
+        row-major planes, rebuilt first where only the interleaved copy was kept."""
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_plans", "_x16")}
+        state["_planes"] = self.planes  # rebuilt where only the interleaved copy was kept
+        return state
 
 
 # -------------------------------------------------------------------------------------

@@ -392,9 +392,12 @@ q16_dpbusd_small = _dpbusd_intrinsic(True)
 # The layout.
 
 
-def interleave(w) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def interleave(w, *, keep_row_major: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The interleaved planes of a :class:`GGUFWeight` ``w [N, K]`` of a type in
     :data:`Q8_TYPES`, built at its first product and kept on ``w`` (dropped on pickle).
+    ``keep_row_major=False`` then drops ``w``'s own planes, which :func:`row_major_planes`
+    rebuilds where something still reads them (:func:`interleave_model`: an engine whose
+    products all run here keeps one copy of each matrix, not two).
 
     Returns:
         ``(qr, hr, dr, mr)`` for ``G = ceil(N / 16)`` groups of rows (rows past ``N`` are
@@ -413,7 +416,60 @@ def interleave(w) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
             planes = w.__dict__.get("_x16")
             if planes is None:
                 planes = w._x16 = _interleave(w.format, w.planes, w.shape[0])
+    if not keep_row_major:
+        w.drop_planes()
     return planes
+
+
+def row_major_planes(w, rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """``w``'s planes (:class:`GGUFWeight`'s row-major layout) rebuilt from its interleaved
+    ones, for the rows ``rows`` (int ``[n]``; None: all): the inverse of :func:`interleave`.
+
+    Raises:
+        IndexError: a row outside ``[-N, N)``.
+    """
+    qr, hr, dr, mr = w.__dict__["_x16"]
+    n, nb = w.shape[0], w.shape[1] // 32
+    rows = np.arange(n) if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
+    if rows.size and (rows.min() < -n or rows.max() >= n):
+        raise IndexError(f"rows outside [-{n}, {n}) of a {w.format} weight {w.shape}")
+    rows = rows % max(n, 1)
+    g, lane = rows // GROUP, rows % GROUP
+    groups = -(-n // GROUP)
+    slices = GROUP_BLOCK_BYTES[w.format] // 64
+    qs = qr.reshape(groups, nb, slices, GROUP, 4)[g, :, :, lane, :].reshape(rows.size, nb * slices * 4)
+    out = {"d": dr.reshape(groups, nb, GROUP)[g, :, lane]}
+    if w.format == "Q8_0":
+        qs = (qs ^ np.uint8(0x80)).view(np.int8)
+    if mr.size:
+        out["m"] = mr.reshape(groups, nb, GROUP)[g, :, lane]
+    if hr.size:
+        bits = np.unpackbits(hr.reshape(groups, nb, 4, 2, 8), axis=-1, bitorder="little")
+        bits = bits.reshape(groups, nb, 4, 2, GROUP, 4)[g, :, :, :, lane, :]  # [n, nb, slice, half, byte]
+        weight = bits.transpose(0, 1, 3, 2, 4).reshape(rows.size, nb, 32).astype(np.uint32)  # bit 16h + 4s + c
+        out["qh"] = (weight << np.arange(32, dtype=np.uint32)).sum(axis=-1, dtype=np.uint32)
+    out["qs"] = qs
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def interleave_model(model) -> int:
+    """Interleave every matrix of ``model`` (the decoder layers' and the ``lm_head``, parts of
+    stacked ones included) whose type has a kernel here, dropping its row-major planes: for
+    an engine with ``activation_dtype="q8_0"``, whose products of these types all run here
+    (a tied embedding's lookups read the interleaved rows, :func:`row_major_planes`).
+    Returns how many it interleaved."""
+    from refengine.quant import StackedWeight
+    from refengine.quant.gguf_blocks import GGUFWeight
+
+    values = [value for layer in getattr(model, "layers", ()) for value in vars(layer).values()]
+    values.append(getattr(model, "lm_head", None))
+    done = set()
+    for value in values:
+        for w in value.parts if isinstance(value, StackedWeight) else [value]:
+            if isinstance(w, GGUFWeight) and w.format in Q8_TYPES and id(w) not in done:
+                interleave(w, keep_row_major=False)
+                done.add(id(w))
+    return len(done)
 
 
 def _interleave(fmt: str, p: dict, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
