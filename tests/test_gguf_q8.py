@@ -352,25 +352,29 @@ def test_integer_dots_exact_on_every_code_path(monkeypatch, path):
     assert np.array_equal(out_small, (2 * (ws.astype(np.int64) * xi).sum(-1)).astype(np.float32))
 
 
+@pytest.mark.parametrize("n", [37, 48])
 @pytest.mark.parametrize("name", Q8_TYPES)
-def test_interleaved_copy_alone_gives_the_planes_back(name):
-    """A weight that keeps only its interleaved copy (``interleave(w, keep_row_major=False)``):
-    its planes, row lookups, dequantization and pickle are those of the row-major weight,
-    its products the same bits, and it holds one copy."""
+def test_interleaved_copy_alone_gives_the_planes_back(name, n):
+    """A weight that keeps only its interleaved copy (``interleave(w, keep_row_major=False)``,
+    written over its own buffers where the rows fill whole groups): its planes, row lookups,
+    dequantization and pickle are those of the row-major weight, its products the same
+    bits, and it holds one copy."""
     import pickle
 
     from refengine.quant import numba_q8
 
     rng = np.random.default_rng(31)
-    n, k = 37, 96
+    k = 96
     raw = random_raw(name, n, k, rng)
     want = GGUFWeight.from_raw(name, raw, (n, k))
     w = GGUFWeight.from_raw(name, raw, (n, k))
     x = rng.standard_normal((3, k)).astype(np.float32)
-    product = bits(q8_linear(x, w))
+    product = bits(q8_linear(x, want))  # not w's: its interleaving comes below
     row_major = want.nbytes
+    qs = w.planes["qs"]
     numba_q8.interleave(w, keep_row_major=False)
-    assert w._planes is None and row_major <= w.nbytes <= row_major * 48 // 37 + 1  # 48 rows: three groups
+    assert w._planes is None and row_major <= w.nbytes <= row_major * 48 // n + 1  # 48 rows: three groups
+    assert np.shares_memory(w._x16[0], qs) == (n % 16 == 0)
     for key, plane in want.planes.items():
         assert np.array_equal(w.planes[key], plane) and w.planes[key].dtype == plane.dtype, key
     rows = np.array([36, 0, 17, -1, 16])
@@ -380,4 +384,4 @@ def test_interleaved_copy_alone_gives_the_planes_back(name):
     copy = pickle.loads(pickle.dumps(w))
     assert "_x16" not in vars(copy) and all(np.array_equal(copy.planes[key], p) for key, p in want.planes.items())
     with pytest.raises(IndexError):
-        w.select_rows(np.array([37]))
+        w.select_rows(np.array([n]))

@@ -397,7 +397,9 @@ def interleave(w, *, keep_row_major: bool = True) -> tuple[np.ndarray, np.ndarra
     :data:`Q8_TYPES`, built at its first product and kept on ``w`` (dropped on pickle).
     ``keep_row_major=False`` then drops ``w``'s own planes, which :func:`row_major_planes`
     rebuilds where something still reads them (:func:`interleave_model`: an engine whose
-    products all run here keeps one copy of each matrix, not two).
+    products all run here keeps one copy of each matrix, not two); the interleaved planes
+    are then written over the row-major ones' buffers where the row count allows (a
+    multiple of 16), so ``w`` must own them (not share them with another weight).
 
     Returns:
         ``(qr, hr, dr, mr)`` for ``G = ceil(N / 16)`` groups of rows (rows past ``N`` are
@@ -415,7 +417,8 @@ def interleave(w, *, keep_row_major: bool = True) -> tuple[np.ndarray, np.ndarra
         with _LOCK:
             planes = w.__dict__.get("_x16")
             if planes is None:
-                planes = w._x16 = _interleave(w.format, w.planes, w.shape[0])
+                planes = _interleave(w.format, w.planes, w.shape[0], in_place=not keep_row_major)
+                w._x16 = planes
     if not keep_row_major:
         w.drop_planes()
     return planes
@@ -472,31 +475,50 @@ def interleave_model(model) -> int:
     return len(done)
 
 
-def _interleave(fmt: str, p: dict, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+#: Groups of rows interleaved at a time (bounds the temporaries: a few MB at most).
+_CHUNK_GROUPS = 256
+
+
+def _interleave(fmt: str, p: dict, n: int, in_place: bool = False) -> tuple[np.ndarray, ...]:
+    """:func:`interleave`'s planes from the row-major planes ``p`` of ``n`` rows, a chunk of
+    groups at a time. ``in_place`` (with ``n`` a multiple of 16): written over ``p``'s own
+    buffers (a group's rows are one contiguous region in both layouts), which no longer
+    hold the row-major planes after."""
     groups = -(-n // GROUP)
-    pad = groups * GROUP - n
-
-    def padded(a):
-        return np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
-
     nb = p["d"].shape[1]
-    qs = padded(p["qs"].view(np.uint8))
-    if fmt == "Q8_0":
-        qs = qs ^ np.uint8(0x80)  # q + 128 as an unsigned byte
+    qs = p["qs"].view(np.uint8)
     slices = qs.shape[1] // nb // 4
-    qr = np.ascontiguousarray(qs.reshape(groups, GROUP, nb, slices, 4).transpose(0, 2, 3, 1, 4)).reshape(-1)
+    in_place = in_place and n % GROUP == 0
+    with_min = fmt in ("Q4_1", "Q5_1")
 
-    def lanes(a):
-        return np.ascontiguousarray(padded(a).reshape(groups, GROUP, nb).transpose(0, 2, 1)).reshape(-1)
+    def target(a):
+        return a.reshape(-1) if in_place else np.empty(groups * GROUP * a.shape[1], a.dtype)
 
-    hr = np.zeros(0, np.uint8)
-    if fmt in ("Q5_0", "Q5_1"):
-        bits = (padded(p["qh"])[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1  # [rows, nb, 32]
-        bits = bits.reshape(groups, GROUP, nb, 2, 4, 4)  # (low/high nibble, slice, byte)
-        bits = bits.transpose(0, 2, 4, 3, 1, 5).reshape(groups, nb, 4, 2, 64).astype(np.uint8)
-        hr = np.packbits(bits, axis=-1, bitorder="little").reshape(-1)
-    mr = lanes(p["m"]) if fmt in ("Q4_1", "Q5_1") else np.zeros(0, np.uint16)
-    return qr, hr, lanes(p["d"]), mr
+    qr, dr = target(qs), target(p["d"])
+    mr = target(p["m"]) if with_min else np.zeros(0, np.uint16)
+    hr = np.empty(groups * nb * 64, np.uint8) if fmt in ("Q5_0", "Q5_1") else np.zeros(0, np.uint8)
+    for g0 in range(0, groups, _CHUNK_GROUPS):
+        g1 = min(groups, g0 + _CHUNK_GROUPS)
+        count, r0, r1 = g1 - g0, g0 * GROUP, min(n, g1 * GROUP)
+
+        def rows(a):  # the chunk's rows (a copy), zero rows past n
+            out = np.zeros((count * GROUP, *a.shape[1:]), a.dtype)
+            out[:r1 - r0] = a[r0:r1]
+            return out
+
+        q = rows(qs)
+        if fmt == "Q8_0":
+            q ^= np.uint8(0x80)  # q + 128 as an unsigned byte
+        per = qs.shape[1] * GROUP  # bytes of one group
+        qr[g0 * per:g1 * per] = q.reshape(count, GROUP, nb, slices, 4).transpose(0, 2, 3, 1, 4).reshape(-1)
+        for src, dst in ((p["d"], dr), (p["m"], mr)) if with_min else ((p["d"], dr),):
+            dst[g0 * GROUP * nb:g1 * GROUP * nb] = rows(src).reshape(count, GROUP, nb).transpose(0, 2, 1).reshape(-1)
+        if hr.size:
+            bits = (rows(p["qh"])[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1  # [rows, nb, 32]
+            bits = bits.reshape(count, GROUP, nb, 2, 4, 4)  # (low/high nibble, slice, byte)
+            bits = bits.transpose(0, 2, 4, 3, 1, 5).reshape(count, nb, 4, 2, 64).astype(np.uint8)
+            hr[g0 * nb * 64:g1 * nb * 64] = np.packbits(bits, axis=-1, bitorder="little").reshape(-1)
+    return qr, hr, dr, mr
 
 
 # ---------------------------------------------------------------------------------------
