@@ -44,8 +44,10 @@ count; it has no BLAS twin). The other block types keep their float32 products
 
 What it costs and saves: the activations carry ggml's Q8_0 rounding error (each value
 within half a step, ``max|x| / 254`` of its block); ``refengine eval perplexity
---activation-dtype q8_0`` measures what that does to a model. The interleaved copy of a
-weight is kept beside its planes (the float32 products and the NumPy twin read those).
+--activation-dtype q8_0`` measures what that does to a model. A weight's interleaved copy
+is built at its first product, beside its planes; an engine with ``activation_dtype="q8_0"``
+builds them all at load over the planes' own buffers and keeps that copy alone
+(:func:`interleave_model`).
 """
 
 from __future__ import annotations
