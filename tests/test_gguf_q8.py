@@ -354,14 +354,14 @@ def test_integer_dots_exact_on_every_code_path(monkeypatch, path):
 
 @pytest.mark.parametrize("n", [37, 48])
 @pytest.mark.parametrize("name", Q8_TYPES)
-def test_interleaved_copy_alone_gives_the_planes_back(name, n):
+def test_interleaved_copy_alone_gives_the_planes_back(name, n, monkeypatch):
     """A weight that keeps only its interleaved copy (``interleave(w, keep_row_major=False)``,
     written over its own buffers where the rows fill whole groups): its planes, row lookups,
     dequantization and pickle are those of the row-major weight, its products the same
     bits, and it holds one copy."""
     import pickle
 
-    from refengine.quant import numba_q8
+    from refengine.quant import numba_gguf, numba_q8
 
     rng = np.random.default_rng(31)
     k = 96
@@ -372,7 +372,11 @@ def test_interleaved_copy_alone_gives_the_planes_back(name, n):
     product = bits(q8_linear(x, want))  # not w's: its interleaving comes below
     row_major = want.nbytes
     qs = w.planes["qs"]
+    numba_gguf.linear(x, w)  # a float32 product's plan holds the row-major planes
+    assert "_plans" in vars(w)
+    monkeypatch.setattr(numba_q8, "_CHUNK_BYTES", 1)  # one group at a time: several chunks in place
     numba_q8.interleave(w, keep_row_major=False)
+    assert "_plans" not in vars(w)  # that plan would read overwritten bytes
     assert w._planes is None and row_major <= w.nbytes <= row_major * 48 // n + 1  # 48 rows: three groups
     assert np.shares_memory(w._x16[0], qs) == (n % 16 == 0)
     for key, plane in want.planes.items():

@@ -256,8 +256,9 @@ class GGUFWeight(QuantizedWeight):
         """The blocks as the file stores them: uint8 ``[rows, blocks_per_row * type_size]``."""
         rows, nb = self.shape[0], self.blocks_per_row
         raw = np.empty((rows, nb, self.type_size), dtype=np.uint8)
+        planes = self.planes
         for name, offset, size, _dtype in BLOCK_LAYOUTS[self.format][2]:
-            raw[:, :, offset:offset + size] = self.planes[name].view(np.uint8).reshape(rows, nb, size)
+            raw[:, :, offset:offset + size] = planes[name].view(np.uint8).reshape(rows, nb, size)
         return raw.reshape(rows, nb * self.type_size)
 
     def _with_planes(self, planes: dict[str, np.ndarray]) -> "GGUFWeight":
@@ -304,7 +305,8 @@ class GGUFWeight(QuantizedWeight):
         kinds = {(p.format, p.shape[1]) for p in parts}
         if len(kinds) != 1:
             raise ValueError(f"concat_rows needs one type and row length, got {sorted(kinds)}")
-        planes = {k: np.concatenate([p.planes[k] for p in parts], axis=0) for k in parts[0].planes}
+        each = [p.planes for p in parts]
+        planes = {k: np.concatenate([p[k] for p in each], axis=0) for k in each[0]}
         return parts[0]._with_planes(planes)
 
     # ---------------------------------------------------------------------------------
@@ -313,6 +315,8 @@ class GGUFWeight(QuantizedWeight):
     def dequantize(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Rows ``start:stop`` (Python slice semantics) as float32 ``[n, in_features]``."""
         rows = slice(start, stop)
+        if self._planes is None:  # only the interleaved copy: just these rows rebuilt
+            return self._decode(_kernels("numba_q8").row_major_planes(self, np.arange(self.shape[0])[rows]))
         return self._decode({k: p[rows] for k, p in self.planes.items()})
 
     def select_rows(self, rows: np.ndarray) -> np.ndarray:

@@ -1422,9 +1422,8 @@ def _scale_scratch(w, *lead) -> np.ndarray:
 
 def _task_rows(n: int, threads: int) -> int:
     """Output rows per task: a multiple of four, about four tasks per thread (a core slowed
-    by another process does not hold the others up for long). On a quiet machine fewer,
-    larger tasks are a little faster: at one row on SmolLM2's shapes, two tasks per
-    thread were 0-2% faster than four, and sixteen 5-20% slower (AMD EPYC, 2 threads)."""
+    by another process does not hold the others up for long; on a quiet machine fewer,
+    larger tasks were a little faster, many small ones slower)."""
     return max(4, -(-n // (16 * threads)) * 4)
 
 

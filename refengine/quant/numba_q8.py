@@ -401,11 +401,12 @@ def interleave(w, *, keep_row_major: bool = True) -> tuple[np.ndarray, np.ndarra
     rebuilds where something still reads them (:func:`interleave_model`: an engine whose
     products all run here keeps one copy of each matrix, not two); the interleaved planes
     are then written over the row-major ones' buffers where the row count allows (a
-    multiple of 16), so ``w`` must own them (not share them with another weight).
+    multiple of 16), so ``w`` must own them (not share them with another weight; the
+    loaders' weights do), and the product plans built on them are dropped with them.
 
     Returns:
-        ``(qr, hr, dr, mr)`` for ``G = ceil(N / 16)`` groups of rows (rows past ``N`` are
-        zeros) and ``nb = K / 32`` blocks: ``qr`` uint8 flat ``[G, nb, S, 16, 4]``, slice
+        ``(qr, hr, dr, mr)`` for ``G = ceil(N / 16)`` groups of rows (rows past ``N`` have
+        zero quants and scales) and ``nb = K / 32`` blocks: ``qr`` uint8 flat ``[G, nb, S, 16, 4]``, slice
         ``s`` of group ``g``'s block ``b`` holding bytes ``4s .. 4s + 3`` of each of the
         sixteen rows' quants (``S`` = 4 slices of nibble bytes, or 8 for Q8_0, whose bytes
         are ``q + 128``); ``hr`` uint8 flat ``[G, nb, 4, 2, 8]`` (Q5_0/Q5_1, else empty):
@@ -413,16 +414,21 @@ def interleave(w, *, keep_row_major: bool = True) -> tuple[np.ndarray, np.ndarra
         64-bit little-endian masks (bit ``4r + c`` for row ``r``, byte ``c``); ``dr`` and
         ``mr`` uint16 flat ``[G, nb, 16]``: the rows' f16 scales and (Q4_1, Q5_1) minimums,
         ``mr`` empty for the others.
+    Raises:
+        ValueError: ``w`` of another type.
     """
+    if w.format not in _KERNELS:
+        raise ValueError(f"no interleaved layout for GGUF type {w.format!r}; types: {', '.join(Q8_TYPES)}")
     planes = w.__dict__.get("_x16")
-    if planes is None:
+    if planes is None or not keep_row_major:
         with _LOCK:
             planes = w.__dict__.get("_x16")
             if planes is None:
                 planes = _interleave(w.format, w.planes, w.shape[0], in_place=not keep_row_major)
                 w._x16 = planes
-    if not keep_row_major:
-        w.drop_planes()
+            if not keep_row_major:  # the row-major bytes may be gone: nothing may read them now
+                w.__dict__.pop("_plans", None)
+                w.drop_planes()
     return planes
 
 
@@ -430,6 +436,10 @@ def row_major_planes(w, rows: np.ndarray | None = None) -> dict[str, np.ndarray]
     """``w``'s planes (:class:`GGUFWeight`'s row-major layout) rebuilt from its interleaved
     ones, for the rows ``rows`` (int ``[n]``; None: all): the inverse of :func:`interleave`.
 
+    Returns:
+        name -> C-contiguous plane of ``n`` rows, ``nb = K / 32``: ``d`` (and ``m``) uint16
+        ``[n, nb]``, ``qh`` uint32 ``[n, nb]`` (Q5 types), ``qs`` uint8 ``[n, 16 nb]``, or
+        int8 ``[n, 32 nb]`` for Q8_0.
     Raises:
         IndexError: a row outside ``[-N, N)``.
     """
@@ -449,8 +459,8 @@ def row_major_planes(w, rows: np.ndarray | None = None) -> dict[str, np.ndarray]
     if mr.size:
         out["m"] = mr.reshape(groups, nb, GROUP)[g, :, lane]
     if hr.size:
-        bits = np.unpackbits(hr.reshape(groups, nb, 4, 2, 8), axis=-1, bitorder="little")
-        bits = bits.reshape(groups, nb, 4, 2, GROUP, 4)[g, :, :, :, lane, :]  # [n, nb, slice, half, byte]
+        bits = np.unpackbits(hr.reshape(groups, nb, 4, 2, 8)[g], axis=-1, bitorder="little")  # the rows' groups only
+        bits = bits.reshape(rows.size, nb, 4, 2, GROUP, 4)[np.arange(rows.size), :, :, :, lane, :]  # [n, nb, s, h, c]
         weight = bits.transpose(0, 1, 3, 2, 4).reshape(rows.size, nb, 32).astype(np.uint32)  # bit 16h + 4s + c
         out["qh"] = (weight << np.arange(32, dtype=np.uint32)).sum(axis=-1, dtype=np.uint32)
     out["qs"] = qs
@@ -477,8 +487,8 @@ def interleave_model(model) -> int:
     return len(done)
 
 
-#: Groups of rows interleaved at a time (bounds the temporaries: a few MB at most).
-_CHUNK_GROUPS = 256
+#: Row-major quant bytes interleaved at a time (at least one group of rows): bounds the temporaries.
+_CHUNK_BYTES = 4 << 20
 
 
 def _interleave(fmt: str, p: dict, n: int, in_place: bool = False) -> tuple[np.ndarray, ...]:
@@ -499,8 +509,9 @@ def _interleave(fmt: str, p: dict, n: int, in_place: bool = False) -> tuple[np.n
     qr, dr = target(qs), target(p["d"])
     mr = target(p["m"]) if with_min else np.zeros(0, np.uint16)
     hr = np.empty(groups * nb * 64, np.uint8) if fmt in ("Q5_0", "Q5_1") else np.zeros(0, np.uint8)
-    for g0 in range(0, groups, _CHUNK_GROUPS):
-        g1 = min(groups, g0 + _CHUNK_GROUPS)
+    chunk = max(1, _CHUNK_BYTES // (GROUP * qs.shape[1]))  # groups at a time
+    for g0 in range(0, groups, chunk):
+        g1 = min(groups, g0 + chunk)
         count, r0, r1 = g1 - g0, g0 * GROUP, min(n, g1 * GROUP)
 
         def rows(a):  # the chunk's rows (a copy), zero rows past n
@@ -516,9 +527,10 @@ def _interleave(fmt: str, p: dict, n: int, in_place: bool = False) -> tuple[np.n
         for src, dst in ((p["d"], dr), (p["m"], mr)) if with_min else ((p["d"], dr),):
             dst[g0 * GROUP * nb:g1 * GROUP * nb] = rows(src).reshape(count, GROUP, nb).transpose(0, 2, 1).reshape(-1)
         if hr.size:
-            bits = (rows(p["qh"])[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1  # [rows, nb, 32]
+            qh = rows(p["qh"]).astype("<u4").view(np.uint8).reshape(count * GROUP, nb, 4)
+            bits = np.unpackbits(qh, axis=-1, bitorder="little")  # [rows, nb, 32]: bit i of each word
             bits = bits.reshape(count, GROUP, nb, 2, 4, 4)  # (low/high nibble, slice, byte)
-            bits = bits.transpose(0, 2, 4, 3, 1, 5).reshape(count, nb, 4, 2, 64).astype(np.uint8)
+            bits = bits.transpose(0, 2, 4, 3, 1, 5).reshape(count, nb, 4, 2, 64)
             hr[g0 * nb * 64:g1 * nb * 64] = np.packbits(bits, axis=-1, bitorder="little").reshape(-1)
     return qr, hr, dr, mr
 
