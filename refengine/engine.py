@@ -163,16 +163,23 @@ def build_model(config, dequantize_gguf: bool, partition=None):
                        dequantize_gguf=dequantize_gguf, quantization=config.quantization,
                        max_model_len=config.max_model_len, partition=partition)
     close_gguf_files()  # the blocks are copied out: the file's memory map is no longer needed
-    if config.device == "cpu" and config.activation_dtype == "q8_0":
-        from refengine.quant.numba_q8 import interleave_model
-
-        interleave_model(model)  # their products read only the interleaved copies: one copy each in memory
+    keep_interleaved_only(config, model)
     if config.device == "cpu" and hasattr(attention, "use_blas_prefill") and not layer_products_use_blas(model):
         # Every product runs in numba's kernels (Q8_0 activations): a chunk's BLAS attention
         # would make its step a BLAS step, and numba's threads would sit out the products
         # (refengine/runtime/threads.py); the compiled prefill kernel keeps them.
         attention.use_blas_prefill = False
     return model
+
+
+def keep_interleaved_only(config, model) -> None:
+    """With Q8_0 activations on the CPU, ``model``'s products of the 32-weight block types read
+    only their interleaved copies (:func:`refengine.quant.numba_q8.interleave_model`): made
+    now, over the loaded planes, and kept alone (one copy of each matrix in memory)."""
+    if config.device == "cpu" and config.activation_dtype == "q8_0":
+        from refengine.quant.numba_q8 import interleave_model
+
+        interleave_model(model)
 
 
 def make_kv_cache(config, model_config, xp=np) -> KVCache:
@@ -293,6 +300,7 @@ class LLMEngine:
             if spec_cfg is not None and spec_cfg.method == "draft_model":  # loaded before a GPU pool is measured
                 draft_model = load_model(Path(spec_cfg.model), config.draft_model_config, attention, ops, xp=xp,
                                          dtype=config.dtype, max_model_len=config.max_model_len)
+                keep_interleaved_only(config, draft_model)
             if config.num_kv_blocks is None:  # on a GPU the pool is what the weights and activations leave
                 num_blocks = measure_gpu_kv_blocks(config, self.model, draft_model)
                 config = args.create_engine_config(model_dir, model_config, num_gpu_blocks=num_blocks)
