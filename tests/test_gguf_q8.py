@@ -183,6 +183,43 @@ def test_product_plans_per_thread_count_thread_and_not_pickled(q8_weights):
     assert np.array_equal(bits(q8_linear(x, copy)), want[0])
 
 
+@pytest.mark.parametrize("name", Q8_TYPES)
+def test_layer_ops_bind_one_row_products(q8_weights, name):
+    """``NumbaOps(activation_dtype="q8_0").linear``: a GGUF weight's first one-row product
+    binds a :class:`RowProduct`, which the later ones call directly; every row gives
+    :func:`q8_linear`'s bits, other shapes, dtypes and strides take the checked path (and its
+    errors), and a thread count change binds the product anew."""
+    import numba
+
+    from refengine.ops.numba_ops import NumbaOps
+    from refengine.quant.numba_q8 import RowProduct
+
+    w = q8_weights[name, 576][0]
+    ops = NumbaOps(activation_dtype="q8_0")
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((3, 576)).astype(np.float32)
+    want = bits(q8_linear(x, w))
+    assert np.array_equal(bits(ops.linear(x, w)), want)  # three rows: not bound
+    assert id(w) not in ops._row_products
+    for i in range(3):  # bound at the first row, called directly after
+        assert np.array_equal(bits(ops.linear(x[i:i + 1], w)), want[i:i + 1])
+        run = ops._row_products[id(w)]
+        assert isinstance(run, RowProduct) and run.weight is w
+    assert np.array_equal(bits(ops.linear(x[1:2].astype(np.float64), w)), want[1:2])  # cast, checked path
+    wide = np.zeros((1, 2 * 576), np.float32)
+    assert np.array_equal(bits(ops.linear(wide[:, ::2], w)), bits(q8_linear(np.zeros((1, 576), np.float32), w)))
+    with pytest.raises(ValueError, match=r"\[T, 576\]"):
+        ops.linear(np.zeros((1, 544), np.float32), w)
+    before = numba.get_num_threads()
+    try:
+        for threads in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
+            numba.set_num_threads(threads)
+            assert np.array_equal(bits(ops.linear(x[2:3], w)), want[2:3])
+            assert ops._row_products[id(w)].threads == threads
+    finally:
+        numba.set_num_threads(before)
+
+
 def test_other_types_keep_their_float_products():
     """numba_q8.linear sends a type without a Q8-activation kernel to the float32 products."""
     from refengine.quant import numba_gguf, numba_q8

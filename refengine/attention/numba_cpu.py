@@ -794,6 +794,8 @@ class _DecodeParts:
             ``part`` tokens from ``max(0, seq_len - W)`` (the last may be shorter).
         launches: ``(a, b, tokens)``: partitions ``a : b`` (whole sequences) make one launch,
             reading ``tokens`` context tokens (the serial-or-parallel choice).
+        launch_args: per launch, ``(tokens, seq[a:b], start[a:b], end[a:b])``, sliced once for
+            every layer's call.
         tokens: context tokens read in all.
     """
 
@@ -811,6 +813,7 @@ class _DecodeParts:
         edges = [0, *firsts[new].tolist(), self.seq.size]
         tokens = np.concatenate([[0], np.cumsum(self.end - self.start)])
         self.launches = [(a, b, int(tokens[b] - tokens[a])) for a, b in zip(edges[:-1], edges[1:]) if b > a]
+        self.launch_args = [(t, self.seq[a:b], self.start[a:b], self.end[a:b]) for a, b, t in self.launches]
         self.tokens = int(tokens[-1])
 
 
@@ -875,6 +878,12 @@ class _Plan:
         return parts
 
 
+# dtypes the checks compare with (dtype objects: comparing a dtype with a scalar type converts the type each time)
+_F32 = np.dtype(np.float32)
+_FLOAT_CACHES = (_F32, np.dtype(np.float16))
+_INT8_CACHES = (np.dtype(np.int8),)
+
+
 class NumbaAttention:
     """The numba backend (``attention_backend="numba"``). float32 queries; float32 or float16
     caches (``kv_cache_dtype="float16"``: values rounded to nearest on write, read exactly,
@@ -916,14 +925,14 @@ class NumbaAttention:
 
     @staticmethod
     def _check(k_cache: np.ndarray, v_cache: np.ndarray, k_scale, v_scale, *arrays: np.ndarray) -> None:
-        cache_dtypes = (np.float32, np.float16) if k_scale is None else (np.int8,)
+        cache_dtypes = _FLOAT_CACHES if k_scale is None else _INT8_CACHES
         if k_cache.dtype not in cache_dtypes or v_cache.dtype != k_cache.dtype:
             names = " or ".join(np.dtype(d).name for d in cache_dtypes)
             raise TypeError(f"the numba attention backend takes {names} "
                             f"caches {'with' if k_scale is not None else 'without'} scales (k and v alike), "
                             f"got k_cache {k_cache.dtype} and v_cache {v_cache.dtype}")
         for a in arrays:
-            if a.dtype != np.float32:
+            if a.dtype is not _F32 and a.dtype != _F32:
                 raise TypeError(f"the numba attention backend takes float32 arrays, got {a.dtype}")
         if k_cache.shape != v_cache.shape or k_cache.ndim != 4:
             raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must be equal 4-d shapes")
@@ -1005,10 +1014,11 @@ class NumbaAttention:
         kc, vc = _kernel_views(k_cache, v_cache)
         if plan.decode_seqs.shape[0]:
             parts = plan.decode_parts(sliding_window)
-            for a, b, tokens in parts.launches:
+            scale = float(scale)
+            for tokens, seq, start, end in parts.launch_args:
                 decode = _paged_decode.serial if tokens < SERIAL_DECODE_MAX_TOKENS else _paged_decode
                 decode(q, kc, vc, k_scale, v_scale, plan.block_tables, plan.decode_seqs, plan.decode_rows,
-                       parts.seq[a:b], parts.start[a:b], parts.end[a:b], float(scale), logits_soft_cap, out)
+                       seq, start, end, scale, logits_soft_cap, out)
         if plan.tile_seq.shape[0]:
             _flash_prefill(q, kc, vc, k_scale, v_scale, plan.block_tables, plan.seq_lens,
                            plan.query_start_loc, plan.tile_seq, plan.tile_q0, float(scale), window, logits_soft_cap,

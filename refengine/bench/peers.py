@@ -16,7 +16,11 @@ model's own tokenizer):
   Q8_0 activations and integer dot products, docs/quantization.md);
 * ``refengine-gguf-q8-f16kv``: that with ``kv_cache_dtype="float16"``, llama.cpp's cache
   type (its attention differs still: it rounds the queries to f16 too);
-* ``llama.cpp`` (``llama-cpp-python``) on the same GGUF file;
+* ``refengine-gguf-q8-int8kv``: Q8_0 activations with ``kv_cache_dtype="int8"`` (a byte per
+  cached value and a scale per token and head), against
+* ``llama.cpp-q8kv``: llama.cpp with its own one-byte cache (``type_k = type_v = Q8_0``,
+  which it allows with flash attention only);
+* ``llama.cpp`` (``llama-cpp-python``) on the same GGUF file, its defaults (f16 cache);
 * ``CTranslate2`` on the HF directory converted by its ``ct2-transformers-converter``
   (``int8`` and ``float32``), the conversion cached under ``weights/.cache``.
 
@@ -57,9 +61,13 @@ CASES = {
     # llama.cpp's storage: Q8_0 activations and its default f16 KV cache
     "refengine-gguf-q8-f16kv": ("refengine, GGUF as stored, --activation-dtype q8_0 --kv-cache-dtype float16",
                                 "refengine", ""),
+    "refengine-gguf-q8-int8kv": ("refengine, GGUF as stored, --activation-dtype q8_0 --kv-cache-dtype int8",
+                                 "refengine", ""),
     "refengine-f32": ("refengine, float32 (dequantized GGUF)", "refengine", ""),
     "refengine-int8": ("refengine, int8 (of the float32 directory)", "refengine", ""),
     "llama.cpp": ("llama.cpp, GGUF as stored", "llama_cpp", "run benchmarks/build_llama_cpp.sh"),
+    "llama.cpp-q8kv": ("llama.cpp, GGUF as stored, flash attention, Q8_0 KV cache", "llama_cpp",
+                       "run benchmarks/build_llama_cpp.sh"),
     "ct2-int8": ("CTranslate2, int8", "ctranslate2", "pip install ctranslate2"),
     "ct2-f32": ("CTranslate2, float32", "ctranslate2", "pip install ctranslate2"),
 }
@@ -95,6 +103,8 @@ def _run_refengine(job: dict) -> dict:
         kw["activation_dtype"] = "q8_0"
     elif job["case"] == "refengine-gguf-q8-f16kv":  # and its f16 KV cache
         kw.update(activation_dtype="q8_0", kv_cache_dtype="float16")
+    elif job["case"] == "refengine-gguf-q8-int8kv":  # and a one-byte KV cache
+        kw.update(activation_dtype="q8_0", kv_cache_dtype="int8")
     elif job["case"] == "refengine-f32":
         kw["dtype"] = "float32"
     elif job["case"] == "refengine-int8":  # int8 of the float32 weights (the HF directory)
@@ -117,8 +127,13 @@ def _run_llama_cpp(job: dict) -> dict:
     import numpy as np
     from llama_cpp import Llama
 
+    kv = {}
+    if job["case"] == "llama.cpp-q8kv":  # its one-byte cache needs flash attention
+        from llama_cpp import GGML_TYPE_Q8_0
+
+        kv = {"flash_attn": True, "type_k": GGML_TYPE_Q8_0, "type_v": GGML_TYPE_Q8_0}
     llm = Llama(model_path=job["gguf"], n_ctx=len(job["prompt"]) + job["output_len"] + 8, n_batch=512,
-                n_threads=job["threads"], n_threads_batch=job["threads"], verbose=False)
+                n_threads=job["threads"], n_threads_batch=job["threads"], verbose=False, **kv)
     vocab = llm.n_vocab()
 
     def last_logits():  # the last evaluated row (Llama.scores stays empty without logits_all)
@@ -170,7 +185,7 @@ def child_main(job: dict) -> dict:
     case = job["case"]
     if case.startswith("refengine"):
         result = _run_refengine(job)
-    elif case == "llama.cpp":
+    elif case.startswith("llama.cpp"):
         result = _run_llama_cpp(job)
     else:
         result = _run_ct2(job)

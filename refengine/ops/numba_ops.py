@@ -64,6 +64,8 @@ BLAS_MIN_ROWS = 160
 #: --sections linear`` (docs/PERFORMANCE.md).
 DOT_4X4_MIN_ROWS = 5
 
+_F32 = np.dtype(np.float32)  # compared by identity first: a dtype compared with a scalar type converts it each time
+
 #: From this many rows RMSNorm, RoPE and SiLU-and-mul run over row blocks in parallel; below,
 #: on the calling thread (a parallel launch, waking sleeping threads, costs more than a
 #: decode step's elementwise work).
@@ -430,6 +432,8 @@ class NumbaOps:
         self.activation_dtype = activation_dtype
         # invariant: the dot kernels at every row count (BLAS's reduction order depends on the rows)
         self.blas_min_rows = sys.maxsize if self.batch_invariant else blas_min_rows
+        #: id(weight) -> its bound one-row product (``weight.row_product``, with Q8_0 activations)
+        self._row_products: dict = {}
 
     def device_positions(self, positions: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(positions, dtype=np.int64)
@@ -441,7 +445,13 @@ class NumbaOps:
     def linear(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         """``x [T, in] @ w [in, out]`` -> ``[T, out]`` float32 (see the class docstring); ``w``
         may be a :class:`refengine.quant.QuantizedWeight` (``[out, in]``), whose format's
-        compiled product (``numba_linear``) dequantizes it on the fly."""
+        compiled product (``numba_linear``) dequantizes it on the fly. With Q8_0 activations,
+        a weight's one-row products run through the product it binds at the first of them
+        (``row_product``: :class:`refengine.quant.numba_q8.RowProduct` for GGUF weights)."""
+        run = self._row_products.get(id(w))
+        if (run is not None and run.weight is w and x.shape == run.in_shape and x.dtype is _F32
+                and x.strides[1] == 4 and run.threads == get_num_threads()):
+            return run(x)  # a decode row of a GGUF weight: the checks above are all the product needs
         if is_quantized(w):
             return self.quantized_linear(x, w)
         rows = x.shape[0]
@@ -453,6 +463,12 @@ class NumbaOps:
         """``x [T, in]`` times a quantized ``w [out, in]`` -> ``[T, out]`` float32: the format's
         numba kernel, else (a format without one) the NumPy twin; a :class:`StackedWeight`
         part by part (float parts are ``[out, in]`` rows, read through their transposed view)."""
+        if self.activation_dtype == "q8_0" and x.shape[0] == 1 and hasattr(w, "row_product"):
+            run = w.row_product(get_num_threads())
+            x = np.ascontiguousarray(x, dtype=np.float32)
+            if run is not None and x.shape == run.in_shape:  # bound now, called by ``linear`` from the next row on
+                self._row_products[id(w)] = run
+                return run(x)
         if isinstance(w, StackedWeight):
             return np.concatenate([self.linear(x, p if is_quantized(p) else np.ascontiguousarray(p, dtype=np.float32).T)
                                    for p in w.parts], axis=1)
@@ -477,11 +493,16 @@ class NumbaOps:
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         """RMSNorm over the last axis of ``x [..., d]`` float32 (any leading shape)."""
-        x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+        x2 = np.ascontiguousarray(x, dtype=np.float32)
+        if x2.ndim != 2:
+            x2 = x2.reshape(-1, x.shape[-1])
         out = np.empty_like(x2)
-        self._over_rows(_rms_norm_blocks, x2.shape[0], x2, np.ascontiguousarray(weight, dtype=np.float32),
-                        float(eps), out)
-        return out.reshape(x.shape)
+        weight = np.ascontiguousarray(weight, dtype=np.float32)
+        if x2.shape[0] < ELEMENTWISE_PARALLEL_MIN_ROWS:  # decode rows: the serial twin, no thread count asked
+            _rms_norm_blocks.serial(x2, weight, float(eps), out, max(x2.shape[0], 1))
+        else:
+            self._over_rows(_rms_norm_blocks, x2.shape[0], x2, weight, float(eps), out)
+        return out if x.ndim == 2 else out.reshape(x.shape)
 
     def rope(self, q: np.ndarray, k: np.ndarray, positions: np.ndarray, rope) -> tuple[np.ndarray, np.ndarray]:
         """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` in place (views into the fused qkv

@@ -356,10 +356,21 @@ class GGUFWeight(QuantizedWeight):
                 not in :attr:`activation_dtypes`.
         """
         if activation_dtype == "q8_0":
-            return _kernels("numba_q8").linear(x, self, batch_invariant=batch_invariant)
+            q8 = _kernels("numba_q8")
+            if self.format in q8.Q8_TYPES:
+                return q8.q8_linear(x, self)
+            return _kernels("numba_gguf").linear(x, self, batch_invariant=batch_invariant)
         if activation_dtype != "auto":
             raise ValueError(f"activation_dtype={activation_dtype!r} is not one of {self.activation_dtypes}")
         return _kernels("numba_gguf").linear(x, self, batch_invariant=batch_invariant)
+
+    def row_product(self, threads: int):
+        """This weight's one-row product with Q8_0 activations on ``threads`` numba threads,
+        every argument but the row bound (:class:`refengine.quant.numba_q8.RowProduct`:
+        ``run(x [1, in_features])``, C-contiguous float32, unchecked), or None for a type
+        without a Q8_0-activation kernel. A fresh one each call, owning its buffers."""
+        q8 = _kernels("numba_q8")
+        return q8.RowProduct(self, threads) if self.format in q8.Q8_TYPES else None
 
     def __getstate__(self) -> dict:
         """Pickled without the kernels' product plans (compiled functions and scratch kept on

@@ -48,6 +48,12 @@ within half a step, ``max|x| / 254`` of its block); ``refengine eval perplexity
 is built at its first product, beside its planes; an engine with ``activation_dtype="q8_0"``
 builds them all at load over the planes' own buffers and keeps that copy alone
 (:func:`interleave_model`).
+
+A decode step makes over a hundred products of one row each, and the Python around each
+kernel call (checks, plan lookups, the input's quantization and block sums as calls of
+their own) added up to a noticeable share of the step. So each kernel quantizes a one-row
+input itself, before its parallel loop (:func:`_prepare_input`), and :class:`RowProduct`
+binds everything but the row once, for the layer operations to call.
 """
 
 from __future__ import annotations
@@ -76,8 +82,6 @@ QUANTIZE_PARALLEL_MIN_ROWS = 64
 GROUP = 16
 #: Quant bytes of one group's block, per type: sixteen rows of 16 (4-, 5-bit) or 32 (8-bit).
 GROUP_BLOCK_BYTES = {"Q8_0": 512, "Q4_0": 256, "Q4_1": 256, "Q5_0": 256, "Q5_1": 256}
-#: Per type: the offset its quant bytes carry (subtracted through the activation sums).
-_OFFSET = {"Q8_0": 128, "Q4_0": 8, "Q4_1": 0, "Q5_0": 16, "Q5_1": 0}
 
 _U = np.uintp
 _B32 = ir.VectorType(ir.IntType(8), 32)
@@ -647,14 +651,28 @@ def _q8_groups(kind, xq, dx, xsq, qsum, qr, hr, dr, mr, out, g0, g1, tmp):  # pr
 
 
 @njit(cache=True)
+def _prepare_input(kind, x, nq, xq, dx, xsq, qsum):  # pragma: no cover - compiled
+    """The serial start of a product: the first ``nq`` rows of ``x`` into ``xq, dx, xsq``
+    (:func:`_quantize_task`; 0: the caller quantized them), then, for the types with an
+    offset, every row's block quant sums into ``qsum`` (:func:`_block_qsums`). One call in
+    the kernel, where a decode step's one-row products made three from Python."""
+    if nq > 0:
+        _quantize_task(x, xq, dx, xsq, 0, nq)
+    if kind == Q8_0 or kind == Q4_0 or kind == Q5_0:
+        _block_qsums(xq, qsum)
+
+
+@njit(cache=True)
 def _q8_0_q8_groups(xq, dx, xsq, qsum, qr, hr, dr, mr, out, g0, g1, tmp):  # pragma: no cover - compiled
     """:func:`_q8_groups` for Q8_0 weights."""
     _q8_groups(Q8_0, xq, dx, xsq, qsum, qr, hr, dr, mr, out, g0, g1, tmp)
 
 
 @parallel_kernel()
-def _q8_0_q8_linear(xq, dx, xsq, qsum, qr, hr, dr, mr, out, block, tmp):  # pragma: no cover - compiled
-    """Q8_0 weights: ``out [T, N]`` in tasks of ``block`` groups of rows (task ``i`` uses ``tmp[i]``)."""
+def _q8_0_q8_linear(x, nq, xq, dx, xsq, qsum, qr, hr, dr, mr, out, block, tmp):  # pragma: no cover - compiled
+    """Q8_0 weights: ``out [T, N]`` in tasks of ``block`` groups of rows (task ``i`` uses ``tmp[i]``),
+    after :func:`_prepare_input`."""
+    _prepare_input(Q8_0, x, nq, xq, dx, xsq, qsum)
     groups = (out.shape[1] + 15) // 16
     for i in prange((groups + block - 1) // block):
         _q8_0_q8_groups(xq, dx, xsq, qsum, qr, hr, dr, mr, out, i * block, min(i * block + block, groups), tmp[i])
@@ -667,8 +685,10 @@ def _q4_0_q8_groups(xq, dx, xsq, qsum, qr, hr, dr, mr, out, g0, g1, tmp):  # pra
 
 
 @parallel_kernel()
-def _q4_0_q8_linear(xq, dx, xsq, qsum, qr, hr, dr, mr, out, block, tmp):  # pragma: no cover - compiled
-    """Q4_0 weights: ``out [T, N]`` in tasks of ``block`` groups of rows (task ``i`` uses ``tmp[i]``)."""
+def _q4_0_q8_linear(x, nq, xq, dx, xsq, qsum, qr, hr, dr, mr, out, block, tmp):  # pragma: no cover - compiled
+    """Q4_0 weights: ``out [T, N]`` in tasks of ``block`` groups of rows (task ``i`` uses ``tmp[i]``),
+    after :func:`_prepare_input`."""
+    _prepare_input(Q4_0, x, nq, xq, dx, xsq, qsum)
     groups = (out.shape[1] + 15) // 16
     for i in prange((groups + block - 1) // block):
         _q4_0_q8_groups(xq, dx, xsq, qsum, qr, hr, dr, mr, out, i * block, min(i * block + block, groups), tmp[i])
@@ -681,8 +701,10 @@ def _q4_1_q8_groups(xq, dx, xsq, qsum, qr, hr, dr, mr, out, g0, g1, tmp):  # pra
 
 
 @parallel_kernel()
-def _q4_1_q8_linear(xq, dx, xsq, qsum, qr, hr, dr, mr, out, block, tmp):  # pragma: no cover - compiled
-    """Q4_1 weights: ``out [T, N]`` in tasks of ``block`` groups of rows (task ``i`` uses ``tmp[i]``)."""
+def _q4_1_q8_linear(x, nq, xq, dx, xsq, qsum, qr, hr, dr, mr, out, block, tmp):  # pragma: no cover - compiled
+    """Q4_1 weights: ``out [T, N]`` in tasks of ``block`` groups of rows (task ``i`` uses ``tmp[i]``),
+    after :func:`_prepare_input`."""
+    _prepare_input(Q4_1, x, nq, xq, dx, xsq, qsum)
     groups = (out.shape[1] + 15) // 16
     for i in prange((groups + block - 1) // block):
         _q4_1_q8_groups(xq, dx, xsq, qsum, qr, hr, dr, mr, out, i * block, min(i * block + block, groups), tmp[i])
@@ -695,8 +717,10 @@ def _q5_0_q8_groups(xq, dx, xsq, qsum, qr, hr, dr, mr, out, g0, g1, tmp):  # pra
 
 
 @parallel_kernel()
-def _q5_0_q8_linear(xq, dx, xsq, qsum, qr, hr, dr, mr, out, block, tmp):  # pragma: no cover - compiled
-    """Q5_0 weights: ``out [T, N]`` in tasks of ``block`` groups of rows (task ``i`` uses ``tmp[i]``)."""
+def _q5_0_q8_linear(x, nq, xq, dx, xsq, qsum, qr, hr, dr, mr, out, block, tmp):  # pragma: no cover - compiled
+    """Q5_0 weights: ``out [T, N]`` in tasks of ``block`` groups of rows (task ``i`` uses ``tmp[i]``),
+    after :func:`_prepare_input`."""
+    _prepare_input(Q5_0, x, nq, xq, dx, xsq, qsum)
     groups = (out.shape[1] + 15) // 16
     for i in prange((groups + block - 1) // block):
         _q5_0_q8_groups(xq, dx, xsq, qsum, qr, hr, dr, mr, out, i * block, min(i * block + block, groups), tmp[i])
@@ -709,8 +733,10 @@ def _q5_1_q8_groups(xq, dx, xsq, qsum, qr, hr, dr, mr, out, g0, g1, tmp):  # pra
 
 
 @parallel_kernel()
-def _q5_1_q8_linear(xq, dx, xsq, qsum, qr, hr, dr, mr, out, block, tmp):  # pragma: no cover - compiled
-    """Q5_1 weights: ``out [T, N]`` in tasks of ``block`` groups of rows (task ``i`` uses ``tmp[i]``)."""
+def _q5_1_q8_linear(x, nq, xq, dx, xsq, qsum, qr, hr, dr, mr, out, block, tmp):  # pragma: no cover - compiled
+    """Q5_1 weights: ``out [T, N]`` in tasks of ``block`` groups of rows (task ``i`` uses ``tmp[i]``),
+    after :func:`_prepare_input`."""
+    _prepare_input(Q5_1, x, nq, xq, dx, xsq, qsum)
     groups = (out.shape[1] + 15) // 16
     for i in prange((groups + block - 1) // block):
         _q5_1_q8_groups(xq, dx, xsq, qsum, qr, hr, dr, mr, out, i * block, min(i * block + block, groups), tmp[i])
@@ -749,31 +775,55 @@ def q8_linear(x: np.ndarray, w) -> np.ndarray:
     out = np.empty((rows, n), dtype=np.float32)
     if rows == 0 or n == 0:
         return out
-    kernel, block, tmp, xq, dx, xsq, qsum = numba_gguf.product_plan(w, "q8", _q8_plan)
-    if rows == 1:  # into the plan's buffers
-        _quantize_task(x, xq, dx, xsq, 0, 1)
-    else:
-        xq, dx, xsq = quantize_q8_0(x)
-        qsum = np.empty(dx.shape, np.int32)
-    if _OFFSET[w.format]:
-        _block_qsums(xq, qsum)
-    kernel(xq, dx, xsq, qsum, *interleave(w), out, block, tmp)
+    kernel, planes, block, tmp, xq, dx, xsq, qsum = numba_gguf.product_plan(w, "q8", _q8_plan)
+    nq = rows  # quantized by the kernel, into the plan's buffers
+    if rows > 1:
+        xq, dx, xsq = quantize_q8_0(x)  # in parallel
+        qsum, nq = np.empty(dx.shape, np.int32), 0
+    kernel(x, nq, xq, dx, xsq, qsum, *planes, out, block, tmp)
     return out
 
 
 def _q8_plan(w, threads: int) -> tuple:
     """:func:`refengine.quant.numba_gguf.product_plan` builder of :func:`q8_linear`: the
-    kernel (its parallel twin from two threads), groups of rows per task (about four tasks
-    per thread), a float32 ``[16]`` scratch per task, and a one-row input's buffers:
+    kernel (its parallel twin from two threads), the interleaved planes (:func:`interleave`;
+    interleaving in place drops the plans built before), groups of rows per task (about four
+    tasks per thread), a float32 ``[16]`` scratch per task, and a one-row input's buffers:
     :func:`quantize_q8_0`'s ``xq`` int8 ``[1, in]``, ``dx`` and ``xsq`` float32 ``[1, in/32]``,
     and the block sums, int32 ``[1, in/32]``."""
     groups = -(-w.shape[0] // GROUP)
     block = max(1, -(-groups // (4 * threads)))
     pair = _KERNELS[w.format]
     k = w.shape[1]
-    return (pair.parallel if threads > 1 else pair.serial, block,
+    return (pair.parallel if threads > 1 else pair.serial, interleave(w), block,
             np.empty((-(-groups // block), GROUP), np.float32), np.empty((1, k), np.int8),
             np.empty((1, k // 32), np.float32), np.empty((1, k // 32), np.float32), np.empty((1, k // 32), np.int32))
+
+
+class RowProduct:
+    """:func:`q8_linear` of one input row for one weight, with every argument but the row
+    bound once (the kernel for ``threads`` numba threads, the interleaved planes, the
+    quantized row's buffers): the product a decode step makes over a hundred times, whose
+    Python around the kernel call then costs more than the checks and lookups can afford.
+
+    ``run(x)`` takes ``x`` of shape :attr:`in_shape` ``(1, in_features)``, C-contiguous
+    float32, unchecked (the caller checks, :meth:`refengine.ops.numba_ops.NumbaOps.linear`),
+    and returns a fresh float32 ``[1, out_features]``, the same bits as :func:`q8_linear`.
+    It owns its buffers: one calling thread at a time (one engine's steps).
+    """
+
+    __slots__ = ("weight", "threads", "in_shape", "_kernel", "_inputs", "_tail", "_out_shape")
+
+    def __init__(self, w, threads: int):
+        kernel, planes, block, tmp, xq, dx, xsq, qsum = _q8_plan(w, threads)
+        self.weight, self.threads, self.in_shape = w, threads, (1, w.shape[1])
+        self._kernel, self._inputs, self._tail = kernel, (xq, dx, xsq, qsum, *planes), (block, tmp)
+        self._out_shape = (1, w.shape[0])
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        out = np.empty(self._out_shape, dtype=np.float32)
+        self._kernel(x, 1, *self._inputs, out, *self._tail)
+        return out
 
 
 def linear(x: np.ndarray, w, *, batch_invariant: bool = False) -> np.ndarray:
