@@ -92,7 +92,7 @@ from numba.extending import overload
 
 from refengine.attention import AttentionMetadata
 from refengine.attention.numpy_ref import gather_context
-from refengine.ops.numba_ops import _LN2_HI, _LN2_LO, _LOG2E, exp_affine
+from refengine.ops.numba_ops import _F32, _LN2_HI, _LN2_LO, _LOG2E, exp_affine
 from refengine.quant.numba_gguf import (f16_to_f32, f32_to_f16, f8_load, f8_load_f16, f8_store, f8_sum,
                                         f8_transpose8, q16_load_bytes, q16_to_f, v16_add, v16_fma, v16_halves, v16_load,
                                         v16_load_f16, v16_mul, v16_splat, v16_store, v16_sums16, v16_zero)
@@ -879,7 +879,6 @@ class _Plan:
 
 
 # dtypes the checks compare with (dtype objects: comparing a dtype with a scalar type converts the type each time)
-_F32 = np.dtype(np.float32)
 _FLOAT_CACHES = (_F32, np.dtype(np.float16))
 _INT8_CACHES = (np.dtype(np.int8),)
 

@@ -463,12 +463,11 @@ class NumbaOps:
         """``x [T, in]`` times a quantized ``w [out, in]`` -> ``[T, out]`` float32: the format's
         numba kernel, else (a format without one) the NumPy twin; a :class:`StackedWeight`
         part by part (float parts are ``[out, in]`` rows, read through their transposed view)."""
-        if self.activation_dtype == "q8_0" and x.shape[0] == 1 and hasattr(w, "row_product"):
+        if self.activation_dtype == "q8_0" and x.shape == (1, w.shape[1]) and hasattr(w, "row_product"):
             run = w.row_product(get_num_threads())
-            x = np.ascontiguousarray(x, dtype=np.float32)
-            if run is not None and x.shape == run.in_shape:  # bound now, called by ``linear`` from the next row on
+            if run is not None:  # bound now, called by ``linear`` from the next row on
                 self._row_products[id(w)] = run
-                return run(x)
+                return run(np.ascontiguousarray(x, dtype=np.float32))
         if isinstance(w, StackedWeight):
             return np.concatenate([self.linear(x, p if is_quantized(p) else np.ascontiguousarray(p, dtype=np.float32).T)
                                    for p in w.parts], axis=1)
@@ -493,16 +492,11 @@ class NumbaOps:
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         """RMSNorm over the last axis of ``x [..., d]`` float32 (any leading shape)."""
-        x2 = np.ascontiguousarray(x, dtype=np.float32)
-        if x2.ndim != 2:
-            x2 = x2.reshape(-1, x.shape[-1])
+        x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
         out = np.empty_like(x2)
-        weight = np.ascontiguousarray(weight, dtype=np.float32)
-        if x2.shape[0] < ELEMENTWISE_PARALLEL_MIN_ROWS:  # decode rows: the serial twin, no thread count asked
-            _rms_norm_blocks.serial(x2, weight, float(eps), out, max(x2.shape[0], 1))
-        else:
-            self._over_rows(_rms_norm_blocks, x2.shape[0], x2, weight, float(eps), out)
-        return out if x.ndim == 2 else out.reshape(x.shape)
+        self._over_rows(_rms_norm_blocks, x2.shape[0], x2, np.ascontiguousarray(weight, dtype=np.float32),
+                        float(eps), out)
+        return out.reshape(x.shape)
 
     def rope(self, q: np.ndarray, k: np.ndarray, positions: np.ndarray, rope) -> tuple[np.ndarray, np.ndarray]:
         """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` in place (views into the fused qkv

@@ -356,10 +356,7 @@ class GGUFWeight(QuantizedWeight):
                 not in :attr:`activation_dtypes`.
         """
         if activation_dtype == "q8_0":
-            q8 = _kernels("numba_q8")
-            if self.format in q8.Q8_TYPES:
-                return q8.q8_linear(x, self)
-            return _kernels("numba_gguf").linear(x, self, batch_invariant=batch_invariant)
+            return _kernels("numba_q8").linear(x, self, batch_invariant=batch_invariant)
         if activation_dtype != "auto":
             raise ValueError(f"activation_dtype={activation_dtype!r} is not one of {self.activation_dtypes}")
         return _kernels("numba_gguf").linear(x, self, batch_invariant=batch_invariant)
