@@ -174,6 +174,8 @@ class EngineConfig:
             same bits whatever its step; :class:`refengine.ops.numba_ops.NumbaOps`).
         activation_dtype: the input of the products with GGUF block weights, "auto" (float32)
             or "q8_0" (ggml's Q8_0 blocks, integer dot products; :mod:`refengine.quant.numba_q8`).
+        enforce_eager: every step runs the model's forward; False: one-row decode steps on the
+            numba backend are replayed from bound kernels (:mod:`refengine.ops.numba_decode`).
         gpu_memory_utilization: share of GPU memory the engine may use.
         max_logprobs: most ``SamplingParams.logprobs`` a request may ask for.
         log_stats: log per-request lines and periodic stats. trace: record step events.
@@ -217,6 +219,7 @@ class EngineConfig:
     batch_invariant: bool = False
     activation_dtype: str = "auto"
     tensor_parallel_size: int = 1
+    enforce_eager: bool = False
 
     @property
     def max_model_len(self) -> int | None:
@@ -233,6 +236,7 @@ class EngineConfig:
                 "layer_ops": self.layer_ops, "kv_cache_dtype": self.kv_cache_dtype, "block_size": self.block_size,
                 "num_kv_blocks": self.num_kv_blocks, "quantization": self.quantization,
                 "batch_invariant": self.batch_invariant, "activation_dtype": self.activation_dtype,
+                "enforce_eager": self.enforce_eager,
                 "tensor_parallel_size": self.tensor_parallel_size,
                 **{k: getattr(self.scheduler_config, k) for k in ("max_num_seqs", "max_num_batched_tokens",
                                                                    "enable_chunked_prefill", "max_model_len")},

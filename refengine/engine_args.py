@@ -124,6 +124,9 @@ class EngineArgs:
         "whatever else is in its step, however its prompt is chunked, whether its prefix came from the cache, "
         "on any number of threads; costs prefill speed (docs/engine_options.md#batch-invariance) "
         "(default: on with the numba backend, the only one that has it)"))
+    enforce_eager: bool = field(default=False, metadata=_option(
+        "run every step through the model's forward (vLLM's name): no one-row decode steps replayed from "
+        "bound kernels on the numba backend (the same bits, less Python per step: docs/cpu_runtime.md#captured-decode-steps)"))
     max_model_len: int | None = field(default=None, metadata=_option(
         "most tokens per sequence, prompt + output (default: the model's context, capped by the KV pool)",
         minimum=1))
@@ -340,6 +343,7 @@ class EngineArgs:
             layer_ops=LAYER_OPS_FOR_BACKEND[backend], num_threads=self.num_threads, block_size=self.block_size,
             num_kv_blocks=num_blocks, bytes_per_block=per_block, kv_cache_dtype=kv_dtype, quantization=quantization,
             enable_prefix_caching=self.enable_prefix_caching, batch_invariant=batch_invariant,
+            enforce_eager=self.enforce_eager,
             activation_dtype=activation_dtype, gpu_memory_utilization=self.gpu_memory_utilization,
             max_logprobs=self.max_logprobs, log_stats=self.log_stats, trace=self.trace,
             scheduler_config=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,

@@ -178,11 +178,18 @@ def gpu_kv_pool_blocks(total_bytes: int, free_bytes: int, activation_peak_bytes:
 class ModelRunner:
     """Holds the model and its KV cache; runs one flat batch per call."""
 
-    def __init__(self, model, kv_cache: KVCache):
+    def __init__(self, model, kv_cache: KVCache, *, capture_decode: bool = True):
         self.model = model
         self.kv_cache = kv_cache
         self.xp = model.xp
         self.block_size = kv_cache.block_size
+        #: One-row decode steps replayed from bound kernels (:mod:`refengine.ops.numba_decode`),
+        #: None where the model does not qualify or ``capture_decode`` is off (every step runs the forward).
+        self.decode_capture = None
+        if capture_decode and model.xp is np and getattr(model.ops, "name", None) == "numba":
+            from refengine.ops.numba_decode import DecodeCapture
+
+            self.decode_capture = DecodeCapture.for_model(model, kv_cache)
 
     def execute(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False,
                 spec_tokens: dict[Sequence, list[int]] | None = None, prompt_logits: list | None = None):
@@ -224,6 +231,10 @@ class ModelRunner:
             longest = int(np.diff(meta.query_start_loc).max(initial=0))
             adapt_threads(blas_step=is_blas_step(self.model, ids.shape[0], longest),
                           library_blas=not getattr(self.model.ops, "spreads_blas", False))
+        capture = self.decode_capture
+        if (capture is not None and ids.shape[0] == 1 and rows.shape == (1,) and rows[0] == 0
+                and meta.seq_lens[0] <= capture.max_model_len):
+            return capture(ids, positions, meta)
         logits = self.model.forward(xp.asarray(ids), positions, self.kv_cache, meta, xp.asarray(rows))
         return logits if xp is np else xp.asnumpy(logits)
 

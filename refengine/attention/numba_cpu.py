@@ -785,6 +785,12 @@ def _causal_softmax(s, first_pos, group, scale, window, cap, rows_per_task):  # 
                       min(num_rows, (t + 1) * rows_per_task))
 
 
+def decode_partition_tokens(block_size: int) -> int:
+    """Context tokens per decode partition for caches of ``block_size`` tokens per block:
+    :data:`DECODE_PARTITION` rounded down to whole blocks, at least one block."""
+    return max(block_size, DECODE_PARTITION // block_size * block_size)
+
+
 class _DecodeParts:
     """Decode partitions of a step for one window (the arguments of :func:`_paged_decode`).
 
@@ -855,7 +861,7 @@ class _Plan:
         # a decode row's context: its sequence's length less the rows after it in its chunk
         self._decode_lens = (seq_lens[self.decode_seqs] - (qsl[self.decode_seqs + 1] - 1 - self.decode_rows)
                              ).astype(np.int64)
-        self._part = max(block_size, DECODE_PARTITION // block_size * block_size)
+        self._part = decode_partition_tokens(block_size)
         self._decode_parts: dict[int | None, _DecodeParts] = {}
         self.max_seq_len = int(seq_lens.max(initial=0))
 

@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import math
 import sys
+from functools import partial
+from typing import Callable
 
 import numpy as np
 from numba import carray, njit, prange
@@ -398,6 +400,11 @@ def matmul_dot(x: np.ndarray, w: np.ndarray, tile4x4: bool | None = None) -> np.
     return out
 
 
+def _linear_into(ops: "NumbaOps", x: np.ndarray, w, out: np.ndarray) -> None:
+    """``out[...] = ops.linear(x, w)``: a bound product for a weight without a bindable kernel."""
+    np.copyto(out, ops.linear(x, w))
+
+
 class NumbaOps:
     """Layer operations compiled by numba (``"numba"``). float32 activations and weights.
 
@@ -478,6 +485,36 @@ class NumbaOps:
         if self.activation_dtype != "auto" and self.activation_dtype in getattr(w, "activation_dtypes", ()):
             return kernel(x, batch_invariant=self.batch_invariant, activation_dtype=self.activation_dtype)
         return kernel(x, batch_invariant=self.batch_invariant)
+
+    def bind_linear(self, x: np.ndarray, w, out: np.ndarray) -> Callable[[], object]:
+        """``out[...] = linear(x, w)`` as a call of no arguments with the buffers ``x [T, in]``
+        and ``out [T, out]`` (C-contiguous float32) bound, for the numba threads of now: what
+        :mod:`refengine.ops.numba_decode` replays each step. The same kernel and bits as
+        :meth:`linear`: a GGUF weight's one-row product with Q8_0 activations
+        (:meth:`refengine.quant.numba_q8.RowProduct.bind`) or the float32 dot kernel, all
+        arguments bound; any other product computed by :meth:`linear` and copied into ``out``.
+
+        Raises:
+            ValueError: ``x`` or ``out`` not C-contiguous float32 of those shapes.
+        """
+        rows = x.shape[0]
+        if (x.ndim != 2 or out.shape != (rows, w.shape[1] if not is_quantized(w) else w.shape[0])
+                or x.dtype is not _F32 or out.dtype is not _F32
+                or not (x.flags.c_contiguous and out.flags.c_contiguous)):
+            raise ValueError(f"bind_linear takes C-contiguous float32 x [T, in] and out [T, out], "
+                             f"got x {x.dtype} {x.shape} and out {out.dtype} {out.shape} for a weight {w.shape}")
+        threads = get_num_threads()
+        if self.activation_dtype == "q8_0" and x.shape == (1, w.shape[1]) and hasattr(w, "row_product"):
+            run = w.row_product(threads)
+            if run is not None:
+                return run.bind(x, out)
+        if (not is_quantized(w) and 0 < rows < self.blas_min_rows and w.dtype == np.float32
+                and w.T.flags.c_contiguous):
+            n = w.shape[1]
+            block = max(4, -(-n // (16 * threads)) * 4)  # as matmul_dot
+            kernel = _matmul_dot.parallel if threads > 1 else _matmul_dot.serial
+            return partial(kernel, x, w.T, out, block, rows >= DOT_4X4_MIN_ROWS)
+        return partial(_linear_into, self, x, w, out)
 
     @staticmethod
     def _over_rows(kernel: ParallelKernel, rows: int, *args) -> None:

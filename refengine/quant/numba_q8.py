@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from functools import partial
 
 import numpy as np
 from llvmlite import ir
@@ -824,6 +825,15 @@ class RowProduct:
         out = np.empty(self._out_shape, dtype=np.float32)
         self._kernel(x, 1, *self._inputs, out, *self._tail)
         return out
+
+    def bind(self, x: np.ndarray, out: np.ndarray):
+        """The product of the buffer ``x`` (:attr:`in_shape`, C-contiguous float32) into the
+        buffer ``out`` (float32 ``[1, out_features]``, C-contiguous) as a call of no arguments,
+        every argument bound (:mod:`refengine.ops.numba_decode` replays it each step)."""
+        if x.shape != self.in_shape or out.shape != self._out_shape:
+            raise ValueError(f"a row product of {self.weight.shape} binds x {self.in_shape} and out "
+                             f"{self._out_shape}, got {x.shape} and {out.shape}")
+        return partial(self._kernel, x, 1, *self._inputs, out, *self._tail)
 
 
 def linear(x: np.ndarray, w, *, batch_invariant: bool = False) -> np.ndarray:
