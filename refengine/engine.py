@@ -305,7 +305,8 @@ class LLMEngine:
                 num_blocks = measure_gpu_kv_blocks(config, self.model, draft_model)
                 config = args.create_engine_config(model_dir, model_config, num_gpu_blocks=num_blocks)
             self.kv_cache = make_kv_cache(config, mc, xp)
-            self.runner = ModelRunner(self.model, self.kv_cache, capture_decode=not config.enforce_eager)
+            self.runner = ModelRunner(self.model, self.kv_cache, capture_decode=not config.enforce_eager,
+                                      max_model_len=config.max_model_len)
             if config.layer_ops == "numba":  # compile (or load) every CPU kernel now, not during the first requests
                 warm_up_cpu_kernels(self.model, self.kv_cache, config.max_num_batched_tokens, config.max_model_len)
         self.config = config

@@ -178,18 +178,19 @@ def gpu_kv_pool_blocks(total_bytes: int, free_bytes: int, activation_peak_bytes:
 class ModelRunner:
     """Holds the model and its KV cache; runs one flat batch per call."""
 
-    def __init__(self, model, kv_cache: KVCache, *, capture_decode: bool = True):
+    def __init__(self, model, kv_cache: KVCache, *, capture_decode: bool = True, max_model_len: int | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.xp = model.xp
         self.block_size = kv_cache.block_size
-        #: One-row decode steps replayed from bound kernels (:mod:`refengine.ops.numba_decode`),
-        #: None where the model does not qualify or ``capture_decode`` is off (every step runs the forward).
+        #: One-row decode steps replayed from bound kernels (:mod:`refengine.ops.numba_decode`) up to
+        #: ``max_model_len`` tokens, None where the model does not qualify or ``capture_decode`` is
+        #: off (every step runs the forward).
         self.decode_capture = None
         if capture_decode and model.xp is np and getattr(model.ops, "name", None) == "numba":
             from refengine.ops.numba_decode import DecodeCapture
 
-            self.decode_capture = DecodeCapture.for_model(model, kv_cache)
+            self.decode_capture = DecodeCapture.for_model(model, kv_cache, max_model_len)
 
     def execute(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False,
                 spec_tokens: dict[Sequence, list[int]] | None = None, prompt_logits: list | None = None):

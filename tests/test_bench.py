@@ -83,6 +83,15 @@ class FakeLLM:
 # --- workload ---------------------------------------------------------------------------
 
 
+def test_peers_decode_ratios_pair_rounds():
+    """bench peers divides each round's decode rate by llama.cpp's in the same round."""
+    from refengine.bench.peers import decode_ratios
+
+    case = [{"decode_tok_s": 200.0}, {"decode_tok_s": 120.0}, {"decode_tok_s": 210.0}]
+    base = [{"decode_tok_s": 100.0}, {"decode_tok_s": 80.0}, {"decode_tok_s": 140.0}]
+    assert decode_ratios(case, base) == [2.0, 1.5, 1.5]
+
+
 def test_parse_len_range():
     assert parse_len_range("128") == (128, 128)
     assert parse_len_range("16-512") == (16, 512)

@@ -16,7 +16,8 @@ pytest.importorskip("numba")
 from refengine import LLM, SamplingParams  # noqa: E402
 from refengine.attention import paged_metadata  # noqa: E402
 from refengine.attention.numba_cpu import DECODE_PARTITION, SERIAL_DECODE_MAX_TOKENS  # noqa: E402
-from refengine.ops import numba_decode, numba_ops  # noqa: E402
+from refengine.ops import numba_decode  # noqa: E402
+from refengine.ops.numba_ops import NumbaOps  # noqa: E402
 
 
 def _greedy(llm: LLM, prompt: list[int], n: int):
@@ -58,19 +59,23 @@ def test_captured_steps_give_the_forward_bits(gguf_path, kv_cache_dtype, monkeyp
 
 
 def test_float32_weights_and_thread_changes(tiny_llama_tok_dir, monkeypatch):
-    """A float32 checkpoint (the products' dot kernel bound), with the thread count changed
-    between requests (the calls rebound for it): the eager bits on one thread and on two."""
+    """A float32 checkpoint (the products' dot kernel bound), with numba's thread count
+    changed between requests (the calls rebound for it): the eager bits on one thread and on two."""
+    import numba
+
+    from refengine import model_runner
+    from refengine.runtime.threads import use_threads
+
     prompt = list(range(3, 40))
     eager = LLM(model=str(tiny_llama_tok_dir), max_model_len=200, enable_prefix_caching=False, enforce_eager=True)
     llm = LLM(model=str(tiny_llama_tok_dir), max_model_len=200, enable_prefix_caching=False)
     capture = llm.llm_engine.runner.decode_capture
     assert capture is not None
     calls = _count_calls(monkeypatch)
-    for threads in (1, 2, 1):  # the count the calls are bound for (the engine sets numba's own each step)
-        monkeypatch.setattr(numba_decode, "get_num_threads", lambda: threads)
-        monkeypatch.setattr(numba_ops, "get_num_threads", lambda: threads)
+    for threads in (1, 2, 1):  # each step's count, set where the runner would adapt it
+        monkeypatch.setattr(model_runner, "adapt_threads", lambda **kw: use_threads(1, threads))
         assert _greedy(llm, prompt, 30) == _greedy(eager, prompt, 30)
-        assert capture._threads == threads
+        assert capture._threads == numba.get_num_threads() == min(threads, numba.config.NUMBA_NUM_THREADS)
     assert calls[0] == 3 * 29
 
 
@@ -85,7 +90,7 @@ def test_bad_steps_raise_and_other_models_run_the_forward(tiny_llama_tok_dir):
         return paged_metadata(np.array(q_lens), np.array([seq_len] * len(q_lens)), np.array([table] * len(q_lens),
                                                                                               np.int32), 16)
 
-    with pytest.raises(IndexError, match="block table"):
+    with pytest.raises(ValueError, match="block table"):
         capture(ids, pos, meta([8, 0]))  # block 8 of a pool of 8 (the slot, in block 0, is fine)
     with pytest.raises(IndexError, match="RoPE"):
         capture(ids, np.array([10_000]), meta([0, 1]))
@@ -104,3 +109,17 @@ def test_bad_steps_raise_and_other_models_run_the_forward(tiny_llama_tok_dir):
     finally:
         model.layers[0].attention_options = {}
     assert numba_decode.DecodeCapture.for_model(model, engine.kv_cache) is not None
+
+
+def test_bind_linear_checks_both_widths():
+    """A float32 weight ``[in, out]``: an input of another width is refused, not read past."""
+    w = np.zeros((8, 4), np.float32)
+    ops = NumbaOps()
+    with pytest.raises(ValueError, match="bind_linear"):
+        ops.bind_linear(np.zeros((1, 9), np.float32), w, np.zeros((1, 4), np.float32))
+    with pytest.raises(ValueError, match="bind_linear"):
+        ops.bind_linear(np.zeros((1, 8), np.float32), w, np.zeros((1, 5), np.float32))
+    x, out = np.ones((1, 8), np.float32), np.zeros((1, 4), np.float32)
+    w[:, 2] = 0.5
+    ops.bind_linear(x, w, out)()
+    np.testing.assert_array_equal(out, [[0.0, 0.0, 4.0, 0.0]])

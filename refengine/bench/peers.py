@@ -28,7 +28,9 @@ Each case reports: prefill time of the ``--prompt-len`` prompt (the time to the 
 token), the decode rate of the ``--output-len`` greedy tokens that follow (EOS ignored),
 the process's peak RSS (``getrusage``), and its first eight greedy tokens, so a reader sees
 whether the engines agree. Figures are medians over ``--repeats`` rounds; a round runs
-every case once, in order, so a slow drift of the machine reaches every case alike.
+every case once, in order, so a slow drift of the machine reaches every case alike. Where
+llama.cpp ran, each case's decode rate is also divided by llama.cpp's in the same round
+(the table gives the median, lowest and highest of those ratios).
 A peer that is not installed is skipped with a line saying how to get it:
 ``pip install ctranslate2`` (a wheel) and ``benchmarks/build_llama_cpp.sh`` (builds
 ``llama-cpp-python`` from its source distribution, about 15 minutes on two cores).
@@ -76,6 +78,17 @@ CHILD = """import json, sys
 from refengine.bench.peers import child_main
 print({mark!r} + json.dumps(child_main(json.loads(sys.argv[1]))), flush=True)
 """
+
+
+#: The case every other case's decode rate is divided by, round by round.
+RATIO_BASE = "llama.cpp"
+
+
+def decode_ratios(rounds: list[dict], base: list[dict]) -> list[float]:
+    """Each round's decode rate (tok/s) over the base case's in the same round: on a machine
+    whose speed drifts, a ratio of two runs a few seconds apart keeps what a ratio of two
+    medians taken minutes apart loses."""
+    return [r["decode_tok_s"] / b["decode_tok_s"] for r, b in zip(rounds, base)]
 
 
 def _peak_rss_mb() -> float:
@@ -272,13 +285,20 @@ def peers_cmd(gguf, hf_dir, cases, prompt_len, output_len, threads, repeats, jso
             click.echo(f"round {r + 1}/{repeats} {case}: prefill {res['prefill_s']:.3f} s, "
                        f"decode {res['decode_tok_s']:.1f} tok/s, peak RSS {res['peak_rss_mb']:.0f} MB")
     rows, summary = [], {}
+    base = results.get(RATIO_BASE)
     for case in runnable:
         med = {k: statistics.median(r[k] for r in results[case]) for k in ("prefill_s", "decode_tok_s", "peak_rss_mb")}
         med["first_tokens"] = results[case][0]["first_tokens"]
+        row = [CASES[case][0], f"{med['prefill_s']:.3f}", f"{med['decode_tok_s']:.1f}"]
+        if base:
+            ratios = decode_ratios(results[case], base)
+            med["decode_vs_llama_cpp"] = ratios
+            row.append(f"x{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})")
         summary[case] = med
-        rows.append([CASES[case][0], f"{med['prefill_s']:.3f}", f"{med['decode_tok_s']:.1f}",
-                     f"{med['peak_rss_mb']:.0f}", " ".join(map(str, med["first_tokens"]))])
-    headers = ["engine", f"prefill {prompt_len} (s)", "decode b1 (tok/s)", "peak RSS (MB)", "first 8 greedy ids"]
+        rows.append(row + [f"{med['peak_rss_mb']:.0f}", " ".join(map(str, med["first_tokens"]))])
+    headers = ["engine", f"prefill {prompt_len} (s)", "decode b1 (tok/s)"]
+    headers += [f"decode vs {RATIO_BASE}, per round: median (min-max)"] if base else []
+    headers += ["peak RSS (MB)", "first 8 greedy ids"]
     click.echo(format_table(headers, rows))
     if json_path:
         write_json(json_path, {"scenario": "peers", "prompt_len": prompt_len, "output_len": output_len,

@@ -44,7 +44,9 @@ from refengine.runtime.numba_support import get_num_threads
 LLAMA_METHODS = ("forward", "decoder_layer", "self_attention", "mlp", "qkv_projection", "embed_tokens",
                  "embedding_rows", "final_logits", "reduce")
 
-_ACTIVATIONS = {"silu": _silu_and_mul_blocks, "gelu_pytorch_tanh": _gelu_tanh_and_mul_blocks}
+#: ``hidden_activation`` -> the NumbaOps method the forward calls, and its kernel.
+_ACTIVATIONS = {"silu": ("silu_and_mul", _silu_and_mul_blocks),
+                "gelu_pytorch_tanh": ("gelu_tanh_and_mul", _gelu_tanh_and_mul_blocks)}
 
 
 class DecodeCapture:
@@ -60,9 +62,11 @@ class DecodeCapture:
     Call it as the forward with one token: ``capture(input_ids [1], positions [1], meta)`` ->
     ``[1, vocab_size]`` float32 logits of that row, a fresh array.
 
-    Raises (from a call):
-        ValueError: metadata of other than one sequence with one new token.
-        IndexError: a position outside the RoPE tables, a slot or block id outside the cache.
+    Raises (from a call, before any kernel runs; the forward's errors for the same faults):
+        ValueError: metadata of other than one sequence with one new token, a ``seq_len``
+            outside ``[1, max_model_len]``, a block table without a block id inside the
+            cache for each block of the context.
+        IndexError: a position outside the RoPE tables, a slot outside the cache.
     """
 
     def __init__(self, model, kv_cache: KVCache, max_model_len: int | None = None):
@@ -101,7 +105,7 @@ class DecodeCapture:
         self.part_start = np.arange(most, dtype=np.int32) * self.part
         self.part_end = self.part_start + self.part
         self.scale = float(model.scale)
-        self._activation = _ACTIVATIONS[cfg.hidden_activation]
+        self._activation = _ACTIVATIONS[cfg.hidden_activation][1]
         self._layers: list[list[Callable]] | None = None  # per layer: the bound calls before attention, after
         self._threads = 0
         self._attention: list[Callable] = []
@@ -124,6 +128,8 @@ class DecodeCapture:
         if (model.xp is not np or type(model.ops) is not NumbaOps or type(model.attention) is not NumbaAttention
                 or model.config.hidden_activation not in _ACTIVATIONS):
             return None
+        if model.activation != getattr(model.ops, _ACTIVATIONS[model.config.hidden_activation][0]):
+            return None  # a family that picked its own activation
         if any(layer.attention_options for layer in model.layers):
             return None
         if kv_cache.k[0].dtype not in (np.float32, np.float16, np.int8) or kv_cache.dtype != np.float32:
@@ -137,7 +143,7 @@ class DecodeCapture:
         model, ops, eps = self.model, self.model.ops, self.eps
         h, x, o = self.h, self.x, self.o
         norm = _rms_norm_blocks.serial  # one row: the serial twin, as NumbaOps.rms_norm runs it
-        self._layers = []
+        layers = []  # assigned with the key below only once complete: a bind that raises leaves none
         for li, layer in enumerate(model.layers):
             kv = self.kv_cache.layer(li)
             before = [partial(norm, h, layer.input_norm, eps, x, 1), ops.bind_linear(x, layer.qkv, self.qkv)]
@@ -158,21 +164,20 @@ class DecodeCapture:
                      ops.bind_linear(x, layer.gate_up, self.gate_up),
                      partial(self._activation.serial, self.gate_up, self.act, 1),
                      ops.bind_linear(self.act, layer.down, o), partial(np.add, h, o, out=h)]
-            self._layers.append([before, after])
-        self._final = partial(norm, h, model.norm, eps, x, 1)
-        self._threads = threads
+            layers.append([before, after])
+        self._layers, self._final, self._threads = layers, partial(norm, h, model.norm, eps, x, 1), threads
 
     def _bind_attention(self, parts: int, serial: bool) -> None:
         """Bind each layer's paged decode over the first ``parts`` partitions."""
         decode = _paged_decode.serial if serial else _paged_decode
         seq, start, end = self.part_seq[:parts], self.part_start[:parts], self.part_end[:parts]
-        self._attention = []
+        calls = []
         for li in range(len(self.model.layers)):
             kv = self.kv_cache.layer(li)
             kc, vc = _kernel_views(kv.k, kv.v)
-            self._attention.append(partial(decode, self.q, kc, vc, kv.k_scale, kv.v_scale, self.block_tables,
-                                           self.seqs, self.rows, seq, start, end, self.scale, None, self.attn))
-        self._attention_key = (parts, serial)
+            calls.append(partial(decode, self.q, kc, vc, kv.k_scale, kv.v_scale, self.block_tables,
+                                 self.seqs, self.rows, seq, start, end, self.scale, None, self.attn))
+        self._attention, self._attention_key = calls, (parts, serial)
 
     # --- a step ----------------------------------------------------------------------
     def __call__(self, input_ids: np.ndarray, positions: np.ndarray, meta: AttentionMetadata) -> np.ndarray:
@@ -191,8 +196,8 @@ class DecodeCapture:
             raise IndexError(f"slot_mapping entry {slot} outside the KV cache's {cache.shape[0] * cache.shape[1]} slots")
         blocks = -(-seq_len // self.block_size)
         table = np.asarray(meta.block_tables)[0, :blocks]
-        if blocks > table.shape[0] or table.min() < 0 or table.max() >= cache.shape[0]:
-            raise IndexError(f"block table of {table.shape[0]} entries {table.tolist()[:8]} does not give "
+        if blocks > table.shape[0] or table.min() < 0 or table.max() >= cache.shape[0]:  # as the forward: ValueError
+            raise ValueError(f"block table of {table.shape[0]} entries {table.tolist()[:8]} does not give "
                              f"{blocks} block ids inside the cache's {cache.shape[0]} blocks")
         threads = get_num_threads()
         if self._layers is None or threads != self._threads:
@@ -208,7 +213,7 @@ class DecodeCapture:
         self.block_tables[0, :blocks] = table
         self.part_end[parts - 1] = seq_len
         np.copyto(self.h, self.model.embedding_rows(input_ids))
-        for (before, after), attention in zip(self._layers, self._attention):
+        for (before, after), attention in zip(self._layers, self._attention, strict=True):
             for call in before:
                 call()
             attention()

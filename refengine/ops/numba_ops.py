@@ -498,7 +498,8 @@ class NumbaOps:
             ValueError: ``x`` or ``out`` not C-contiguous float32 of those shapes.
         """
         rows = x.shape[0]
-        if (x.ndim != 2 or out.shape != (rows, w.shape[1] if not is_quantized(w) else w.shape[0])
+        n_in, n_out = (w.shape[1], w.shape[0]) if is_quantized(w) else w.shape  # float weights are [in, out]
+        if (x.ndim != 2 or x.shape[1] != n_in or out.shape != (rows, n_out)
                 or x.dtype is not _F32 or out.dtype is not _F32
                 or not (x.flags.c_contiguous and out.flags.c_contiguous)):
             raise ValueError(f"bind_linear takes C-contiguous float32 x [T, in] and out [T, out], "
