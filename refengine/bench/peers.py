@@ -310,4 +310,6 @@ def peers_cmd(gguf, hf_dir, cases, prompt_len, output_len, threads, repeats, jso
             f"medians of {repeats} rounds. Model: `{gguf.name}`.", (headers, rows)]
     body += skipped
     section = "bench peers" if gguf.resolve() == DEFAULT_GGUF.resolve() else f"bench peers: {gguf.stem}"
+    if set(wanted) != set(CASES):  # a subset (e.g. a head-to-head of two cases) keeps a section of its own
+        section += f" ({', '.join(wanted)})"
     write_performance(performance_md, section, body, echo=click.echo)
