@@ -266,6 +266,17 @@ def _write_kv_int8(k_cache, v_cache, k_scale, v_scale, k, v, slot_mapping):  # p
             v_scale[block, off, h] = _quantize_row(v[t, h], v_cache[block, off, h], head_dim)
 
 
+def cache_writer(k_cache: np.ndarray, v_cache: np.ndarray, k_scale, v_scale) -> tuple:
+    """The cache-write kernel for these caches and the cache arguments it takes before
+    ``(k, v, slot_mapping)``: :func:`_write_kv_f16` over the bit patterns of float16 caches,
+    :func:`_write_kv_int8` with the scales of int8 ones, :func:`_write_kv` otherwise."""
+    if k_cache.dtype == np.float16:
+        return _write_kv_f16, _kernel_views(k_cache, v_cache)
+    if k_scale is None:
+        return _write_kv, (k_cache, v_cache)
+    return _write_kv_int8, (k_cache, v_cache, k_scale, v_scale)
+
+
 @njit(cache=True, inline="always")
 def _quantize_row(x, out, n):  # pragma: no cover - compiled
     """``out[:n] = clip(rint(x / scale), -127, 127)`` int8; returns ``scale = max|x| / 127`` float32."""
@@ -966,12 +977,8 @@ class NumbaAttention:
         if plan.min_slot < 0 or plan.max_slot >= slots:
             raise IndexError(f"slot_mapping entries {plan.min_slot}..{plan.max_slot} outside the KV cache's "
                              f"{slots} slots")
-        if k_cache.dtype == np.float16:
-            _write_kv_f16(*_kernel_views(k_cache, v_cache), k, v, plan.slot_mapping)
-        elif k_scale is None:
-            _write_kv(k_cache, v_cache, k, v, plan.slot_mapping)
-        else:
-            _write_kv_int8(k_cache, v_cache, k_scale, v_scale, k, v, plan.slot_mapping)
+        kernel, caches = cache_writer(k_cache, v_cache, k_scale, v_scale)
+        kernel(*caches, k, v, plan.slot_mapping)
 
     def forward(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, meta: AttentionMetadata,
                 scale: float, out: np.ndarray | None = None, *, sliding_window: int | None = None,

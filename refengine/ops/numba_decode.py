@@ -32,8 +32,8 @@ from typing import Callable
 import numpy as np
 
 from refengine.attention import AttentionMetadata
-from refengine.attention.numba_cpu import (DECODE_PARTS_PER_LAUNCH, SERIAL_DECODE_MAX_TOKENS, NumbaAttention, _kernel_views, _paged_decode,
-                                           _write_kv, _write_kv_f16, _write_kv_int8, decode_partition_tokens)
+from refengine.attention.numba_cpu import (DECODE_PARTS_PER_LAUNCH, SERIAL_DECODE_MAX_TOKENS, NumbaAttention,
+                                           _kernel_views, _paged_decode, cache_writer, decode_partition_tokens)
 from refengine.kv_cache import KVCache
 from refengine.ops.numba_ops import (NumbaOps, _gelu_tanh_and_mul_blocks, _rms_norm_blocks, _rope_blocks,
                                      _silu_and_mul_blocks)
@@ -152,13 +152,8 @@ class DecodeCapture:
             cos, sin = layer.rope.cos, layer.rope.sin
             before += [partial(_rope_blocks.serial, self.q, self.positions, cos, sin, 1),
                        partial(_rope_blocks.serial, self.k, self.positions, cos, sin, 1)]
-            if kv.k_scale is not None:
-                before.append(partial(_write_kv_int8, kv.k, kv.v, kv.k_scale, kv.v_scale, self.k, self.v,
-                                      self.slot_mapping))
-            elif kv.k.dtype == np.float16:
-                before.append(partial(_write_kv_f16, *_kernel_views(kv.k, kv.v), self.k, self.v, self.slot_mapping))
-            else:
-                before.append(partial(_write_kv, kv.k, kv.v, self.k, self.v, self.slot_mapping))
+            write, caches = cache_writer(kv.k, kv.v, kv.k_scale, kv.v_scale)
+            before.append(partial(write, *caches, self.k, self.v, self.slot_mapping))
             after = [ops.bind_linear(self.attn_rows, layer.o, o), partial(np.add, h, o, out=h),
                      partial(norm, h, layer.post_norm, eps, x, 1),
                      ops.bind_linear(x, layer.gate_up, self.gate_up),
@@ -193,7 +188,8 @@ class DecodeCapture:
         cache = self.kv_cache.k[0]
         slot = int(meta.slot_mapping[0])
         if not 0 <= slot < cache.shape[0] * cache.shape[1]:
-            raise IndexError(f"slot_mapping entry {slot} outside the KV cache's {cache.shape[0] * cache.shape[1]} slots")
+            raise IndexError(f"slot_mapping entry {slot} outside the KV cache's "
+                             f"{cache.shape[0] * cache.shape[1]} slots")
         blocks = -(-seq_len // self.block_size)
         table = np.asarray(meta.block_tables)[0, :blocks]
         if blocks > table.shape[0] or table.min() < 0 or table.max() >= cache.shape[0]:  # as the forward: ValueError
