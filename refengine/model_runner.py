@@ -187,7 +187,7 @@ class ModelRunner:
         #: ``max_model_len`` tokens, None where the model does not qualify or ``capture_decode`` is
         #: off (every step runs the forward).
         self.decode_capture = None
-        if capture_decode and model.xp is np and getattr(model.ops, "name", None) == "numba":
+        if capture_decode and getattr(model.ops, "name", None) == "numba":  # (numba imported only then)
             from refengine.ops.numba_decode import DecodeCapture
 
             self.decode_capture = DecodeCapture.for_model(model, kv_cache, max_model_len)

@@ -111,6 +111,7 @@ class DecodeCapture:
         self._attention: list[Callable] = []
         self._attention_key: tuple | None = None
         self._final: Callable | None = None
+        self._rope_positions = min(layer.rope.cos.shape[0] for layer in model.layers)  # the shortest table
 
     @classmethod
     def for_model(cls, model, kv_cache: KVCache, max_model_len: int | None = None) -> "DecodeCapture | None":
@@ -182,9 +183,8 @@ class DecodeCapture:
         seq_len, pos = int(meta.seq_lens[0]), int(positions[0])
         if not 0 < seq_len <= self.max_model_len:
             raise ValueError(f"seq_len {seq_len} outside [1, max_model_len={self.max_model_len}]")
-        for rope in {id(layer.rope): layer.rope for layer in self.model.layers}.values():
-            if not 0 <= pos < rope.cos.shape[0]:
-                raise IndexError(f"position {pos} outside the RoPE tables [0, {rope.cos.shape[0]})")
+        if not 0 <= pos < self._rope_positions:
+            raise IndexError(f"position {pos} outside the RoPE tables [0, {self._rope_positions})")
         cache = self.kv_cache.k[0]
         slot = int(meta.slot_mapping[0])
         if not 0 <= slot < cache.shape[0] * cache.shape[1]:

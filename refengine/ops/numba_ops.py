@@ -384,6 +384,12 @@ def _gelu_tanh_and_mul_blocks(x, out, per):  # pragma: no cover - compiled
         _gelu_tanh_and_mul(x, out, c * per, min(x.shape[0], (c + 1) * per))
 
 
+def _dot_block(n: int, threads: int) -> int:
+    """Weight rows per task of :func:`_matmul_dot` for ``n`` outputs on ``threads`` threads:
+    a multiple of four, about four tasks per thread."""
+    return max(4, -(-n // (16 * threads)) * 4)
+
+
 def matmul_dot(x: np.ndarray, w: np.ndarray, tile4x4: bool | None = None) -> np.ndarray:
     """``x [T, in] @ w`` -> ``[T, out]`` float32 by :func:`_matmul_dot`, for ``w`` the
     ``[in, out]``-shaped transposed view of C-contiguous float32 ``[out, in]`` rows
@@ -394,7 +400,7 @@ def matmul_dot(x: np.ndarray, w: np.ndarray, tile4x4: bool | None = None) -> np.
     weights here; any other layout would be read out of bounds)."""
     rows, n = x.shape[0], w.shape[1]
     out = np.empty((rows, n), dtype=np.float32)
-    block = max(4, -(-n // (16 * get_num_threads())) * 4)
+    block = _dot_block(n, get_num_threads())
     wide = rows >= DOT_4X4_MIN_ROWS if tile4x4 is None else tile4x4
     _matmul_dot(np.ascontiguousarray(x, dtype=np.float32), w.T, out, block, wide)
     return out
@@ -511,10 +517,8 @@ class NumbaOps:
                 return run.bind(x, out)
         if (not is_quantized(w) and 0 < rows < self.blas_min_rows and w.dtype == np.float32
                 and w.T.flags.c_contiguous):
-            n = w.shape[1]
-            block = max(4, -(-n // (16 * threads)) * 4)  # as matmul_dot
-            kernel = _matmul_dot.parallel if threads > 1 else _matmul_dot.serial
-            return partial(kernel, x, w.T, out, block, rows >= DOT_4X4_MIN_ROWS)
+            return partial(_matmul_dot.for_threads(threads), x, w.T, out, _dot_block(n_out, threads),
+                           rows >= DOT_4X4_MIN_ROWS)
         return partial(_linear_into, self, x, w, out)
 
     @staticmethod

@@ -1462,7 +1462,7 @@ def plan_arguments(w, pair, threads: int) -> tuple:
     scratch (:func:`_scale_scratch`), None for F16/BF16, whose kernels take none."""
     n = w.shape[0]
     block = _task_rows(n, threads)
-    kernel = pair.parallel if threads > 1 else pair.serial
+    kernel = pair.for_threads(threads)
     scratch = None if w.format in ("F16", "BF16") else _scale_scratch(w, -(-n // block))
     return kernel, _planes(w), block, scratch
 

@@ -796,7 +796,7 @@ def _q8_plan(w, threads: int) -> tuple:
     block = max(1, -(-groups // (4 * threads)))
     pair = _KERNELS[w.format]
     k = w.shape[1]
-    return (pair.parallel if threads > 1 else pair.serial, interleave(w), block,
+    return (pair.for_threads(threads), interleave(w), block,
             np.empty((-(-groups // block), GROUP), np.float32), np.empty((1, k), np.int8),
             np.empty((1, k // 32), np.float32), np.empty((1, k // 32), np.float32), np.empty((1, k // 32), np.int32))
 

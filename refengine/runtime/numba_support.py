@@ -46,8 +46,12 @@ class ParallelKernel:
         self.serial = njit(cache=True, **options)(serial)
         self.__doc__ = py_func.__doc__
 
+    def for_threads(self, threads: int):
+        """The version a call on ``threads`` numba threads runs: parallel from two, else serial."""
+        return self.parallel if threads > 1 else self.serial
+
     def __call__(self, *args):
-        return (self.parallel if get_num_threads() > 1 else self.serial)(*args)
+        return self.for_threads(get_num_threads())(*args)
 
 
 def get_num_threads() -> int:
