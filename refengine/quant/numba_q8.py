@@ -829,7 +829,11 @@ class RowProduct:
     def bind(self, x: np.ndarray, out: np.ndarray):
         """The product of the buffer ``x`` (:attr:`in_shape`, C-contiguous float32) into the
         buffer ``out`` (float32 ``[1, out_features]``, C-contiguous) as a call of no arguments,
-        every argument bound (:mod:`refengine.ops.numba_decode` replays it each step)."""
+        every argument bound (:mod:`refengine.ops.numba_decode` replays it each step).
+
+        Raises:
+            ValueError: ``x`` or ``out`` of another shape.
+        """
         if x.shape != self.in_shape or out.shape != self._out_shape:
             raise ValueError(f"a row product of {self.weight.shape} binds x {self.in_shape} and out "
                              f"{self._out_shape}, got {x.shape} and {out.shape}")
