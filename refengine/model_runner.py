@@ -183,14 +183,12 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.xp = model.xp
         self.block_size = kv_cache.block_size
-        #: One-row decode steps replayed from bound kernels (:mod:`refengine.ops.numba_decode`) up to
-        #: ``max_model_len`` tokens, None where the model does not qualify or ``capture_decode`` is
-        #: off (every step runs the forward).
+        #: Batch-1 decode steps replayed from a recording of the model's forward
+        #: (:mod:`refengine.cpu.capture`) up to ``max_model_len`` tokens, None where the layer ops
+        #: record none or ``capture_decode`` is off (every step runs the forward).
         self.decode_capture = None
         if capture_decode and getattr(model.ops, "name", None) == "numba":  # (numba imported only then)
-            from refengine.ops.numba_decode import DecodeCapture
-
-            self.decode_capture = DecodeCapture.for_model(model, kv_cache, max_model_len)
+            self.decode_capture = model.ops.capture_decode(model, kv_cache, max_model_len)
 
     def execute(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False,
                 spec_tokens: dict[Sequence, list[int]] | None = None, prompt_logits: list | None = None):

@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import math
 import sys
+from functools import partial
 
 import numpy as np
 from numba import njit, prange, types
@@ -92,6 +93,7 @@ from numba.extending import overload
 
 from refengine.attention import AttentionMetadata
 from refengine.attention.numpy_ref import gather_context
+from refengine.cpu.capture import Recordable
 from refengine.ops.numba_ops import _F32, _LN2_HI, _LN2_LO, _LOG2E, exp_affine
 from refengine.quant.numba_gguf import (f16_to_f32, f32_to_f16, f8_load, f8_load_f16, f8_store, f8_sum,
                                         f8_transpose8, q16_load_bytes, q16_to_f, v16_add, v16_fma, v16_halves, v16_load,
@@ -844,6 +846,7 @@ class _Plan:
         seq_lens = np.ascontiguousarray(meta.seq_lens, dtype=np.int32)
         self.meta = meta
         self.block_size = block_size
+        self.batch_invariant, self.blas_min_rows = batch_invariant, blas_min_rows
         self.query_start_loc, self.seq_lens = qsl, seq_lens
         self.block_tables = np.ascontiguousarray(meta.block_tables, dtype=np.int32)
         self.slot_mapping = np.ascontiguousarray(meta.slot_mapping, dtype=np.int32)
@@ -874,6 +877,7 @@ class _Plan:
                              ).astype(np.int64)
         self._part = decode_partition_tokens(block_size)
         self._decode_parts: dict[int | None, _DecodeParts] = {}
+        self._windows: set[int | None] = set()  # every window asked for (decode_parts)
         self.max_seq_len = int(seq_lens.max(initial=0))
 
         prefill = np.flatnonzero(q_lens > 1) if not batch_invariant else np.zeros(0, np.int64)
@@ -887,6 +891,7 @@ class _Plan:
     def decode_parts(self, window: int | None) -> _DecodeParts:
         """The decode partitions for ``window`` (None: whole contexts), cached for the step's
         other layers; a window at least every context is the same work as none."""
+        self._windows.add(window)
         if window is not None and window >= self.max_seq_len:
             window = None
         parts = self._decode_parts.get(window)
@@ -895,12 +900,67 @@ class _Plan:
         return parts
 
 
+    def check(self, num_blocks: int, block_size: int) -> None:
+        """Raise unless every block id the step reads and every slot it writes is inside a
+        cache of ``num_blocks`` blocks of ``block_size`` slots.
+
+        Raises:
+            ValueError: a block id outside the cache.
+            IndexError: a slot outside the cache.
+        """
+        if self.min_block < 0 or self.max_block >= num_blocks:
+            raise ValueError(f"block ids {self.min_block}..{self.max_block} outside the cache's {num_blocks} blocks")
+        slots = num_blocks * block_size
+        if self.min_slot < 0 or self.max_slot >= slots:
+            raise IndexError(f"slot_mapping entries {self.min_slot}..{self.max_slot} outside the KV cache's "
+                             f"{slots} slots")
+
+    def _arrays(self) -> list[np.ndarray]:
+        """Every array a kernel launch of this step reads, in a fixed order (windows sorted, None first)."""
+        arrays = [self.query_start_loc, self.seq_lens, self.block_tables, self.slot_mapping, self.decode_seqs,
+                  self.decode_rows, self.tile_seq, self.tile_q0]
+        for window in sorted(self._windows, key=lambda w: -1 if w is None else w):
+            parts = self.decode_parts(window)
+            arrays += [parts.seq, parts.start, parts.end]
+        return arrays
+
+    def _shape(self) -> tuple:
+        """What the launches of a step depend on besides the arrays' values: their shapes, which
+        windows share partitions, each launch's partitions and serial-or-parallel choice, the
+        BLAS-prefill sequences."""
+        windows = sorted(self._windows, key=lambda w: -1 if w is None else w)
+        parts = [self.decode_parts(w) for w in windows]
+        launches = tuple(tuple((a, b, t < SERIAL_DECODE_MAX_TOKENS) for a, b, t in p.launches) for p in parts)
+        shared = tuple(tuple(p is q for q in parts) for p in parts)
+        return tuple(a.shape for a in self._arrays()), launches, shared, tuple(self.blas_prefill)
+
+    def refill(self, meta: AttentionMetadata, num_blocks: int) -> bool:
+        """This plan's arrays rewritten in place for ``meta`` (a recorded step's metadata with
+        new values), when its launches keep their shape: True; False when they would not
+        (the step must be recorded again).
+
+        Raises:
+            the errors of :meth:`check`, and ValueError for inconsistent metadata.
+        """
+        fresh = _Plan(meta, self.block_size, self.batch_invariant, self.blas_min_rows)
+        fresh._windows = set(self._windows)
+        fresh.check(num_blocks, self.block_size)
+        if fresh._shape() != self._shape():
+            return False
+        for mine, new in zip(self._arrays(), fresh._arrays(), strict=True):
+            if mine is not new:
+                np.copyto(mine, new)
+        self.min_block, self.max_block, self.min_slot, self.max_slot = (fresh.min_block, fresh.max_block,
+                                                                        fresh.min_slot, fresh.max_slot)
+        return True
+
+
 # dtypes the checks compare with (dtype objects: comparing a dtype with a scalar type converts the type each time)
 _FLOAT_CACHES = (_F32, np.dtype(np.float16))
 _INT8_CACHES = (np.dtype(np.int8),)
 
 
-class NumbaAttention:
+class NumbaAttention(Recordable):
     """The numba backend (``attention_backend="numba"``). float32 queries; float32 or float16
     caches (``kv_cache_dtype="float16"``: values rounded to nearest on write, read exactly,
     so attention over them gives the same bits as over their float32 copy), or int8 caches
@@ -933,10 +993,16 @@ class NumbaAttention:
         first layer's call, when the cache's block size is known, and reused by the others."""
         self._plan = None
 
-    def _plan_for(self, meta: AttentionMetadata, block_size: int) -> _Plan:
+    def _plan_for(self, meta: AttentionMetadata, k_cache: np.ndarray) -> _Plan:
+        """The step's plan for a cache like ``k_cache``, its block ids and slots checked;
+        while recording, a replay first refills it for the new step's metadata (or asks for a
+        new recording: :meth:`_Plan.refill`)."""
         plan = self._plan
-        if plan is None or plan.meta is not meta or plan.block_size != block_size:
-            plan = self._plan = _Plan(meta, block_size, self.batch_invariant, self.blas_prefill_min_rows)
+        if plan is None or plan.meta is not meta or plan.block_size != k_cache.shape[1]:
+            plan = self._plan = _Plan(meta, k_cache.shape[1], self.batch_invariant, self.blas_prefill_min_rows)
+            plan.check(k_cache.shape[0], k_cache.shape[1])
+            if self.tape is not None:
+                self.tape.checks.append(partial(plan.refill, meta, k_cache.shape[0]))
         return plan
 
     @staticmethod
@@ -972,13 +1038,9 @@ class NumbaAttention:
             IndexError: a slot outside the cache.
         """
         self._check(k_cache, v_cache, k_scale, v_scale, k, v)
-        plan = self._plan_for(meta, k_cache.shape[1])
-        slots = k_cache.shape[0] * k_cache.shape[1]
-        if plan.min_slot < 0 or plan.max_slot >= slots:
-            raise IndexError(f"slot_mapping entries {plan.min_slot}..{plan.max_slot} outside the KV cache's "
-                             f"{slots} slots")
+        plan = self._plan_for(meta, k_cache)
         kernel, caches = cache_writer(k_cache, v_cache, k_scale, v_scale)
-        kernel(*caches, k, v, plan.slot_mapping)
+        self._launch(kernel, *caches, k, v, plan.slot_mapping)
 
     def forward(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, meta: AttentionMetadata,
                 scale: float, out: np.ndarray | None = None, *, sliding_window: int | None = None,
@@ -1011,13 +1073,10 @@ class NumbaAttention:
             logits_soft_cap = float(logits_soft_cap)
             if not (0.0 < logits_soft_cap < math.inf):
                 raise ValueError(f"logits_soft_cap must be a positive finite number or None, got {logits_soft_cap}")
-        plan = self._plan_for(meta, k_cache.shape[1])
-        if plan.min_block < 0 or plan.max_block >= k_cache.shape[0]:
-            raise ValueError(f"block ids {plan.min_block}..{plan.max_block} outside the cache's "
-                             f"{k_cache.shape[0]} blocks")
+        plan = self._plan_for(meta, k_cache)
         if q.shape[1] % k_cache.shape[2]:
             raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {k_cache.shape[2]}")
-        q = np.ascontiguousarray(q)
+        q = self._contiguous(q)
         if out is None:
             out = np.empty(q.shape, dtype=np.float32)
         elif out.shape != q.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
@@ -1029,14 +1088,15 @@ class NumbaAttention:
             scale = float(scale)
             for tokens, seq, start, end in parts.launch_args:
                 decode = _paged_decode.serial if tokens < SERIAL_DECODE_MAX_TOKENS else _paged_decode
-                decode(q, kc, vc, k_scale, v_scale, plan.block_tables, plan.decode_seqs, plan.decode_rows,
-                       seq, start, end, scale, logits_soft_cap, out)
+                self._launch(decode, q, kc, vc, k_scale, v_scale, plan.block_tables, plan.decode_seqs,
+                             plan.decode_rows, seq, start, end, scale, logits_soft_cap, out)
         if plan.tile_seq.shape[0]:
-            _flash_prefill(q, kc, vc, k_scale, v_scale, plan.block_tables, plan.seq_lens,
-                           plan.query_start_loc, plan.tile_seq, plan.tile_q0, float(scale), window, logits_soft_cap,
-                           PREFILL_Q_TILE, PREFILL_K_TILE, out)
+            self._launch(_flash_prefill, q, kc, vc, k_scale, v_scale, plan.block_tables, plan.seq_lens,
+                         plan.query_start_loc, plan.tile_seq, plan.tile_q0, float(scale), window, logits_soft_cap,
+                         PREFILL_Q_TILE, PREFILL_K_TILE, out)
         for i in plan.blas_prefill:
-            self._blas_prefill(q, k_cache, v_cache, k_scale, v_scale, plan, i, scale, window, logits_soft_cap, out)
+            self._launch(self._blas_prefill, q, k_cache, v_cache, k_scale, v_scale, plan, i, scale, window,
+                         logits_soft_cap, out)
         return out
 
     def _blas_prefill(self, q, k_cache, v_cache, k_scale, v_scale, plan: _Plan, i: int, scale: float, window: int,

@@ -196,7 +196,14 @@ class LlamaForCausalLM:
             if cfg.attn_logit_softcapping is not None:
                 layer.attention_options["logits_soft_cap"] = float(cfg.attn_logit_softcapping)
         self.scale = 1.0 / math.sqrt(cfg.query_pre_attn_scalar or cfg.head_dim)
-        self.activation = {"silu": ops.silu_and_mul, "gelu_pytorch_tanh": ops.gelu_tanh_and_mul}[cfg.hidden_activation]
+        self._activation = self.ACTIVATIONS[cfg.hidden_activation]
+
+    #: ``hidden_activation`` -> the :class:`LayerOps` method of the MLP's activation-and-multiply.
+    ACTIVATIONS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul"}
+
+    def activation(self, x):
+        """The MLP's activation of ``x [T, 2I]`` float32 (gate | up) -> ``act(gate) * up`` ``[T, I]`` float32."""
+        return getattr(self.ops, self._activation)(x)
 
     def _device_weight(self, matrix):
         """A checkpoint matrix on the device: a float array in ``dtype``, or a quantized
@@ -225,10 +232,7 @@ class LlamaForCausalLM:
 
     def embedding_rows(self, input_ids):
         """Rows ``input_ids [T]`` of the embedding this process holds, float32 ``[T, hidden]``."""
-        if is_quantized(self.embed):
-            # gathered on the host (T rows), then placed where the activations live
-            return self.xp.asarray(self.embed.select_rows(np.asarray(input_ids)))
-        return self.embed[input_ids].astype(self.xp.float32)
+        return self.ops.embedding(self.embed, input_ids)
 
     def final_logits(self, h):
         """``h [S, hidden]`` float32 after the final norm -> ``[S, vocab_size]`` float32 logits

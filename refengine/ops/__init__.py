@@ -30,6 +30,14 @@ class LayerOps(Protocol):
     def device_positions(self, positions: np.ndarray) -> Any:
         """Positions ``[T]`` int64 (host) in the form :meth:`rope` takes; called once per step."""
 
+    def embedding(self, table: Any, input_ids: Any) -> Any:
+        """Rows ``input_ids [T]`` (int) of the embedding ``table [V, hidden]`` (an array in
+        the weight dtype, or a quantized weight) -> ``[T, hidden]`` float32.
+
+        Raises:
+            IndexError: an id outside ``[0, V)``.
+        """
+
     def weight(self, matrix: np.ndarray) -> np.ndarray:
         """A checkpoint matrix ``[out, in]`` -> the host array the model puts on the device
         for :meth:`linear`: shaped ``[in, out]``, in the memory layout this implementation's

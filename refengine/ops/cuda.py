@@ -14,7 +14,7 @@ import numpy as np
 
 from refengine.kernels.build import KernelModule, cupy_kernels
 from refengine.kernels.plans import LAYER_THREADS, RMS_NORM_SHARED_BYTES, Launch, dtype_tag, quant_linear_launch
-from refengine.ops.numpy_ops import blas_weight, linear_f32
+from refengine.ops.numpy_ops import blas_weight, embedding_rows, linear_f32
 from refengine.quant import QuantizedWeight, StackedWeight, is_quantized
 from refengine.quant.int4 import Int4Weight
 from refengine.quant.int8 import Int8Weight
@@ -78,6 +78,10 @@ class CudaLayerOps:
         # id(weight) -> (weight, its placed form): a quantized weight is copied to the device
         # once, at its first product (the model keeps the host object; its code is unchanged)
         self._placed: dict[int, tuple[QuantizedWeight, Any]] = {}
+
+    def embedding(self, table, input_ids):
+        """The embedding rows of ``input_ids`` (:func:`refengine.ops.numpy_ops.embedding_rows` on the device's arrays)."""
+        return embedding_rows(table, input_ids, self.kernels.xp)
 
     def device_positions(self, positions: np.ndarray) -> DevicePositions:
         """``positions [T]`` (host ints) copied to the device as int32, once per step."""

@@ -47,6 +47,7 @@ from typing import Callable
 import numpy as np
 from numba import carray, njit, prange
 
+from refengine.cpu.capture import Recordable
 from refengine.quant import StackedWeight, is_quantized, reference_linear
 from refengine.runtime import blas
 from refengine.runtime.numba_support import (ParallelKernel, get_num_threads, parallel_kernel, prefetch,
@@ -406,12 +407,31 @@ def matmul_dot(x: np.ndarray, w: np.ndarray, tile4x4: bool | None = None) -> np.
     return out
 
 
-def _linear_into(ops: "NumbaOps", x: np.ndarray, w, out: np.ndarray) -> None:
-    """``out[...] = ops.linear(x, w)``: a bound product for a weight without a bindable kernel."""
-    np.copyto(out, ops.linear(x, w))
+def _into(out: np.ndarray, product: Callable, *args) -> None:
+    """``out[...] = product(*args)``: a bound product whose kernel allocates its own output."""
+    np.copyto(out, product(*args))
 
 
-class NumbaOps:
+def _blas_product(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``x @ w`` by :func:`refengine.runtime.blas.matmul` in ``w``'s dtype -> float32."""
+    return blas.matmul(x.astype(w.dtype, copy=False), w).astype(np.float32, copy=False)
+
+
+def _check_positions(positions: np.ndarray, n: int) -> None:
+    """Raise IndexError unless every position is inside RoPE tables of ``n`` rows (the kernel does not check)."""
+    if not _in_range(positions, n):
+        raise IndexError(f"positions outside the RoPE tables [0, {n})")
+
+
+def _take_rows(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
+    np.take(table, ids, axis=0, out=out)
+
+
+def _select_rows(table, ids: np.ndarray, out: np.ndarray) -> None:
+    np.copyto(out, table.select_rows(ids))
+
+
+class NumbaOps(Recordable):
     """Layer operations compiled by numba (``"numba"``). float32 activations and weights.
 
     Weights are kept in the checkpoint's ``[out, in]`` layout (:meth:`weight`): each output's
@@ -421,15 +441,18 @@ class NumbaOps:
     :func:`refengine.runtime.blas.matmul` (row blocks over refengine's own threads, the BLAS
     library on one thread: ``spreads_blas``).
 
-    ``batch_invariant=True`` (the engine's default with this backend): every float32 product
-    runs :func:`_matmul_dot` whatever the rows, and quantized weights their dot kernels
-    (``numba_linear(x, batch_invariant=True)``), so each output is summed in one fixed order
-    and a row's results are the same bits in any batch, chunk or thread count. BLAS sums in
-    an order that depends on the number of rows (its blocking and kernels change with them).
+    ``batch_invariant=True``: every float32 product runs :func:`_matmul_dot` whatever the
+    rows, and quantized weights their dot kernels (``numba_linear(x, batch_invariant=True)``),
+    so each output is summed in one fixed order and a row's results are the same bits in any
+    batch, chunk or thread count. BLAS sums in an order that depends on the number of rows
+    (its blocking and kernels change with them).
 
     ``activation_dtype="q8_0"``: products with GGUF Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 weights round
     their input to ggml's Q8_0 blocks and multiply in integers at every row count
     (:mod:`refengine.quant.numba_q8`; batch-invariant too); other weights as above.
+
+    Every kernel runs through :meth:`Recordable._launch`, so a forward can be recorded and
+    replayed (:mod:`refengine.cpu.capture`).
     """
 
     name = "numba"
@@ -445,60 +468,64 @@ class NumbaOps:
         self.activation_dtype = activation_dtype
         # invariant: the dot kernels at every row count (BLAS's reduction order depends on the rows)
         self.blas_min_rows = sys.maxsize if self.batch_invariant else blas_min_rows
-        #: id(weight) -> its bound one-row product (``weight.row_product``, with Q8_0 activations)
-        self._row_products: dict = {}
 
     def device_positions(self, positions: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(positions, dtype=np.int64)
+        return self._contiguous(positions, np.int64)
+
+    def embedding(self, table, input_ids: np.ndarray) -> np.ndarray:
+        """Rows ``input_ids [T]`` of ``table [V, hidden]`` (float32, or a quantized weight's
+        dequantized rows) -> ``[T, hidden]`` float32.
+
+        Raises:
+            IndexError: an id outside ``[0, V)``.
+        """
+        ids = self._contiguous(input_ids, np.int64)
+        out = np.empty((ids.shape[0], table.shape[1]), dtype=np.float32)
+        self._launch(_select_rows if is_quantized(table) else _take_rows, table, ids, out)
+        return out
 
     def weight(self, matrix: np.ndarray) -> np.ndarray:
         """``matrix [out, in]`` -> ``[in, out]``-shaped: the transposed view of its C-contiguous rows."""
         return np.ascontiguousarray(matrix).T
 
-    def linear(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        """``x [T, in] @ w [in, out]`` -> ``[T, out]`` float32 (see the class docstring); ``w``
-        may be a :class:`refengine.quant.QuantizedWeight` (``[out, in]``), whose format's
-        compiled product (``numba_linear``) dequantizes it on the fly. With Q8_0 activations,
-        a weight's one-row products run through the product it binds at the first of them
-        (``row_product``: :class:`refengine.quant.numba_q8.RowProduct` for GGUF weights)."""
-        run = self._row_products.get(id(w))
-        if (run is not None and run.weight is w and x.shape == run.in_shape and x.dtype is _F32
-                and x.strides[1] == 4 and run.threads == get_num_threads()):
-            return run(x)  # a decode row of a GGUF weight: the checks above are all the product needs
-        if is_quantized(w):
-            return self.quantized_linear(x, w)
-        rows = x.shape[0]
-        if 0 < rows < self.blas_min_rows and w.dtype == np.float32 and w.T.flags.c_contiguous:
-            return matmul_dot(x, w)
-        return blas.matmul(x.astype(w.dtype, copy=False), w).astype(np.float32, copy=False)
+    def linear(self, x: np.ndarray, w) -> np.ndarray:
+        """``x [T, in] @ w [in, out]`` -> ``[T, out]`` float32 by the product :meth:`bind_linear`
+        picks (see the class docstring); ``w`` may be a :class:`refengine.quant.QuantizedWeight`
+        (``[out, in]``), whose format's compiled product dequantizes it on the fly."""
+        x = self._contiguous(x)
+        out = np.empty((x.shape[0], w.shape[0] if is_quantized(w) else w.shape[1]), dtype=np.float32)
+        self._launch(self.bind_linear(x, w, out))
+        return out
+
+    def _product(self, x: np.ndarray, w) -> np.ndarray:
+        """:meth:`linear` run at once, never recorded (the parts of a stacked weight, inside a recorded call)."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        out = np.empty((x.shape[0], w.shape[0] if is_quantized(w) else w.shape[1]), dtype=np.float32)
+        self.bind_linear(x, w, out)()
+        return out
 
     def quantized_linear(self, x: np.ndarray, w) -> np.ndarray:
-        """``x [T, in]`` times a quantized ``w [out, in]`` -> ``[T, out]`` float32: the format's
-        numba kernel, else (a format without one) the NumPy twin; a :class:`StackedWeight`
-        part by part (float parts are ``[out, in]`` rows, read through their transposed view)."""
-        if self.activation_dtype == "q8_0" and x.shape == (1, w.shape[1]) and hasattr(w, "row_product"):
-            run = w.row_product(get_num_threads())
-            if run is not None:  # bound now, called by ``linear`` from the next row on
-                self._row_products[id(w)] = run
-                return run(np.ascontiguousarray(x, dtype=np.float32))
+        """``x [T, in]`` C-contiguous float32 times a quantized ``w [out, in]`` -> ``[T, out]``
+        float32: the format's numba kernel, else (a format without one) the NumPy twin; a
+        :class:`StackedWeight` part by part (float parts are ``[out, in]`` rows, read through
+        their transposed view)."""
         if isinstance(w, StackedWeight):
-            return np.concatenate([self.linear(x, p if is_quantized(p) else np.ascontiguousarray(p, dtype=np.float32).T)
+            return np.concatenate([self._product(x, p if is_quantized(p) else np.ascontiguousarray(p, dtype=np.float32).T)
                                    for p in w.parts], axis=1)
         kernel = getattr(w, "numba_linear", None)
         if kernel is None:
             return reference_linear(x, w)
-        x = np.ascontiguousarray(x, dtype=np.float32)
         if self.activation_dtype != "auto" and self.activation_dtype in getattr(w, "activation_dtypes", ()):
             return kernel(x, batch_invariant=self.batch_invariant, activation_dtype=self.activation_dtype)
         return kernel(x, batch_invariant=self.batch_invariant)
 
     def bind_linear(self, x: np.ndarray, w, out: np.ndarray) -> Callable[[], object]:
-        """``out[...] = linear(x, w)`` as a call of no arguments with the buffers ``x [T, in]``
-        and ``out [T, out]`` (C-contiguous float32) bound, for the numba threads of now: what
-        :mod:`refengine.ops.numba_decode` replays each step. The same kernel and bits as
-        :meth:`linear`: a GGUF weight's one-row product with Q8_0 activations
-        (:meth:`refengine.quant.numba_q8.RowProduct.bind`) or the float32 dot kernel, all
-        arguments bound; any other product computed by :meth:`linear` and copied into ``out``.
+        """``out[...] = x @ w`` as a call of no arguments with the buffers ``x [T, in]`` and
+        ``out [T, out]`` (C-contiguous float32) bound, for the numba threads of now. The
+        product: a GGUF weight's one-row product with Q8_0 activations
+        (:meth:`refengine.quant.numba_q8.RowProduct.bind`); the float32 dot kernel below
+        :attr:`blas_min_rows` rows; a quantized weight's own kernel (:meth:`quantized_linear`);
+        else BLAS.
 
         Raises:
             ValueError: ``x`` or ``out`` not C-contiguous float32 of those shapes.
@@ -511,30 +538,30 @@ class NumbaOps:
             raise ValueError(f"bind_linear takes C-contiguous float32 x [T, in] and out [T, out], "
                              f"got x {x.dtype} {x.shape} and out {out.dtype} {out.shape} for a weight {w.shape}")
         threads = get_num_threads()
-        if self.activation_dtype == "q8_0" and x.shape == (1, w.shape[1]) and hasattr(w, "row_product"):
-            run = w.row_product(threads)
-            if run is not None:
-                return run.bind(x, out)
-        if (not is_quantized(w) and 0 < rows < self.blas_min_rows and w.dtype == np.float32
-                and w.T.flags.c_contiguous):
+        if is_quantized(w):
+            if self.activation_dtype == "q8_0" and rows == 1 and hasattr(w, "row_product"):
+                run = w.row_product(threads)
+                if run is not None:
+                    return run.bind(x, out)
+            return partial(_into, out, self.quantized_linear, x, w)
+        if 0 < rows < self.blas_min_rows and w.dtype == np.float32 and w.T.flags.c_contiguous:
             return partial(_matmul_dot.for_threads(threads), x, w.T, out, _dot_block(n_out, threads),
                            rows >= DOT_4X4_MIN_ROWS)
-        return partial(_linear_into, self, x, w, out)
+        return partial(_into, out, _blas_product, x, w)
 
-    @staticmethod
-    def _over_rows(kernel: ParallelKernel, rows: int, *args) -> None:
-        """Run a row-block kernel over ``rows`` rows: in parallel blocks from
+    def _over_rows(self, kernel: ParallelKernel, rows: int, *args) -> None:
+        """Launch a row-block kernel over ``rows`` rows: in parallel blocks from
         :data:`ELEMENTWISE_PARALLEL_MIN_ROWS` rows when numba has threads, else as one block
         on the calling thread (its serial twin)."""
         threads = get_num_threads() if rows >= ELEMENTWISE_PARALLEL_MIN_ROWS else 1
         if threads > 1:
-            kernel.parallel(*args, -(-rows // (4 * threads)))  # a few blocks per thread: uneven cores finish together
+            self._launch(kernel.parallel, *args, -(-rows // (4 * threads)))  # a few blocks per thread
         else:
-            kernel.serial(*args, max(rows, 1))
+            self._launch(kernel.serial, *args, max(rows, 1))
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         """RMSNorm over the last axis of ``x [..., d]`` float32 (any leading shape)."""
-        x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+        x2 = self._contiguous(x).reshape(-1, x.shape[-1])
         out = np.empty_like(x2)
         self._over_rows(_rms_norm_blocks, x2.shape[0], x2, np.ascontiguousarray(weight, dtype=np.float32),
                         float(eps), out)
@@ -547,25 +574,31 @@ class NumbaOps:
         Raises:
             IndexError: a position outside the tables (checked, since the kernel is not).
         """
-        if not _in_range(positions, rope.cos.shape[0]):
-            raise IndexError(f"positions outside the RoPE tables [0, {rope.cos.shape[0]})")
+        self._launch(_check_positions, positions, rope.cos.shape[0])
         for x in (q, k):
             self._over_rows(_rope_blocks, x.shape[0], x, positions, rope.cos, rope.sin)
         return q, k
 
     def silu_and_mul(self, x: np.ndarray) -> np.ndarray:
         """``silu(x[:, :I]) * x[:, I:]`` -> ``[T, I]`` float32."""
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        x = self._contiguous(x)
         out = np.empty((x.shape[0], x.shape[1] // 2), dtype=np.float32)
         self._over_rows(_silu_and_mul_blocks, x.shape[0], x, out)
         return out
 
     def gelu_tanh_and_mul(self, x: np.ndarray) -> np.ndarray:
         """``gelu_tanh(x[:, :I]) * x[:, I:]`` -> ``[T, I]`` float32."""
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        x = self._contiguous(x)
         out = np.empty((x.shape[0], x.shape[1] // 2), dtype=np.float32)
         self._over_rows(_gelu_tanh_and_mul_blocks, x.shape[0], x, out)
         return out
+
+    def capture_decode(self, model, kv_cache, max_model_len: int | None = None):
+        """A :class:`refengine.cpu.capture.DecodeCapture` of ``model``'s batch-1 decode steps,
+        or None where they must run the forward."""
+        from refengine.cpu.capture import DecodeCapture
+
+        return DecodeCapture.for_model(model, kv_cache, max_model_len)
 
 
 register_kernels(sys.modules[__name__])

@@ -15,6 +15,20 @@ def linear_f32(x, w):
     return (x.astype(w.dtype, copy=False) @ w).astype(np.float32, copy=False)
 
 
+def embedding_rows(table, input_ids, xp=np):
+    """Rows ``input_ids [T]`` of an embedding ``table [V, hidden]`` -> ``[T, hidden]`` float32
+    in ``xp``'s arrays: an array gathered on its device; a quantized table
+    (:mod:`refengine.quant`) dequantizes just those rows on the host, then they are placed
+    where the activations live.
+
+    Raises:
+        IndexError: an id outside ``[0, V)``.
+    """
+    if is_quantized(table):
+        return xp.asarray(table.select_rows(np.asarray(input_ids)))
+    return table[input_ids].astype(xp.float32)
+
+
 def blas_weight(matrix: np.ndarray) -> np.ndarray:
     """A checkpoint matrix ``[out, in]`` -> ``[in, out]`` C-contiguous, host, same dtype: the
     layout BLAS and cuBLAS multiply ``x @ w`` by (:meth:`refengine.ops.LayerOps.weight`)."""
@@ -31,6 +45,9 @@ class NumpyOps:
 
     def device_positions(self, positions: np.ndarray):
         return self.xp.asarray(positions)
+
+    def embedding(self, table, input_ids):
+        return embedding_rows(table, input_ids, self.xp)
 
     def weight(self, matrix: np.ndarray) -> np.ndarray:
         return blas_weight(matrix)
