@@ -148,7 +148,8 @@ def sampling_options(f, params_class: type = SamplingParams):
     keyword arguments named as the fields, which :func:`build_params` takes back.
 
     Raises:
-        KeyError: a field whose annotation has no flag type in :data:`_FLAG_TYPES`.
+        KeyError: a field whose annotation (text, as ``from __future__ import annotations``
+            leaves it) has no flag type in :data:`_FLAG_TYPES`.
     """
     for fld in reversed(flag_fields(params_class)):
         flag = fld.metadata["flag"]
