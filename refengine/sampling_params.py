@@ -113,7 +113,11 @@ def _is_real(v) -> bool:
 
 def check_int(minimum: int, allowed: str, *, maximum: int | None = None, optional: bool = False):
     """The check of an integer in ``[minimum, maximum]`` (None too when ``optional``);
-    ``allowed``: the range in words, for the error."""
+    ``allowed``: the range in words, for the error.
+
+    Raises (the check):
+        ValueError: not an integer (a bool is not) or out of range, naming ``allowed``.
+    """
     def check(name, value):
         if value is None and optional:
             return value
@@ -125,7 +129,11 @@ def check_int(minimum: int, allowed: str, *, maximum: int | None = None, optiona
 
 def check_number(within: Callable[[float], bool], allowed: str, *, not_a_number: str = "a number"):
     """The check of a real number (not NaN, not a bool) for which ``within(value)`` holds;
-    ``allowed`` and ``not_a_number``: the errors' words for each failure."""
+    ``allowed`` and ``not_a_number``: the errors' words for each failure.
+
+    Raises (the check):
+        ValueError: not a real number, or ``within`` false.
+    """
     def check(name, value):
         if not _is_real(value):
             raise invalid(name, value, not_a_number)
@@ -136,7 +144,11 @@ def check_number(within: Callable[[float], bool], allowed: str, *, not_a_number:
 
 
 def check_bool(name, value):
-    """The check of a switch: True or False (NumPy's too)."""
+    """The check of a switch: True or False (NumPy's too).
+
+    Raises:
+        ValueError: anything else.
+    """
     if not isinstance(value, (bool, np.bool_)):
         raise invalid(name, value, "True or False")
     return value

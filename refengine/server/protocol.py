@@ -8,9 +8,9 @@ extras (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_e
 ``stop_reason`` on choices); OpenAI's ``echo`` (the prompt's text, and with ``logprobs`` its
 tokens' log-probabilities, before the completion's), ``logit_bias`` and ``response_format`` (``text``,
 ``json_object``, ``json_schema``) on both endpoints. ``null`` for an optional sampling
-field means its default. The sampling fields are generated from ``SamplingParams``' declaration
-(each field's ``ApiField``: :func:`sampling_fields`). Unknown request fields are ignored, as OpenAI's clients send
-fields a server may not know; OpenAI fields whose meaning refengine does not implement
+field means its default. The sampling fields are generated from ``SamplingParams``'
+declaration (each field's ``ApiField``: :func:`sampling_fields`). Unknown request fields are
+ignored, as OpenAI's clients send fields a server may not know; OpenAI fields whose meaning refengine does not implement
 (``suffix``, ``best_of`` > 1, ``tools``) are refused with 400 by :meth:`unsupported`.
 """
 
@@ -44,8 +44,8 @@ class StreamOptions(_Request):
 
 def sampling_fields(params_class: type = SamplingParams) -> dict[str, tuple[str, None]]:
     """The request fields of every sampling parameter that declares one
-    (:class:`refengine.sampling_params.ApiField`), as ``create_model`` takes them:
-    ``{name: (the annotation "| None", default None)}``."""
+    (:class:`refengine.sampling_params.ApiField`), as pydantic's ``create_model`` takes
+    them: ``{name: (ApiField.type + " | None", default None)}``."""
     return {f.name: (f"{f.metadata['api'].type} | None", None) for f in dataclasses.fields(params_class)
             if f.metadata.get("api")}
 
