@@ -1,7 +1,8 @@
 """The flags every ``refengine`` command shares, and the engine they build.
 
 Engine flags are generated from :class:`refengine.engine_args.EngineArgs` (vLLM's names),
-sampling flags carry ``SamplingParams``' names. ``refengine generate``/``chat``
+sampling flags from the declaration of each :class:`refengine.sampling_params.SamplingParams`
+field that has one (its ``Flag``). ``refengine generate``/``chat``
 (:mod:`refengine.cli`), ``refengine bench`` (:mod:`refengine.bench.cli`) and ``refengine
 serve`` (:mod:`refengine.server.cli`) all import them from here, so none of those imports
 another. Errors end the command with one ``Error:`` line naming the flag as typed.
@@ -9,6 +10,7 @@ another. Errors end the command with one ``Error:`` line naming the flag as type
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import sys
@@ -16,7 +18,7 @@ import sys
 import click
 
 from refengine.engine_args import EngineArgs
-from refengine.sampling_params import SamplingParams
+from refengine.sampling_params import FIELD_DEFAULT, SamplingParams
 from refengine.text import check_unicode
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -39,12 +41,8 @@ def fail(message: str, exit_code: int = 2):
 
 def _flag_table() -> dict[str, str]:
     """Python option/field name -> flag, for every engine and sampling flag."""
-    import dataclasses
-
-    flags = {f.name: "--" + f.name.replace("_", "-") for f in dataclasses.fields(EngineArgs)
-             if f.metadata["cli"] and not f.metadata["flag"]}
-    flags.update({name: "--" + name.replace("_", "-") for name in (*SAMPLING_KEYS, "stop", "stop_token_ids")})
-    return flags
+    engine_flags = [f for f in dataclasses.fields(EngineArgs) if f.metadata["cli"] and not f.metadata["flag"]]
+    return {f.name: "--" + f.name.replace("_", "-") for f in engine_flags + flag_fields()}
 
 
 def flag_names(message: str) -> str:
@@ -133,46 +131,43 @@ def engine_options(f):
     return log_level_option(EngineArgs.cli_options(f))
 
 
-def sampling_options(f):
-    options = [
-        click.option("--max-tokens", type=int, default=256, show_default=True,
-                     help="most tokens to generate per answer (also capped by --max-model-len)"),
-        click.option("--min-tokens", type=int, default=0, show_default=True,
-                     help="generate at least this many tokens: EOS and --stop-token-ids are ignored until then"),
-        click.option("--temperature", type=float, default=0.0, show_default=True,
-                     help="softmax temperature, >= 0; 0 is greedy (the CLI's default, so runs are reproducible)"),
-        click.option("--top-p", type=float, default=1.0, show_default=True,
-                     help="sample from the smallest set of tokens whose probabilities sum to this, in (0, 1]"),
-        click.option("--top-k", type=int, default=0, show_default=True,
-                     help="sample from the k most likely tokens (0 or -1: off)"),
-        click.option("--min-p", type=float, default=0.0, show_default=True,
-                     help="drop tokens less likely than this times the most likely one, in [0, 1]"),
-        click.option("--seed", type=int, default=None, show_default="fresh entropy",
-                     help="seed of the sampler's random generator, in [0, 2**64 - 1]"),
-        click.option("--presence-penalty", type=float, default=0.0, show_default=True,
-                     help="subtracted from the logit of every token already generated, in [-2, 2]"),
-        click.option("--frequency-penalty", type=float, default=0.0, show_default=True,
-                     help="subtracted per earlier occurrence of a token in the output, in [-2, 2]"),
-        click.option("--repetition-penalty", type=float, default=1.0, show_default=True,
-                     help="divides the logits of tokens in the prompt or output, > 0 (1 is off)"),
-        click.option("--stop", type=TEXT, multiple=True, show_default="none",
-                     help="a string that ends the answer (repeatable)"),
-        click.option("--stop-token-ids", type=TokenIds(), default="", show_default="none",
-                     help="comma-separated token ids that end the answer"),
-        click.option("--ignore-eos", is_flag=True, show_default="off", help="keep generating past EOS"),
-        click.option("--include-stop-str-in-output", is_flag=True, show_default="off",
-                     help="keep the matched stop string at the end of the answer"),
-        click.option("--logprobs", type=int, default=None, show_default="none",
-                     help="with generate --json: the log-probabilities of this many most likely tokens per "
-                          "generated token (at most --max-logprobs)"),
-    ]
-    for option in reversed(options):
+#: A sampling field's annotation -> (the click type of its flag, whether the flag repeats).
+_FLAG_TYPES = {"int": (int, False), "int | None": (int, False), "float": (float, False),
+               "list[int] | None": (TokenIds(), False), "list[str] | str | None": (TEXT, True)}
+
+
+def flag_fields(params_class: type = SamplingParams) -> list[dataclasses.Field]:
+    """The fields of ``params_class`` that declare a command-line flag
+    (:class:`refengine.sampling_params.Flag`), in declaration order."""
+    return [f for f in dataclasses.fields(params_class) if f.metadata.get("flag")]
+
+
+def sampling_options(f, params_class: type = SamplingParams):
+    """Decorate a command with one flag per sampling parameter that declares one: ``--top-p``
+    for ``top_p``, with the declaration's help and default; the command receives them as
+    keyword arguments named as the fields, which :func:`build_params` takes back.
+
+    Raises:
+        KeyError: a field whose annotation (text, as ``from __future__ import annotations``
+            leaves it) has no flag type in :data:`_FLAG_TYPES`.
+    """
+    for fld in reversed(flag_fields(params_class)):
+        flag = fld.metadata["flag"]
+        name = "--" + fld.name.replace("_", "-")
+        default = fld.default if flag.default == FIELD_DEFAULT else flag.default
+        if fld.type == "bool" and not default:  # a switch: on when given
+            option = click.option(name, fld.name, is_flag=True, show_default=flag.show_default or "off",
+                                  help=flag.help)
+        elif fld.type == "bool":  # on by default: --no-... turns it off
+            option = click.option(f"{name}/--no-{name[2:]}", fld.name, default=True, show_default=True,
+                                  help=flag.help)
+        else:
+            type_, multiple = _FLAG_TYPES[fld.type]
+            option = click.option(name, fld.name, type=type_, multiple=multiple, default=default,
+                                  show_default=flag.show_default or ("none" if default is None else True),
+                                  help=flag.help)
         f = option(f)
     return f
-
-
-SAMPLING_KEYS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty", "ignore_eos", "include_stop_str_in_output", "logprobs")
 
 
 def build_engine(kw: dict):
@@ -199,14 +194,15 @@ def engine_from_args(args: EngineArgs):
         fail(str(e), exit_code=1)
 
 
-def build_params(kw: dict) -> SamplingParams:
-    """The command's sampling flags as ``SamplingParams``.
+def build_params(kw: dict, params_class: type = SamplingParams) -> SamplingParams:
+    """The command's sampling flags (:func:`sampling_options`) as ``SamplingParams``; a
+    repeatable flag given no times is None.
 
     Raises:
         ValueError: an invalid value (the message names the field).
     """
-    return SamplingParams(stop=list(kw["stop"]) or None, stop_token_ids=kw["stop_token_ids"],
-                          **{k: kw[k] for k in SAMPLING_KEYS})
+    values = {f.name: kw[f.name] for f in flag_fields(params_class)}
+    return params_class(**{k: (list(v) or None) if isinstance(v, tuple) else v for k, v in values.items()})
 
 
 def setup(kw: dict):

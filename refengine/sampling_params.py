@@ -1,11 +1,20 @@
-"""``SamplingParams``: how one request is sampled and when it stops (vLLM's names and defaults)."""
+"""``SamplingParams``: how one request is sampled and when it stops (vLLM's names and defaults).
+
+Each sampling parameter is declared once, as a field of :class:`SamplingParams` made by
+:func:`sampling_field`: its default, its check, its command-line flag (:class:`Flag`, from
+which :func:`refengine.cli_options.sampling_options` makes the ``generate`` and ``chat``
+flags) and its server field (:class:`ApiField`, from which :mod:`refengine.server.protocol`
+makes the request bodies' fields and reads them back).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import numbers
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import numpy as np
 
@@ -34,11 +43,227 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2
 
 
+# --- the declaration of a sampling parameter ------------------------------------------------
+
+#: ``Flag.default`` when the flag's default is the field's.
+FIELD_DEFAULT = "the field's default"
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A sampling parameter's command-line flag: ``--`` and the field's name with dashes
+    (``top_p`` -> ``--top-p``).
+
+    ``help``: the ``--help`` text. ``default``: the flag's default where the command line's
+    differs from the field's (:data:`FIELD_DEFAULT`: the field's). ``show_default``: what ``--help``
+    shows as the default (None: the default itself, ``"none"`` for None, ``"off"`` for a
+    switch).
+    """
+
+    help: str
+    default: Any = FIELD_DEFAULT
+    show_default: str | None = None
+
+
+@dataclass(frozen=True)
+class ApiField:
+    """A sampling parameter's field in the server's request bodies (``/v1/completions``,
+    ``/v1/chat/completions``): the field's own name, optional, ``null`` meaning its default.
+
+    ``type``: the JSON value's pydantic annotation as written in
+    :mod:`refengine.server.protocol` (``"list[StrictInt]"``: JSON integers only).
+    ``convert``: the JSON value -> the field's value, where they differ (may raise
+    ``ValueError``).
+    """
+
+    type: str
+    convert: Callable[[Any], Any] | None = None
+
+    def read(self, value):
+        """The field's value for a request's JSON ``value`` (None stays None: the default).
+
+        Raises:
+            ValueError: from ``convert``.
+        """
+        return value if value is None or self.convert is None else self.convert(value)
+
+
+def sampling_field(default, check: Callable[[str, Any], Any], *, flag: Flag | None = None,
+                   api: ApiField | None = None):
+    """One sampling parameter: a ``SamplingParams`` field with its ``default``, its ``check``
+    (``check(name, value)`` -> the value to keep, normalised; raises ``ValueError``), its
+    command-line ``flag`` (None: none) and its server field ``api`` (None: none)."""
+    return field(default=default, metadata={"check": check, "flag": flag, "api": api})
+
+
+# --- checks: each returns the value to keep or raises a ValueError naming field, value, range ---
+
+def invalid(name: str, value, allowed: str) -> ValueError:
+    """The error of a bad field: ``SamplingParams.<name>=<value!r> is invalid: must be <allowed>``."""
+    return ValueError(f"SamplingParams.{name}={value!r} is invalid: must be {allowed}")
+
+
+def _is_int(v) -> bool:  # bool is an int subclass, but True is not a count
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_)) and not math.isnan(v)
+
+
+def check_int(minimum: int, allowed: str, *, maximum: int | None = None, optional: bool = False):
+    """The check of an integer in ``[minimum, maximum]`` (None too when ``optional``);
+    ``allowed``: the range in words, for the error.
+
+    Raises (the check):
+        ValueError: not an integer (a bool is not) or out of range, naming ``allowed``.
+    """
+    def check(name, value):
+        if value is None and optional:
+            return value
+        if not _is_int(value) or value < minimum or (maximum is not None and value > maximum):
+            raise invalid(name, value, allowed)
+        return value
+    return check
+
+
+def check_number(within: Callable[[float], bool], allowed: str, *, not_a_number: str = "a number"):
+    """The check of a real number (not NaN, not a bool) for which ``within(value)`` holds;
+    ``allowed`` and ``not_a_number``: the errors' words for each failure.
+
+    Raises (the check):
+        ValueError: not a real number, or ``within`` false.
+    """
+    def check(name, value):
+        if not _is_real(value):
+            raise invalid(name, value, not_a_number)
+        if not within(value):
+            raise invalid(name, value, allowed)
+        return value
+    return check
+
+
+def check_bool(name, value):
+    """The check of a switch: True or False (NumPy's too).
+
+    Raises:
+        ValueError: anything else.
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        raise invalid(name, value, "True or False")
+    return value
+
+
+def _check_output_kind(name, value):
+    if not isinstance(value, RequestOutputKind):
+        raise invalid(name, value, "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
+    return value
+
+
+def _stop_list(stop) -> list:
+    """``stop`` (None, a str, a list or tuple) as a list."""
+    return [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+
+
+def _check_stop(name, stop):
+    """A str, list or tuple of non-empty valid-Unicode strings; anything else (an int, a set,
+    bytes) is a mistake that would otherwise surface far from here."""
+    if stop is not None and (not isinstance(stop, (str, list, tuple)) or any(
+            not isinstance(s, str) or s == "" for s in _stop_list(stop))):
+        raise invalid(name, stop, "a non-empty string or a list of non-empty strings")
+    for s in _stop_list(stop):
+        check_unicode(s, f"SamplingParams.stop={s!r}")
+    return stop
+
+
+def _check_stop_token_ids(name, ids) -> list[int]:
+    """A list or tuple of ids >= 0 -> a list of ints (None -> [])."""
+    if ids is not None and not isinstance(ids, (list, tuple)):
+        raise invalid(name, ids, "None or a list of integers >= 0")
+    ids = [int(t) if _is_int(t) else t for t in ids or []]
+    if any(not _is_int(t) or t < 0 for t in ids):
+        raise invalid(name, ids, "a list of integers >= 0")
+    return ids
+
+
+def _check_logit_bias(name, bias):
+    """``{token_id: bias}`` -> ids as ints, biases as floats, within OpenAI's limits."""
+    if bias is None:
+        return bias
+    if not isinstance(bias, dict):
+        raise invalid(name, bias, "None or a dict {token_id: bias}")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise invalid(name, f"<{len(bias)} entries>", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+    for t, b in bias.items():
+        if not _is_int(t) or t < 0:
+            raise invalid(name, bias, f"keyed by token ids >= 0, got key {t!r}")
+        if not _is_real(b) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+            raise invalid(name, bias, f"biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {b!r} for token {t}")
+    return {int(t): float(b) for t, b in bias.items()}
+
+
+def logit_bias_from_json(bias: dict[str, float]) -> dict[int, float]:
+    """A request's ``logit_bias`` (JSON object keys are strings) keyed by token ids.
+
+    Raises:
+        ValueError: a key that is not a decimal integer.
+    """
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise ValueError(f"SamplingParams.logit_bias={{{key!r}: {value}}} is invalid: keys must be "
+                             "token ids (decimal integers)") from None
+    return out
+
+
+def _check_allowed_token_ids(name, ids):
+    if ids is None:
+        return ids
+    if not isinstance(ids, (list, tuple)) or not ids:
+        raise invalid(name, ids, "None or a non-empty list of token ids >= 0")
+    if any(not _is_int(t) or t < 0 for t in ids):
+        raise invalid(name, ids, "a non-empty list of token ids >= 0")
+    return [int(t) for t in ids]
+
+
+def _check_bad_words(name, words):
+    if words is None:
+        return words
+    if not isinstance(words, (list, tuple)) or any(not isinstance(w, str) or not w.strip() for w in words):
+        raise invalid(name, words, "None or a list of non-empty strings")
+    for w in words:
+        check_unicode(w, f"SamplingParams.bad_words={w!r}")
+    return list(words)
+
+
+def _check_structured_outputs(name, value):
+    if value is not None:
+        from refengine.structured_output import StructuredOutputsParams
+
+        if not isinstance(value, StructuredOutputsParams):
+            raise invalid(name, value, "None or a StructuredOutputsParams")
+    return value
+
+
+def _unique(ids: list[int]) -> list[int]:
+    """``ids`` without repeats, in order."""
+    return list(dict.fromkeys(ids))
+
+
+LOGPROBS_ALLOWED = "None or an integer >= 0 (at most the engine's max_logprobs)"
+
+
+# --- the parameters ---------------------------------------------------------------------------
+
 @dataclass
 class SamplingParams:
     """Per-request sampling and stopping options, validated when built.
 
-    Field names, meanings and defaults follow ``vllm.SamplingParams``.
+    Field names, meanings and defaults follow ``vllm.SamplingParams``. Each field is
+    declared once (:func:`sampling_field`): its default, its check, its command-line flag
+    and its server field.
 
     Attributes:
         n: number of completions to return for the prompt (>= 1).
@@ -89,29 +314,69 @@ class SamplingParams:
             field, its value and the range.
     """
 
-    n: int = 1
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    stop: list[str] | str | None = None
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    skip_special_tokens: bool = True
-    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    logit_bias: dict[int, float] | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    structured_outputs: "StructuredOutputsParams | None" = None
-    prompt_logprobs: int | None = None
+    n: int = sampling_field(1, check_int(1, "an integer >= 1"), api=ApiField("int"))
+    temperature: float = sampling_field(
+        1.0, check_number(lambda t: 0.0 <= t < math.inf, "a finite number >= 0 (0 means greedy)",
+                          not_a_number="a finite number >= 0 (0 means greedy)"),
+        flag=Flag("softmax temperature, >= 0; 0 is greedy (the CLI's default, so runs are reproducible)",
+                  default=0.0),
+        api=ApiField("float"))
+    top_k: int = sampling_field(
+        0, check_int(-1, "-1, 0 (off) or a positive integer"),
+        flag=Flag("sample from the k most likely tokens (0 or -1: off)"), api=ApiField("int"))
+    top_p: float = sampling_field(
+        1.0, check_number(lambda p: 0.0 < p <= 1.0, "in (0, 1]"),
+        flag=Flag("sample from the smallest set of tokens whose probabilities sum to this, in (0, 1]"),
+        api=ApiField("float"))
+    min_p: float = sampling_field(
+        0.0, check_number(lambda p: 0.0 <= p <= 1.0, "in [0, 1]"),
+        flag=Flag("drop tokens less likely than this times the most likely one, in [0, 1]"), api=ApiField("float"))
+    seed: int | None = sampling_field(
+        None, check_int(0, f"None or an integer in [0, {MAX_SEED}] (2**64 - 1)", maximum=MAX_SEED, optional=True),
+        flag=Flag("seed of the sampler's random generator, in [0, 2**64 - 1]", show_default="fresh entropy"),
+        api=ApiField("int"))
+    presence_penalty: float = sampling_field(
+        0.0, check_number(lambda p: -2.0 <= p <= 2.0, "in [-2, 2]"),
+        flag=Flag("subtracted from the logit of every token already generated, in [-2, 2]"), api=ApiField("float"))
+    frequency_penalty: float = sampling_field(
+        0.0, check_number(lambda p: -2.0 <= p <= 2.0, "in [-2, 2]"),
+        flag=Flag("subtracted per earlier occurrence of a token in the output, in [-2, 2]"), api=ApiField("float"))
+    repetition_penalty: float = sampling_field(
+        1.0, check_number(lambda p: 0.0 < p < math.inf, "finite and > 0 (1 means off)"),
+        flag=Flag("divides the logits of tokens in the prompt or output, > 0 (1 is off)"), api=ApiField("float"))
+    # max_tokens and logprobs: each endpoint reads its own (refengine/server/protocol.py)
+    max_tokens: int | None = sampling_field(
+        16, check_int(1, "None or an integer >= 1 (vLLM rejects 0 too)", optional=True),
+        flag=Flag("most tokens to generate per answer (also capped by --max-model-len)", default=256),
+        api=ApiField("int"))
+    min_tokens: int = sampling_field(
+        0, check_int(0, "an integer >= 0"),
+        flag=Flag("generate at least this many tokens: EOS and --stop-token-ids are ignored until then"),
+        api=ApiField("int"))
+    stop: list[str] | str | None = sampling_field(
+        None, _check_stop, flag=Flag("a string that ends the answer (repeatable)"), api=ApiField("str | list[str]"))
+    stop_token_ids: list[int] | None = sampling_field(
+        None, _check_stop_token_ids, flag=Flag("comma-separated token ids that end the answer"),
+        api=ApiField("list[StrictInt]", convert=_unique))  # duplicates dropped
+    include_stop_str_in_output: bool = sampling_field(
+        False, check_bool, flag=Flag("keep the matched stop string at the end of the answer"), api=ApiField("bool"))
+    ignore_eos: bool = sampling_field(False, check_bool, flag=Flag("keep generating past EOS"), api=ApiField("bool"))
+    logprobs: int | None = sampling_field(
+        None, check_int(0, LOGPROBS_ALLOWED, optional=True),
+        flag=Flag("with generate --json: the log-probabilities of this many most likely tokens per generated token "
+                  "(at most --max-logprobs)"),
+        api=ApiField("int"))
+    skip_special_tokens: bool = sampling_field(True, check_bool, api=ApiField("bool"))
+    output_kind: RequestOutputKind = sampling_field(RequestOutputKind.CUMULATIVE, _check_output_kind)
+    logit_bias: dict[int, float] | None = sampling_field(
+        None, _check_logit_bias, api=ApiField("dict[str, float]", convert=logit_bias_from_json))
+    allowed_token_ids: list[int] | None = sampling_field(
+        None, _check_allowed_token_ids, api=ApiField("list[StrictInt]"))
+    bad_words: list[str] | None = sampling_field(None, _check_bad_words, api=ApiField("list[str]"))
+    # the server builds it from this field or OpenAI's response_format or vLLM's guided_*
+    structured_outputs: "StructuredOutputsParams | None" = sampling_field(
+        None, _check_structured_outputs, api=ApiField("dict"))
+    prompt_logprobs: int | None = sampling_field(None, check_int(0, LOGPROBS_ALLOWED, optional=True))
     _stop: list[str] = field(init=False, repr=False, default_factory=list)
     # stop_token_ids as a set: the stop check runs per generated token
     _stop_token_id_set: frozenset = field(init=False, repr=False, compare=False, default=frozenset())
@@ -119,108 +384,13 @@ class SamplingParams:
     _bad_words_token_ids: list[list[int]] | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
-        def bad(name: str, value, allowed: str) -> ValueError:
-            return ValueError(f"SamplingParams.{name}={value!r} is invalid: must be {allowed}")
-
-        def is_int(v) -> bool:  # bool is an int subclass, but True is not a count
-            return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
-
-        def is_real(v) -> bool:
-            return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_)) and not math.isnan(v)
-
-        if not is_int(self.n) or self.n < 1:
-            raise bad("n", self.n, "an integer >= 1")
-        if not is_real(self.temperature) or not 0.0 <= self.temperature < math.inf:
-            raise bad("temperature", self.temperature, "a finite number >= 0 (0 means greedy)")
-        for name in ("top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-            if not is_real(getattr(self, name)):
-                raise bad(name, getattr(self, name), "a number")
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
-            raise bad("seed", self.seed, f"None or an integer in [0, {MAX_SEED}] (2**64 - 1)")
-        if not is_int(self.top_k) or self.top_k < -1:
-            raise bad("top_k", self.top_k, "-1, 0 (off) or a positive integer")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", self.top_p, "in (0, 1]")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", self.min_p, "in [0, 1]")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
-        if not 0.0 < self.repetition_penalty < math.inf:
-            raise bad("repetition_penalty", self.repetition_penalty, "finite and > 0 (1 means off)")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            raise bad("max_tokens", self.max_tokens, "None or an integer >= 1 (vLLM rejects 0 too)")
-        if not is_int(self.min_tokens) or self.min_tokens < 0:
-            raise bad("min_tokens", self.min_tokens, "an integer >= 0")
+        for f in dataclasses.fields(self):
+            if f.init:
+                setattr(self, f.name, f.metadata["check"](f.name, getattr(self, f.name)))
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
-            raise bad("logprobs", self.logprobs, "None or an integer >= 0 (at most the engine's max_logprobs)")
-        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
-            raise bad("prompt_logprobs", self.prompt_logprobs,
-                      "None or an integer >= 0 (at most the engine's max_logprobs)")
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
-            if not isinstance(getattr(self, name), (bool, np.bool_)):
-                raise bad(name, getattr(self, name), "True or False")
-        if not isinstance(self.output_kind, RequestOutputKind):
-            raise bad("output_kind", self.output_kind, "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
-        # Containers: a str, list or tuple; anything else (an int, a set, bytes) is a mistake
-        # that would otherwise surface far from here.
-        if self.stop is None:
-            self._stop = []
-        elif isinstance(self.stop, str):
-            self._stop = [self.stop]
-        elif isinstance(self.stop, (list, tuple)):
-            self._stop = list(self.stop)
-        else:
-            raise bad("stop", self.stop, "a non-empty string or a list of non-empty strings")
-        if any((not isinstance(s, str)) or s == "" for s in self._stop):
-            raise bad("stop", self.stop, "a non-empty string or a list of non-empty strings")
-        for s in self._stop:
-            check_unicode(s, f"SamplingParams.stop={s!r}")
-        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
-            raise bad("stop_token_ids", self.stop_token_ids, "None or a list of integers >= 0")
-        self.stop_token_ids = [int(t) if is_int(t) else t for t in self.stop_token_ids or []]
-        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", self.stop_token_ids, "a list of integers >= 0")
+            raise invalid("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        self._stop = _stop_list(self.stop)
         self._stop_token_id_set = frozenset(self.stop_token_ids)
-        self._check_logits_processing(bad, is_int, is_real)
-
-    def _check_logits_processing(self, bad, is_int, is_real) -> None:
-        """logit_bias, allowed_token_ids, bad_words, structured_outputs (normalised: ids to
-        ints, biases to floats)."""
-        if self.logit_bias is not None:
-            if not isinstance(self.logit_bias, dict):
-                raise bad("logit_bias", self.logit_bias, "None or a dict {token_id: bias}")
-            if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-                raise bad("logit_bias", f"<{len(self.logit_bias)} entries>",
-                          f"at most {MAX_LOGIT_BIAS_ENTRIES} entries")
-            for t, b in self.logit_bias.items():
-                if not is_int(t) or t < 0:
-                    raise bad("logit_bias", self.logit_bias, f"keyed by token ids >= 0, got key {t!r}")
-                if not is_real(b) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
-                    raise bad("logit_bias", self.logit_bias,
-                              f"biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {b!r} for token {t}")
-            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
-        if self.allowed_token_ids is not None:
-            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
-                raise bad("allowed_token_ids", self.allowed_token_ids, "None or a non-empty list of token ids >= 0")
-            if any(not is_int(t) or t < 0 for t in self.allowed_token_ids):
-                raise bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids >= 0")
-            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
-        if self.bad_words is not None:
-            if not isinstance(self.bad_words, (list, tuple)) or any(
-                    not isinstance(w, str) or not w.strip() for w in self.bad_words):
-                raise bad("bad_words", self.bad_words, "None or a list of non-empty strings")
-            for w in self.bad_words:
-                check_unicode(w, f"SamplingParams.bad_words={w!r}")
-            self.bad_words = list(self.bad_words)
-        if self.structured_outputs is not None:
-            from refengine.structured_output import StructuredOutputsParams
-
-            if not isinstance(self.structured_outputs, StructuredOutputsParams):
-                raise bad("structured_outputs", self.structured_outputs, "None or a StructuredOutputsParams")
 
     @property
     def stop_strings(self) -> list[str]:

@@ -8,17 +8,19 @@ extras (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_e
 ``stop_reason`` on choices); OpenAI's ``echo`` (the prompt's text, and with ``logprobs`` its
 tokens' log-probabilities, before the completion's), ``logit_bias`` and ``response_format`` (``text``,
 ``json_object``, ``json_schema``) on both endpoints. ``null`` for an optional sampling
-field means its default. Unknown request fields are ignored, as OpenAI's clients send
-fields a server may not know; OpenAI fields whose meaning refengine does not implement
+field means its default. The sampling fields are generated from ``SamplingParams``'
+declaration (each field's ``ApiField``: :func:`sampling_fields`). Unknown request fields are
+ignored, as OpenAI's clients send fields a server may not know; OpenAI fields whose meaning refengine does not implement
 (``suffix``, ``best_of`` > 1, ``tools``) are refused with 400 by :meth:`unsupported`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, create_model
 
 from refengine.sampling_params import SamplingParams
 
@@ -40,43 +42,38 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingRequest(_Request):
-    """Fields shared by completions and chat completions."""
+def sampling_fields(params_class: type = SamplingParams) -> dict[str, tuple[str, None]]:
+    """The request fields of every sampling parameter that declares one
+    (:class:`refengine.sampling_params.ApiField`), as pydantic's ``create_model`` takes
+    them: ``{name: (ApiField.type + " | None", default None)}``."""
+    return {f.name: (f"{f.metadata['api'].type} | None", None) for f in dataclasses.fields(params_class)
+            if f.metadata.get("api")}
+
+
+#: The sampling fields of both endpoints, from ``SamplingParams``' declaration.
+_SamplingFields = create_model("_SamplingFields", __base__=_Request, __module__=__name__, **sampling_fields())
+#: Sampling fields each endpoint reads itself and passes to :meth:`_SamplingRequest.sampling_params`:
+#: ``max_tokens`` is checked against the context, chat's ``logprobs`` is a bool beside ``top_logprobs``.
+PER_ENDPOINT_FIELDS = ("max_tokens", "logprobs")
+
+
+class _SamplingRequest(_SamplingFields):
+    """Fields shared by completions and chat completions: the sampling fields and these."""
 
     model: str | None = None
-    n: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
-    ignore_eos: bool | None = None
-    stop_token_ids: list[StrictInt] | None = None
-    include_stop_str_in_output: bool | None = None
-    skip_special_tokens: bool | None = None
     return_token_ids: bool | None = None
     # vLLM's: with prefix caching, only requests with the same salt share KV blocks
     cache_salt: StrictStr | None = None
-    # logits processing (vLLM's extras beside OpenAI's logit_bias)
-    allowed_token_ids: list[StrictInt] | None = None
-    bad_words: list[str] | None = None
-    # structured outputs: OpenAI's response_format, vLLM's guided_* and structured_outputs
+    # structured outputs: OpenAI's response_format, vLLM's guided_* (and structured_outputs)
     response_format: dict | None = None
     guided_json: dict | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    structured_outputs: dict | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, message) for a field set to something refengine does not implement."""
@@ -135,39 +132,15 @@ class _SamplingRequest(_Request):
         name = used[0].removeprefix("guided_")
         return StructuredOutputsParams(**{name: getattr(self, used[0])})
 
-    def logit_bias_ids(self) -> dict[int, float] | None:
-        """``logit_bias`` with its JSON string keys as token ids.
-
-        Raises:
-            ValueError: a key that is not a decimal integer.
-        """
-        if self.logit_bias is None:
-            return None
-        out = {}
-        for key, bias in self.logit_bias.items():
-            try:
-                out[int(key)] = bias
-            except ValueError:
-                raise ValueError(f"SamplingParams.logit_bias={{{key!r}: {bias}}} is invalid: keys must be "
-                                 "token ids (decimal integers)") from None
-        return out
-
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's ``SamplingParams`` for this request (unset fields: vLLM's defaults).
 
         Raises:
             ValueError: a value out of range (``SamplingParams``' message names the field).
         """
-        given = {
-            "n": self.n, "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
-            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-            "top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
-            "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos, "stop_token_ids": None if self.stop_token_ids is None else list(dict.fromkeys(self.stop_token_ids)),
-            "include_stop_str_in_output": self.include_stop_str_in_output,
-            "skip_special_tokens": self.skip_special_tokens, "stop": self.stop,
-            "logit_bias": self.logit_bias_ids(), "allowed_token_ids": self.allowed_token_ids,
-            "bad_words": self.bad_words, "structured_outputs": self.structured_outputs_params(),
-        }
+        given = {f.name: f.metadata["api"].read(getattr(self, f.name)) for f in dataclasses.fields(SamplingParams)
+                 if f.metadata.get("api") and f.name not in PER_ENDPOINT_FIELDS}
+        given["structured_outputs"] = self.structured_outputs_params()  # or response_format, guided_*
         kwargs = {k: v for k, v in given.items() if v is not None}
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
 
@@ -182,8 +155,7 @@ class CompletionRequest(_SamplingRequest):
     ``prompt_index * n + i``."""
 
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: int | None = 16  # OpenAI's default here
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
@@ -219,9 +191,8 @@ class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions``: ``messages`` rendered with the model's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool | None = False
+    logprobs: bool | None = False  # OpenAI's chat shape: the number is top_logprobs
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     tools: list[dict] | None = None
