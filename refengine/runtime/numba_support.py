@@ -58,8 +58,8 @@ class ParallelKernel:
 
 def get_num_threads() -> int:
     """``numba.get_num_threads()``, without its per-call locks once the pool is up: numba's
-    own function takes two locks to check that its threading layer is loaded, about 1 us a
-    call, and a decode step asks hundreds of times (every kernel call picks its parallel or
+    own function takes two locks to check that its threading layer is loaded, and a decode
+    step asks hundreds of times (every kernel call picks its parallel or
     serial version and its task size by it). After :func:`start_thread_pool` (or any parallel
     kernel) this reads the layer's count directly (numba's ``_get_num_threads``, the ctypes
     function its public one calls); the public function before that, or where numba lacks it."""
