@@ -831,7 +831,7 @@ class RowProduct:
     def bind(self, x: np.ndarray, out: np.ndarray):
         """The product of the buffer ``x`` (:attr:`in_shape`, C-contiguous float32) into the
         buffer ``out`` (float32 ``[1, out_features]``, C-contiguous) as a call of no arguments,
-        every argument bound (:mod:`refengine.ops.numba_decode` replays it each step).
+        every argument bound (the captured decode step replays it each step).
 
         Raises:
             ValueError: ``x`` or ``out`` of another shape.
