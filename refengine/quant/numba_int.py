@@ -248,7 +248,8 @@ def _int8_dequant_rows(q, scales, out, j0, j1):  # pragma: no cover - compiled
 
 
 def int8_linear(x: np.ndarray, q: np.ndarray, scales: np.ndarray, blas_min_rows: int | None = None) -> np.ndarray:
-    """``x [T, K] @ (q * scales[:, None]).T`` -> float32 ``[T, N]``.
+    """``x [T, K] @ (q * scales[:, None]).T`` -> float32 ``[T, N]``: the dot kernel below
+    ``blas_min_rows`` rows, dequantized tiles on BLAS from there.
 
     The tile path (from ``blas_min_rows`` rows): the weight rows cut into tiles
     (:func:`refengine.runtime.blas.balanced_tile_rows`), dealt round-robin to refengine's BLAS threads
@@ -258,7 +259,7 @@ def int8_linear(x: np.ndarray, q: np.ndarray, scales: np.ndarray, blas_min_rows:
     of the output. Every weight is dequantized once per call, as
     :func:`refengine.quant.numba_gguf.tiled_blas_linear` does for GGUF blocks. The result
     is ``x @ w'.T`` up to BLAS's float32 rounding, which depends on the number of rows
-    (OpenBLAS's blocking), as before: batch-independent rows are the dot kernels' property.
+    (OpenBLAS's blocking): batch-independent rows are the dot kernels' property.
 
     Args:
         x: float32 ``[T, K]`` (made C-contiguous float32 if it is not).
