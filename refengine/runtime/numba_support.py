@@ -5,7 +5,8 @@
 (:func:`register_kernels`, :func:`kernel_cache_misses`, :func:`kernel_cache_dirs`).
 
 Nothing here imports the rest of refengine: the kernel modules
-(:mod:`refengine.ops.numba_ops`, :mod:`refengine.attention.numba_cpu`) import it, and
+(:mod:`refengine.ops.numba_ops`, :mod:`refengine.attention.numba_cpu` and the quantized
+products in :mod:`refengine.quant`) import it, and
 register themselves with :func:`register_kernels` so that the engine's warm-up can tell how
 many kernels numba compiled rather than loaded from its cache.
 """
