@@ -206,8 +206,9 @@ def configure_threads(num_threads: int | None = None, library_blas: bool = True)
 
 
 def adapt_threads(blas_step: bool | None = None, library_blas: bool | None = None) -> int:
-    """Call once per engine step, from the thread that runs the model. After
-    :func:`configure_threads` ``(None)``, every :data:`ADAPT_INTERVAL_S` seconds, sets the
+    """Set this step's thread counts (BLAS and numba); called once per engine step, from the
+    thread that runs the model. After :func:`configure_threads` ``(None)``, every
+    :data:`ADAPT_INTERVAL_S` seconds, sets the
     thread count to the usable cores minus those other processes kept busy since the last
     look (at least 1). Returns the thread count in use (1 before :func:`configure_threads`).
 
