@@ -1,6 +1,6 @@
-"""Attention over the paged KV cache: the contract shared by every backend.
+"""The attention contract every backend follows: cache layout, metadata, the ``AttentionBackend`` protocol.
 
-The contract (the "attention contract" of the design notes):
+The contract (``docs/architecture.md``, "The attention contract"):
 
 * Cache per layer: ``k_cache`` and ``v_cache`` of shape
   ``[num_blocks, block_size, num_kv_heads, head_dim]``.
@@ -28,7 +28,10 @@ The contract (the "attention contract" of the design notes):
   ``fp8(x / scale)``, read ``fp8 * scale``.
 
 Every backend implements :class:`AttentionBackend`: ``prepare`` once per step, then per
-layer ``write_kv`` and ``forward``.
+layer ``write_kv`` and ``forward``. The backends: :mod:`refengine.attention.numpy_ref` (the
+NumPy twin, the reference), :mod:`refengine.attention.numba_cpu` (the CPU default) and
+:mod:`refengine.attention.cuda` (CUDA, and its CPU emulation); built by name in
+:mod:`refengine.attention.selector`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""Attention over the paged KV cache as CPU kernels compiled by numba.
+"""The CPU default attention backend (:class:`NumbaAttention`): paged decode, flash and BLAS prefill in numba.
 
 The same contract (:mod:`refengine.attention`) and the same two algorithms as the NumPy
 twin (:mod:`refengine.attention.numpy_ref`), written as loops over the cache layout
 ``[num_blocks, block_size, num_kv_heads, head_dim]``:
 
-* **Paged decode** (``q_len == 1``): K and V are read in place through the block table
+* **Paged decode** (``q_len == 1``; every row in batch-invariant mode): K and V are read in place through the block table
   (no gather copy). One task per (partition of a sequence's context, KV head), block by
   block: while a block's key rows of that head are in L1 every query head of its GQA group
   scores them (sixteen positions' dot products summed at once, :func:`v16_sums16`); then
@@ -12,7 +12,7 @@ twin (:mod:`refengine.attention.numpy_ref`), written as loops over the cache lay
   :data:`DECODE_PARTITION` tokens so one sequence still feeds every core; each partition
   keeps its max, sum and unnormalised output, merged afterwards (Dao et al. 2023,
   "Flash-Decoding"; vLLM's PagedAttention v2; Kwon et al. 2023 §4).
-* **Flash prefill** (``q_len > 1``): one task per (sequence, KV head, query tile); key tiles
+* **Flash prefill** (``q_len > 1``, not in batch-invariant mode): one task per (sequence, KV head, query tile); key tiles
   are copied from their blocks into a small transposed scratch tile (eight keys at a time
   by 8 x 8 register transposes, :func:`_transpose_keys`), and each query row
   keeps a running max, sum and output rescaled as the max grows (Dao 2023,
@@ -25,10 +25,9 @@ twin (:mod:`refengine.attention.numpy_ref`), written as loops over the cache lay
   (:func:`_causal_softmax`) masks the future and normalises in place, and ``P V`` is a
   second BLAS product. The two products are the attention's flops and BLAS does them at
   its packed-GEMM rate; the softmax is one vectorised pass. The score tile
-  (``group x 128 x context`` float32, 12 MB at 8k tokens for SmolLM2) replaces the online
-  softmax: it is bounded by the tile, not by the prompt. At a 512-token prompt this is
-  several times faster than the flash kernel or the NumPy twin (``refengine bench kernels``
-  times the backend against the twin).
+  (``group x BLAS_PREFILL_Q_TILE x context`` float32) replaces the online softmax: it is
+  bounded by the tile, not by the prompt. Not in batch-invariant mode (below), and not
+  when ``use_blas_prefill`` is off.
 
 int8 caches (``kv_cache_dtype="int8"``): :func:`_write_kv_int8` quantizes each token's row
 per KV head as the twin does (:func:`refengine.kv_cache.quantize_int8`, bitwise equal);
@@ -67,11 +66,8 @@ merged in order (``_merge_partitions``). So the same row gives the same bits alo
 batch, in a chunk of any size, decoded or prefilled, on any number of threads; how a step's
 rows are grouped into launches (:data:`DECODE_PARTS_PER_LAUNCH`) changes no sum. One
 kernel for every row, because the flash kernel sums in another order (online softmax over
-key tiles) and the BLAS path in BLAS's, which depends on the chunk. The mode's first form
-sent every row through the flash kernel (its key tiles start at fixed positions, so it is
-invariant too); the decode kernel serves decode rows better (its partitions spread a
-single row over the threads, and it reads the cache without copying tiles) and costs
-prefill rows more, as each reads its keys itself (no tile of rows shares them).
+key tiles) and the BLAS path in BLAS's, which depends on the chunk. The cost: a prefill row
+reads its keys itself, where a flash tile shares them among its rows.
 
 Numerics: float32 throughout, as the twin; ``fastmath={"contract", "reassoc"}`` lets LLVM
 fuse multiply-adds and vectorise the dot products' sums (never ``nnan``/``ninf``: a NaN
@@ -114,12 +110,11 @@ DECODE_PARTS_PER_LAUNCH = 2048
 PREFILL_Q_TILE = 32
 #: Key positions per prefill key tile (transposed K and V scratch tiles of 32 KB each at head_dim 64).
 PREFILL_K_TILE = 128
-#: Prefill chunks with at least this many query rows use BLAS products for ``Q K^T`` and ``P V``.
+#: Prefill chunks with at least this many query rows use BLAS products for ``Q K^T`` and ``P V``
+#: (never in batch-invariant mode).
 BLAS_PREFILL_MIN_ROWS = 64
 #: Query rows per BLAS prefill tile: smaller tiles compute fewer scores above the diagonal,
-#: larger ones make bigger products. Measured side by side on one layer, 64 to 512 rows,
-#: several short prompts and one long one: 128 is the fastest at both (64 about level,
-#: larger tiles slower: the scores above the diagonal cost more than the bigger products gain).
+#: larger ones make bigger products (docs/PERFORMANCE.md, "Design notes").
 BLAS_PREFILL_Q_TILE = 128
 #: Score rows per task of :func:`_causal_softmax`.
 SOFTMAX_ROWS_PER_TASK = 32

@@ -34,9 +34,7 @@ Grouped-query attention is handled by viewing the query heads as
 Why a Python loop over sequences and not one padded batch: decode attention is
 memory-bound, and a sequence's K/V (a few hundred KB) stay in the CPU cache between the
 two matrix products, while a padded ``[B, max_len, ...]`` gather spills to DRAM and reads
-every position several times. Measured side by side at dozens of sequences of a few
-hundred tokens, the loop is clearly faster than the padded batch, and than a thread pool
-over slices of the batch (which fights OpenBLAS's own threads).
+every position several times.
 """
 
 from __future__ import annotations

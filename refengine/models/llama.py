@@ -17,11 +17,14 @@ Per layer, as in transformers ``models/llama/modeling_llama.py`` (``LlamaDecoder
     h = h + o @ W_o
     h = h + down(silu(gate(x')) * up(x'))   # x' = rms_norm(h), post_attention_layernorm
 
-Linear weights are ``[in, out]``-shaped (``x @ w``; in memory, the layout the layer ops
-read fastest: :meth:`refengine.ops.LayerOps.weight`) and q/k/v and gate/up are fused
-(:attr:`LlamaForCausalLM.fused`), so each layer does four matrix products.
+Each matrix is either a float array, ``[in, out]``-shaped (``x @ w``; in memory, the
+layout the layer ops read fastest: :meth:`refengine.ops.LayerOps.weight`), or a quantized
+weight ``[out, in]`` as stored or loaded (:class:`refengine.quant.QuantizedWeight`: GGUF
+blocks, int8 with per-channel scales, AWQ/GPTQ 4-bit groups) that the layer ops'
+``linear`` dequantizes on the fly. The code here never asks which. q/k/v and gate/up are
+fused (:attr:`LlamaForCausalLM.fused`), so each layer does four matrix products.
 
-Numerics: weights and the KV cache are in ``dtype`` (float32 on the CPU; float16 or
+Numerics: float weights and the KV cache are in ``dtype`` (float32 on the CPU; float16 or
 bfloat16 on a GPU); activations, norms, RoPE and softmax stay float32 and each matrix
 product casts its input to the weight dtype (cuBLAS accumulates in float32).
 """
@@ -56,8 +59,8 @@ MLP_CHUNK_ROWS = 256
 
 
 class Layer:
-    """One decoder layer on the device, as attributes: fused ``[in, out]``-shaped matrices in
-    the weight dtype, float32 vectors (norms, biases; ``None`` where absent), its
+    """One decoder layer on the device, as attributes: fused matrices (``[in, out]``-shaped
+    float arrays in the weight dtype, or quantized weights), float32 vectors (norms, biases; ``None`` where absent), its
     :class:`RotaryEmbedding` (``rope``) and its attention keywords (``attention_options``:
     ``sliding_window``, ``logits_soft_cap`` where the layer has them)."""
 
@@ -81,12 +84,14 @@ class LlamaForCausalLM:
 
     Args:
         config: the parsed ``config.json``.
-        weights: checkpoint name -> float32 array, as :func:`refengine.loader.load_weights`
-            returns it (consumed: the dict is emptied).
+        weights: checkpoint name -> array in the load dtype, or a
+            :class:`refengine.quant.QuantizedWeight` (GGUF blocks, int8, AWQ/GPTQ), as
+            :func:`refengine.models.load_model` reads them (consumed: the dict is emptied).
         attention: the attention backend.
         ops: the layer operations.
         xp: ``numpy`` or ``cupy``.
-        dtype: weight and KV cache dtype (float32 on the CPU; float16/bfloat16 on a GPU).
+        dtype: float weights' and the KV cache's dtype (float32 on the CPU; float16/bfloat16
+            on a GPU); quantized weights stay as they are.
         max_model_len: the longest context the engine allows (RoPE's static choices), None
             for ``max_position_embeddings``.
     """

@@ -1,5 +1,8 @@
-"""Layer operations as CUDA kernels (``cuda/layers.cu``, and ``cuda/quant_matmul.cu`` for
-weights kept quantized), on CuPy arrays (or NumPy arrays on the CPU emulator).
+"""Layer operations on a GPU (:class:`CudaLayerOps`): CUDA kernels and cuBLAS on CuPy arrays.
+
+The kernels of ``cuda/layers.cu``, and of ``cuda/quant_matmul.cu`` for weights kept
+quantized (int8, AWQ/GPTQ 4-bit; GGUF files are dequantized at load on a GPU); float
+products through cuBLAS. NumPy arrays on the CPU emulator.
 
 The NumPy versions in :mod:`refengine.layers` are their reference; the NumPy twin of the
 quantized products is :func:`refengine.quant.reference_linear`.

@@ -1,25 +1,23 @@
-"""Layer operations as CPU kernels compiled by numba: the third sibling of the NumPy twin.
+"""Layer operations as CPU kernels compiled by numba (:class:`NumbaOps`, the CPU default).
 
-The NumPy versions in :mod:`refengine.layers` (through :class:`refengine.ops.numpy_ops.NumpyOps`)
-are the reference; every kernel here is tested against them (``tests/test_cpu_kernels.py``).
+The float32 matrix product, RMSNorm, RoPE, SiLU-and-mul and GELU(tanh)-and-mul, on float32
+NumPy arrays. The NumPy versions in :mod:`refengine.layers` (through
+:class:`refengine.ops.numpy_ops.NumpyOps`) are the reference; every kernel here is tested
+against them (``tests/test_cpu_kernels.py``). Products with quantized weights go to their
+format's kernels (:mod:`refengine.quant`). docs/cpu_runtime.md is the guide.
 
-Why these kernels exist:
-
-* **The small-row matrix product.** Decode multiplies a few to a hundred rows by every
-  weight matrix. At a few rows it is bound by reading the weights from memory; OpenBLAS
-  reads them once at one row (GEMV) but its GEMM path costs several times that at 2-8 rows,
-  and more still for the tied ``lm_head`` (``embed.T``). From ~8 rows it is bound by
-  arithmetic, where OpenBLAS's packed GEMM needs more than a hundred rows to pay for its
-  packing. :func:`_matmul_dot` keeps the weights in the checkpoint's ``[out, in]`` layout
-  (every output's weights one contiguous row, :meth:`NumbaOps.weight`) and computes dot
-  products in register tiles: four input rows by one weight row while memory-bound (one
-  sequential stream), by four weight rows from :data:`DOT_4X4_MIN_ROWS` rows (sixteen
-  sums per eight loads). From :data:`BLAS_MIN_ROWS` rows ``linear`` hands over to OpenBLAS,
-  which reads the same arrays (transposed views) as fast as its own layout.
-* **RMSNorm, RoPE, SiLU-and-mul.** At one row NumPy spends its time dispatching 4-7
-  temporaries-making ufuncs per call; one loop per call is cheaper. They run on one thread
-  at decode sizes (a parallel launch costs more than the work) and over row blocks in
-  parallel from :data:`ELEMENTWISE_PARALLEL_MIN_ROWS` rows (prefill).
+* **The small-row matrix product** :func:`_matmul_dot`: ``x [T, in]`` times weights kept in
+  the checkpoint's ``[out, in]`` layout (every output's weights one contiguous row,
+  :meth:`NumbaOps.weight`), as dot products in register tiles: four input rows by one
+  weight row while memory-bound (one sequential stream), by four weight rows from
+  :data:`DOT_4X4_MIN_ROWS` rows (sixteen sums per eight loads). With batch invariance (the
+  engine's default) it serves every row count; without, ``linear`` hands products of
+  :data:`BLAS_MIN_ROWS` rows or more to BLAS (:mod:`refengine.runtime.blas`), which reads
+  the same arrays as transposed views.
+* **RMSNorm, RoPE, SiLU-and-mul, GELU-and-mul**: one compiled loop per call (NumPy would
+  dispatch several ufuncs, each making a temporary). On the calling thread at decode sizes
+  (a parallel launch costs more than the work), over row blocks in parallel from
+  :data:`ELEMENTWISE_PARALLEL_MIN_ROWS` rows.
 
 Numerics (float32 in and out, as the twins):
 
@@ -28,8 +26,8 @@ Numerics (float32 in and out, as the twins):
   products of columns ``l, l + 16, ...`` in order with FMA (``fastmath={"contract"}``, no
   reassociation); the lanes summed in one fixed tree (:func:`_fold`); then the last
   ``K % 16`` products in order. So a row's logits are the same bits alone or in any batch
-  below :data:`BLAS_MIN_ROWS` (tested). The lanes are explicit because a reduction LLVM
-  vectorises itself (``reassoc``) is summed in an order that depends on the loop around it.
+  the kernel serves (tested). The lanes are explicit because a reduction LLVM vectorises
+  itself (``reassoc``) is summed in an order that depends on the loop around it.
 * RoPE performs the twin's exact operations (no FMA contraction): results are bitwise equal.
 * RMSNorm sums squares with ``reassoc`` (vectorised partial sums, like NumPy's pairwise sum).
 * SiLU uses :func:`exp_affine` (vectorised, within 2 ulp), NumPy its own SIMD ``exp`` (also ~2 ulp).
@@ -55,16 +53,13 @@ from refengine.runtime.numba_support import (ParallelKernel, get_num_threads, pa
 
 
 #: From this many rows ``linear`` hands the product to BLAS, and the step gives BLAS the
-#: threads (:func:`refengine.runtime.threads.adapt_threads`). Below it :func:`_matmul_dot`'s 4 x 4
-#: tile beats OpenBLAS's GEMM, whose packing pays off only on big products; around this
-#: size the two are level, and above it BLAS is ahead. Measured side by side, decode passes
-#: and prefill chunks, kernel against BLAS: ``refengine bench forward`` (docs/PERFORMANCE.md).
+#: threads (:func:`refengine.runtime.threads.adapt_threads`); never with batch invariance.
+#: Below it :func:`_matmul_dot`'s 4 x 4 tile beats OpenBLAS's GEMM, whose packing pays off
+#: only on big products; around it the two are level (``refengine bench forward`` re-measures it).
 BLAS_MIN_ROWS = 160
 #: From this many rows :func:`_matmul_dot` uses the 4 x 4 register tile (compute-bound), below
-#: it the 4 x 1 tile (memory-bound: one weight row streamed at a time). At 2-4 rows the
-#: 4 x 1 tile is ahead on the layer matrices and the lm_head; from 8 rows the 4 x 4 one is,
-#: and its lead grows with the rows. Measured side by side: ``refengine bench kernels
-#: --sections linear`` (docs/PERFORMANCE.md).
+#: it the 4 x 1 tile (memory-bound: one weight row streamed at a time); ``refengine bench
+#: kernels --sections linear`` compares the two.
 DOT_4X4_MIN_ROWS = 5
 
 _F32 = np.dtype(np.float32)  # compared by identity first: a dtype compared with a scalar type converts it each time

@@ -7,10 +7,9 @@ computes with:
 
 * :class:`MpiCommunicator` (CPU, NumPy arrays): MPI through ``mpi4py``, with the MPICH
   that the ``mpich`` wheel brings (its shared-memory transport between processes of one
-  machine, its network ones between machines). Chosen over gloo (``torch.distributed``)
-  by measurement: on this project's 2-core VM an all-reduce of one decode row (576
-  float32) took about 3.6 us with MPICH and 1,500 us with gloo over loopback TCP, and a
-  decode step makes two per layer (``docs/distributed.md``). The workers are started by
+  machine, its network ones between machines). Chosen over gloo (``torch.distributed``),
+  whose loopback TCP is far slower for the small all-reduces of decode, two per layer
+  (``docs/distributed.md``; figures in ``docs/PERFORMANCE.md``, "Design notes"). The workers are started by
   MPI's own launcher, ``mpiexec``, which gives them their ranks.
 * :class:`NcclCommunicator` (GPU, CuPy arrays): NCCL through ``cupy.cuda.nccl``, on the
   current stream, as vLLM's ``PyNcclCommunicator`` does. One GPU per worker (NCCL refuses two

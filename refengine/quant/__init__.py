@@ -1,7 +1,7 @@
 """Quantized weights: matrices kept in the compressed form they were stored or loaded in.
 
 Decode reads every weight once per step, so its speed is the bytes read per token; a
-weight kept as 4-bit blocks is read from memory in a fifth of the float32 bytes. A
+weight kept as 4-bit blocks is read in 4.5 to 5 bits per weight instead of 32. A
 :class:`QuantizedWeight` is a matrix ``[out_features, in_features]`` (the checkpoint's
 ``[out, in]`` orientation) held in one such format; the layer operations multiply by it
 and dequantize on the fly, block by block (:meth:`refengine.ops.LayerOps.linear`), and the

@@ -1,6 +1,6 @@
-"""AWQ and GPTQ checkpoints (Hugging Face safetensors): ``config.json``'s
-``quantization_config`` and the packed tensors, repacked at load into
-:class:`refengine.quant.int4.Int4Weight`.
+"""AWQ and GPTQ checkpoints, repacked at load into :class:`refengine.quant.int4.Int4Weight`.
+
+Hugging Face safetensors: ``config.json``'s ``quantization_config`` and the packed tensors.
 
 A quantized linear layer ``P`` (e.g. ``model.layers.0.self_attn.q_proj``) ships
 ``P.qweight``, ``P.qzeros``, ``P.scales`` (and for GPTQ usually ``P.g_idx``) instead of

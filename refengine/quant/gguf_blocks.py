@@ -1,5 +1,6 @@
-"""GGUF's block types kept as stored in the file: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
-Q5_1, Q4_K, Q5_K, Q6_K.
+"""GGUF tensors kept as stored (:class:`GGUFWeight`), and their NumPy dequantization.
+
+Types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K.
 
 A GGUF tensor of a quantized type is a sequence of blocks, each ``block_size`` consecutive
 weights of one row in ``type_size`` bytes (``gguf.GGML_QUANT_SIZES``): 32 weights for the
@@ -11,8 +12,11 @@ the one it mirrors). ``gguf.quants.dequantize`` is its bit-exact oracle in the t
 (``tests/test_gguf_blocks.py``): the formulas are evaluated in float32 in ggml's order, so
 every value is the same float.
 
-The product with activations is :mod:`refengine.quant.numba_gguf` (compiled, decoding on
-the fly), imported when :meth:`GGUFWeight.numba_linear` is first called.
+The products with activations are compiled: :mod:`refengine.quant.numba_gguf` (float32
+activations, decoding on the fly) and, with ``activation_dtype="q8_0"``,
+:mod:`refengine.quant.numba_q8` (Q8_0 activations, integer sums), imported when
+:meth:`GGUFWeight.numba_linear` is first called. Their NumPy twin is
+:func:`refengine.quant.reference_linear`.
 
 Files are taken to be little-endian (GGUF's default; the big-endian variant is not read).
 """

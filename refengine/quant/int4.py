@@ -1,5 +1,7 @@
-"""4-bit weights in groups with a scale and a zero point: the one form AWQ and GPTQ
-checkpoints are repacked into at load (:mod:`refengine.quant.awq_gptq`).
+"""4-bit weights in groups with a scale and a zero point (:class:`Int4Weight`).
+
+The one form AWQ and GPTQ checkpoints are repacked into at load
+(:mod:`refengine.quant.awq_gptq`).
 
 A matrix ``[out, in]`` has its input columns split into groups of ``group_size``
 consecutive *stored* columns (the last group may be shorter); output row ``o`` and

@@ -1,75 +1,58 @@
-"""Products with GGUF block-type weights, compiled by numba: the weights decoded on the fly,
-block by block, never the whole matrix (:class:`refengine.quant.gguf_blocks.GGUFWeight`).
+"""Products ``x [T, in] @ w.T`` with GGUF block-type weights, compiled by numba, float32 activations.
 
-``x [T, in] @ w.T`` for ``w [out, in]`` in one of GGUF's block types, two ways:
+``w [out, in]`` is a :class:`refengine.quant.gguf_blocks.GGUFWeight` (Q8_0, Q4_0, Q4_1,
+Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16, BF16) kept as stored; its blocks are decoded on the fly,
+never the whole matrix. ``x`` float32 ``[T, in]``; the result float32 ``[T, out]``. Entry
+point: :func:`linear`. With Q8_0 activations the 32-weight block types take
+:mod:`refengine.quant.numba_q8` instead. This module also holds the vector types and
+intrinsics (``f32x8``, ``f32x16``, ``v16_*``, ``f8_*``, f16 conversions) that the other
+CPU kernels share.
+
+Two paths, by the number of rows ``T``:
 
 * **Few rows (decode)**: one fused kernel per type family (:func:`_blocks32_rows` for Q8_0,
   Q4_0, Q4_1, Q5_0, Q5_1; :func:`_k_rows` for Q4_K, Q5_K; :func:`_q6_k_rows`;
-  :func:`_half_rows` for F16 and BF16). Tasks own consecutive output rows (in parallel,
-  ``prange``); per output row the kernel walks the row's blocks, decodes each block's
-  quants into float32 vector registers and multiplies them with the activation rows, one
-  or four at a time (four share each decoded block; the 32-weight block types also eight),
-  the input rows in cache-sized blocks, each over all of a task's weight rows, folding
-  the block's scale in once per block: ``d * sum(q * x)`` plus, for the types with a
-  minimum, ``m * sum(x)`` from the activations' block sums, computed once per call.
-  At a few rows this reads each weight byte once, so it runs at the speed the compressed
-  bytes stream in, or the decoding keeps up with, whichever is slower. At one activation
-  row (decode at batch 1) the 32-weight block kernels take two weight rows per pass
-  instead (four FMA chains rather than two, one load of each activation vector for both)
-  and prefetch their quants :data:`PREFETCH_BYTES` ahead (their scales as many rows ahead);
-  they convert each f16 scale as the loop reads it (a batch decodes a chunk of rows' scales
-  into a scratch buffer first, a pass that outweighs one row's dot products:
-  docs/quantization.md); each row's sums are computed in the same order as in a batch.
-* **Many rows (prefill)**, from :data:`PREFILL_MIN_ROWS` rows: each of refengine's BLAS
-  threads (:mod:`refengine.runtime.blas`) dequantizes tiles of :data:`TILE_BYTES` worth of
-  weight rows into a float32 buffer of its own and multiplies ``x @ tile.T`` with
-  single-threaded BLAS, which is compute-bound there and well ahead of any numba loop.
+  :func:`_half_rows` for F16 and BF16). Tasks own consecutive output rows (``prange``);
+  per output row the kernel walks the row's blocks, decodes each block's quants into
+  float32 vector registers and multiplies them with the activation rows, one or four at a
+  time (the 32-weight block types also eight), folding the block's scale in once per
+  block: ``d * sum(q * x)`` plus, for the types with a minimum, ``m * sum(x)`` from the
+  activations' block sums. Each weight byte is read once. At one activation row the
+  32-weight block kernels take two weight rows per pass and prefetch their quants
+  :data:`PREFETCH_BYTES` ahead; each row's sums are computed in the same order as in a batch.
+* **Many rows (prefill)**, from :data:`PREFILL_MIN_ROWS` rows and only with
+  ``batch_invariant=False`` (:func:`tiled_blas_linear`): each of refengine's BLAS threads
+  (:mod:`refengine.runtime.blas`) dequantizes tiles of :data:`TILE_BYTES` of weight rows
+  into a float32 buffer of its own and multiplies ``x @ tile.T`` with single-threaded BLAS.
 
-Why explicit SIMD: numba runs LLVM's loop vectorizer but not its SLP vectorizer
-(``NUMBA_SLP_VECTORIZE`` is off by default), and LLVM fully unrolls short lane loops (the
-16 lanes of a 32-weight block) before the loop vectorizer sees them, which leaves scalar
-code (``vfmadd231ss``, ``vcvtsi2ss``: checked with ``inspect_asm``). So the kernels here
-use small vector types and intrinsics for their loads, integer decoding, conversions and
-fused multiply-adds (:func:`_lane_intrinsics`, one set per width). That fixes the machine
-code whatever LLVM's unrolling heuristics decide: ``vpmovzxbd`` loads of quants,
-``vcvtdq2ps``, ``vfmadd231ps``, the accumulators in registers. The block types hold a
-32-weight block (Q6_K: two 16-weight groups) as two sixteen-lane vectors, :data:`f32x16`
-and :data:`i32x16` (weights 0-15 and 16-31; ``zmm`` registers on an AVX-512 CPU, ``ymm``
-pairs where LLVM splits them); the F16/BF16 kernels and the sums below use eight lanes,
-:data:`f32x8` (one AVX2 register). Lanes 0-7 of a sixteen-lane partial product are the
-eight-lane ``pA`` described below and lanes 8-15 are ``pB`` (Q6_K: the two accumulators of
-a group's weights 0-7 and 8-15), so the sums are those of eight-lane pairs, bit for bit.
-
-Why one compiled function per type (``_q4_1_rows``, ``_q4_1_linear``, ``_q4_1_dequant``
-...): the family's code is written once (``_blocks32_rows(kind, ...)``, inlined) and each
-type's function passes its ``kind`` as a constant, so the other types' branches fold away.
-With ``kind`` a run-time argument, the branches inside the inlined block decoder left
-numba's reference counting of the planes (``NRT_incref``/``NRT_decref`` calls) and
-register spills in the innermost loop, several times slower.
+Explicit SIMD: numba runs LLVM's loop vectorizer but not its SLP vectorizer, and LLVM fully
+unrolls the short lane loops before the loop vectorizer sees them, which leaves scalar
+code. So the kernels use small vector types and intrinsics (:func:`_lane_intrinsics`, one
+set per width) for loads, integer decoding, conversions and FMAs: ``vpmovzxbd`` loads of
+quants, ``vcvtdq2ps``, ``vfmadd231ps``, accumulators in registers. A 32-weight block (Q6_K:
+two 16-weight groups) is two sixteen-lane vectors, :data:`f32x16` and :data:`i32x16`; the
+F16/BF16 kernels and the sums use eight lanes, :data:`f32x8`. Each type has its own compiled
+function (``_q4_1_rows``, ``_q4_1_linear``, ``_q4_1_dequant`` ...): the family's code is
+written once with its ``kind`` passed as a constant, so the other types' branches fold away.
 
 Numerics (float32): every output is computed the same way whatever the tile or the number
-of rows below :data:`PREFILL_MIN_ROWS` (a row's results are the same bits alone or in a
-batch, and on any number of threads; tested). Per 32-weight block two eight-lane partial
-products, ``pA = fma(w[16:24], x[16:24], w[0:8] * x[0:8])`` and ``pB`` likewise for weights
-8-15 and 24-31, accumulated as ``acc = fma(d, p, acc)`` block after block (Q6_K: per
-16-weight group ``acc = fma(d * sc, w * x, acc)``; F16/BF16: ``acc = fma(w, x, acc)``);
-the two accumulators added, their lanes summed in one fixed tree (:func:`f8_sum`); the
-minimum terms ``sum_b m_b * xsum_b`` (Q4_1, Q5_1, and the K-quants' ``-dmin * m``) as an
-eight-lane dot over the blocks, summed the same way, then its tail in order. The BLAS path
-is ``x @ dequantize().T`` up to float32 rounding (the dequantized tile is bitwise
-:meth:`GGUFWeight.dequantize`: the decoders use no FMA there).
+of rows on the fused path, so a row's result is the same bits alone or in a batch and on
+any number of threads (tested). Per 32-weight block two eight-lane partial products,
+``pA = fma(w[16:24], x[16:24], w[0:8] * x[0:8])`` and ``pB`` likewise for weights 8-15 and
+24-31, accumulated as ``acc = fma(d, p, acc)`` block after block (Q6_K: per 16-weight group
+``acc = fma(d * sc, w * x, acc)``; F16/BF16: ``acc = fma(w, x, acc)``); the two
+accumulators added, their lanes summed in one fixed tree (:func:`f8_sum`); the minimum
+terms ``sum_b m_b * xsum_b`` (Q4_1, Q5_1, and the K-quants' ``-dmin * m``) as an eight-lane
+dot over the blocks, summed the same way, then its tail in order. Lanes 0-7 of a
+sixteen-lane partial product are ``pA`` and lanes 8-15 ``pB``, so the sums are those of
+eight-lane pairs, bit for bit. The tile path is ``x @ dequantize().T`` up to BLAS's float32
+rounding (the dequantized tile is bitwise :meth:`GGUFWeight.dequantize`: no FMA there).
 
-The f16 scales are converted by exact bit arithmetic (numba has no float16): the 15 bits
-below the sign, shifted into a float32's exponent and mantissa, are ``value * 2**-112``
-for normal and subnormal halves alike, so one multiply by ``2**112`` restores the value
-(it needs float32 subnormals, which numba does not flush); infinities and NaNs get the
-all-ones exponent instead. F16 weights use the CPU's ``vcvtph2ps`` where it has F16C
-(the same values). Both tested against NumPy for all 65536 patterns.
-
-Not done: quantizing the activations to int8 per block and multiplying in integers, as
-llama.cpp does (``vpmaddubsw``), would roughly halve the decoding work per weight at the
-cost of an activation rounding error of ~0.4% per block; the products here are float32
-with the weights exactly as stored.
+f16 scales are converted by exact bit arithmetic (numba has no float16): the 15 bits below
+the sign, shifted into a float32's exponent and mantissa, are ``value * 2**-112`` for
+normal and subnormal halves alike, so one multiply by ``2**112`` restores the value;
+infinities and NaNs get the all-ones exponent. F16 weights use ``vcvtph2ps`` where the CPU
+has F16C (the same values). Both tested against NumPy for all 65536 patterns.
 """
 
 from __future__ import annotations
@@ -88,23 +71,17 @@ from refengine.runtime import blas
 from refengine.runtime.numba_support import get_num_threads, parallel_kernel, prefetch, register_kernels, x_block_rows
 
 #: From this many activation rows the product dequantizes tiles and multiplies with BLAS
-#: (prefill); below, the fused kernels (decode). Measured on SmolLM2's shapes (576 x 576,
-#: 1536 x 576, 576 x 1536; Q4_1 and Q8_0), fused kernel against tiles + BLAS at 8 to 128
-#: rows, repeated runs on one and two threads: the fused kernel is ahead at 8 rows, the two
-#: are level around 12-16, tiles + BLAS are ahead from 24 on one thread (and by 2-3x from
-#: 64); on two threads the order at 16-32 rows changed from run to run on a busy machine.
+#: (prefill, ``batch_invariant=False`` only); below, the fused kernels (decode). Where the
+#: two are level on SmolLM2's shapes (docs/PERFORMANCE.md, "Design notes").
 PREFILL_MIN_ROWS = 24
-#: The float32 bytes of a dequantized tile (its rows: this over ``in_features * 4``, a few
-#: hundred rows for SmolLM2). Of 64 KiB to 4 MiB tiles, those from 1 MiB were fastest (a
-#: small tile pays BLAS's per-call set-up, packing ``x`` each time, too often).
+#: The float32 bytes of a dequantized tile (its rows: this over ``in_features * 4``); a
+#: smaller tile pays BLAS's per-call set-up (packing ``x``) too often.
 TILE_BYTES = 1024 * 1024
 #: The fused 32-weight block kernels decode the f16 scales of this many weight rows at a
 #: time, in one vector loop (a row's 18 or 48 scales alone would leave a scalar tail each).
 CHUNK_ROWS = 8
 #: One activation row (decode at batch 1) multiplies two weight rows at a time, and asks for
-#: their quants this many bytes ahead (software prefetch). Measured on the Q8_0 lm_head of
-#: SmolLM2 (49152 x 576, 30 MB, from memory): 1 KiB to 4 KiB ahead ran fastest, 16 KiB no
-#: faster than no prefetch.
+#: their quants this many bytes ahead (software prefetch).
 PREFETCH_BYTES = 4096
 
 _U = np.uintp  # unsigned indices: no negative-index wraparound in the address arithmetic
@@ -1421,9 +1398,8 @@ def _scale_scratch(w, *lead) -> np.ndarray:
 
 
 def _task_rows(n: int, threads: int) -> int:
-    """Output rows per task: a multiple of four, about four tasks per thread (a core slowed
-    by another process does not hold the others up for long; on a quiet machine fewer,
-    larger tasks were a little faster, many small ones slower)."""
+    """Output rows per task: a multiple of four, about four tasks per thread (so a core slowed
+    by another process does not hold the others up for long)."""
     return max(4, -(-n // (16 * threads)) * 4)
 
 
@@ -1440,9 +1416,7 @@ def product_plan(w, name: str, build):
     Returns:
         What ``build`` returned. Plans live in a ``threading.local`` on ``w``: a plan's
         scratch is written by every call, so two threads never share one, and a thread's
-        plans go with it. Pickling drops them (:meth:`GGUFWeight.__getstate__`). A decode
-        step makes over a hundred products of one row each, and these arguments used to be
-        assembled anew at each.
+        plans go with it. Pickling drops them (:meth:`GGUFWeight.__getstate__`).
     """
     threads = get_num_threads()
     local = w.__dict__.get("_plans")

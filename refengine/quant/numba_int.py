@@ -1,38 +1,37 @@
-"""numba CPU kernels of the int8 and int4 weight formats (:mod:`refengine.quant.int8`,
-:mod:`refengine.quant.int4`): ``x [T, in] @ w.T`` with the weights dequantized on the fly.
+"""Products ``x [T, in] @ w.T`` with int8 and 4-bit group weights, compiled by numba.
+
+``w [out, in]`` in the formats of :mod:`refengine.quant.int8` (per-output-channel int8) and
+:mod:`refengine.quant.int4` (4-bit groups: AWQ, GPTQ), dequantized on the fly; ``x``
+float32 ``[T, in]``, the result float32 ``[T, out]``. Entry points: :func:`int8_linear`,
+:func:`int4_linear`.
 
 Two paths, picked by the number of rows ``T``:
 
-* **Few rows (decode; int8 up to :data:`INT8_BLAS_MIN_ROWS`), the dot kernels**
-  :func:`_int8_rows` and :func:`_int4_rows`: at a few rows the product is bound by reading
-  the weights from memory, and int8 / int4
-  read a quarter / an eighth of float32's bytes. One weight row is streamed at a time,
-  32 columns a step: the stored integers are widened and converted to float32 in
-  registers (``vpmovsxbd``/``vpmovzxbd`` + ``vcvtdq2ps``) and multiplied into
-  :data:`LANES32` float32 partial sums per input row with FMA (four AVX2 registers: four
-  independent FMA chains at one row). Pairs of input rows share each converted weight
-  vector; an odd last row runs alone, with the same operations; int8 from
-  :data:`INT8_TILE_MIN_ROWS` rows in tiles of four input rows by two weight rows
-  (:func:`_int8_rows_4x2`). int8 applies its scale once per output
+* **Few rows (decode), the dot kernels** :func:`_int8_rows` and :func:`_int4_rows` (every
+  row count with ``batch_invariant=True``): at a few rows the product is bound by reading
+  the weights from memory, and int8 / int4 read a quarter / an eighth of float32's bytes.
+  One weight row is streamed at a time, 32 columns a step: the stored integers are widened
+  and converted to float32 in registers (``vpmovsxbd``/``vpmovzxbd`` + ``vcvtdq2ps``) and
+  multiplied into :data:`LANES32` float32 partial sums per input row with FMA. Pairs of
+  input rows share each converted weight vector; an odd last row runs alone, with the same
+  operations; int8 from :data:`INT8_TILE_MIN_ROWS` rows in tiles of four input rows by two
+  weight rows (:func:`_int8_rows_4x2`). int8 applies its scale once per output
   (``out = scale[o] * sum x * q``); int4 forms each weight exactly as
   :meth:`refengine.quant.int4.Int4Weight.dequantize` does (``float32(q - z) * s``, one
   rounding) and then accumulates, so both of its paths multiply by the same float32
   weights. Tasks own blocks of weight rows (a multiple of four, about 16 per thread), as
   :func:`refengine.ops.numba_ops._matmul_dot`.
-* **Many rows (prefill), dequantized tiles on BLAS**: from :data:`INT8_BLAS_MIN_ROWS` /
-  :data:`INT4_BLAS_MIN_ROWS` rows the product is bound by arithmetic, where BLAS's GEMM
-  beats the dot kernels (with ``batch_invariant=False``): tiles of :data:`TILE_BYTES` of
-  weight rows are dequantized to float32 and multiplied by ``x @ tile.T``. int8: each of
+* **Many rows (prefill), dequantized tiles on BLAS** (``batch_invariant=False`` only): from
+  :data:`INT8_BLAS_MIN_ROWS` / :data:`INT4_BLAS_MIN_ROWS` rows, tiles of :data:`TILE_BYTES`
+  of weight rows are dequantized to float32 and multiplied by ``x @ tile.T``. int8: each of
   refengine's BLAS threads dequantizes and multiplies its own tiles (:func:`int8_linear`);
   int4: tiles dequantized in parallel, then :func:`refengine.runtime.blas.matmul`.
-  The thresholds were measured on the SmolLM2-135M shapes, dot kernel against the tile
-  path (``docs/quantization.md``).
 
 Numerics: the dot kernels sum every output in one fixed order whatever the number of rows
-below the threshold or the threads (lanes of columns, folded in a fixed tree, then the
-tail, as ``_matmul_dot``), so a row's result does not depend on its batch; the tile path
-is ``x @ w'.T`` up to BLAS's float32 rounding. ``fastmath`` is ``{"contract"}`` only: FMA,
-no reassociation, NaN and inf propagate.
+or the threads (lanes of columns, folded in a fixed tree, then the tail, as
+``_matmul_dot``), so a row's result does not depend on its batch; the tile path is
+``x @ w'.T`` up to BLAS's float32 rounding. ``fastmath`` is ``{"contract"}`` only: FMA, no
+reassociation, NaN and inf propagate.
 """
 
 from __future__ import annotations
@@ -50,18 +49,14 @@ from refengine.runtime.numba_support import get_num_threads, parallel_kernel, re
 _FMA = {"contract"}
 
 #: From this many rows an int8 product dequantizes tiles and runs BLAS (with
-#: ``batch_invariant=False``); below it, the dot kernel. Measured on SmolLM2-135M's matrices
-#: (576 x 576 ... 3072 x 576, two threads, the two paths side by side, AVX-512 code and
-#: AVX2 code alike): with the 4 x 2 tiles the dot kernel is ahead up to 512 rows (by
-#: 1.2-2x), level around 1024, behind at 2048 (the pair loop before them was behind from 64).
+#: ``batch_invariant=False``); below it, the dot kernel (where the two are level:
+#: docs/PERFORMANCE.md, "Design notes").
 INT8_BLAS_MIN_ROWS = 1024
 #: The same switch for int4, whose dot kernel spends more instructions per weight (nibble
-#: masks, the zero point, one more multiply): the tile path is ahead from about 32 rows.
+#: masks, the zero point, one more multiply), so the tile path wins sooner.
 INT4_BLAS_MIN_ROWS = 32
 #: From this many rows the int8 dot kernel works in 4 x 2 tiles (:func:`_int8_rows_4x2`),
-#: below it in pairs of rows. Measured on SmolLM2's matrices and lm_head (two threads, the
-#: two kernels side by side): the pairs ahead at 5 rows (the tile computes 8), level at 8,
-#: the tile 1.5x ahead at 16 and 2-2.5x at 512.
+#: below it in pairs of rows (the tile computes eight outputs at once, wasted at few rows).
 INT8_TILE_MIN_ROWS = 12
 #: Bytes of float32 weight rows :func:`_int8_rows_4x2` converts at a time and keeps in L2
 #: while the input rows pass over them (with an input block, well inside an L2 of 256 KB).
@@ -253,7 +248,8 @@ def _int8_dequant_rows(q, scales, out, j0, j1):  # pragma: no cover - compiled
 
 
 def int8_linear(x: np.ndarray, q: np.ndarray, scales: np.ndarray, blas_min_rows: int | None = None) -> np.ndarray:
-    """``x [T, K] @ (q * scales[:, None]).T`` -> float32 ``[T, N]``.
+    """``x [T, K] @ (q * scales[:, None]).T`` -> float32 ``[T, N]``: the dot kernel below
+    ``blas_min_rows`` rows, dequantized tiles on BLAS from there.
 
     The tile path (from ``blas_min_rows`` rows): the weight rows cut into tiles
     (:func:`refengine.runtime.blas.balanced_tile_rows`), dealt round-robin to refengine's BLAS threads
@@ -263,7 +259,7 @@ def int8_linear(x: np.ndarray, q: np.ndarray, scales: np.ndarray, blas_min_rows:
     of the output. Every weight is dequantized once per call, as
     :func:`refengine.quant.numba_gguf.tiled_blas_linear` does for GGUF blocks. The result
     is ``x @ w'.T`` up to BLAS's float32 rounding, which depends on the number of rows
-    (OpenBLAS's blocking), as before: batch-independent rows are the dot kernels' property.
+    (OpenBLAS's blocking): batch-independent rows are the dot kernels' property.
 
     Args:
         x: float32 ``[T, K]`` (made C-contiguous float32 if it is not).

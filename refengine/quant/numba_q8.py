@@ -1,7 +1,10 @@
-"""Products of GGUF 32-weight block types with the activations quantized to ggml's Q8_0
-blocks, in integers: llama.cpp's scheme for its CPU dot products, ``activation_dtype="q8_0"``.
+"""Products ``x [T, in] @ w.T`` with GGUF 32-weight block types, activations rounded to Q8_0, in integers.
 
-``x [T, in] @ w.T`` for ``w [out, in]`` in Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1, in two steps:
+llama.cpp's scheme for its CPU dot products, ``activation_dtype="q8_0"``. ``w [out, in]``
+in Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 (:data:`Q8_TYPES`); ``x`` float32 ``[T, in]``; the result
+float32 ``[T, out]``. Entry points: :func:`linear` (any block type: the others fall back to
+:func:`refengine.quant.numba_gguf.linear`) and :class:`RowProduct` (one row, bound once).
+Two steps:
 
 1. :func:`quantize_q8_0` rounds each row of ``x`` to Q8_0 blocks, exactly as ggml's
    reference ``quantize_row_q8_0_ref`` (``ggml-quants.c``) and gguf-py's
@@ -49,11 +52,10 @@ is built at its first product, beside its planes; an engine with ``activation_dt
 builds them all at load over the planes' own buffers and keeps that copy alone
 (:func:`interleave_model`).
 
-A decode step makes over a hundred products of one row each, and the Python around each
-kernel call (checks, plan lookups, the input's quantization and block sums as calls of
-their own) added up to a noticeable share of the step. So each kernel quantizes a one-row
-input itself, before its parallel loop (:func:`_prepare_input`), and :class:`RowProduct`
-binds everything but the row once, for the layer operations to call.
+A decode step makes over a hundred products of one row each, so the Python around each
+kernel call is kept small: each kernel quantizes a one-row input itself, before its
+parallel loop (:func:`_prepare_input`), and :class:`RowProduct` binds everything but the
+row once, for the layer operations and the captured decode step to call.
 """
 
 from __future__ import annotations
@@ -829,7 +831,7 @@ class RowProduct:
     def bind(self, x: np.ndarray, out: np.ndarray):
         """The product of the buffer ``x`` (:attr:`in_shape`, C-contiguous float32) into the
         buffer ``out`` (float32 ``[1, out_features]``, C-contiguous) as a call of no arguments,
-        every argument bound (:mod:`refengine.ops.numba_decode` replays it each step).
+        every argument bound (the captured decode step replays it each step).
 
         Raises:
             ValueError: ``x`` or ``out`` of another shape.

@@ -1,5 +1,4 @@
-"""The CPU runtime: process-wide settings made once, explicitly, and the leaf modules
-behind them.
+"""The CPU runtime: :func:`setup_cpu_runtime` makes the process-wide settings once, explicitly.
 
 Importing refengine changes nothing in the process: no environment variable, no thread
 pool, no allocator setting. :func:`setup_cpu_runtime` makes the settings that make the CPU

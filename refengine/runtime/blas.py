@@ -1,11 +1,11 @@
-"""Large matrix products on BLAS, spread over threads of this process's own.
+"""Large matrix products as one-thread BLAS calls over row blocks, on threads of refengine's own.
 
 The numba backend keeps the BLAS library (OpenBLAS under NumPy) on one thread, always, and
 splits a product with many rows into row blocks, one per thread, each a single-threaded
 BLAS call (NumPy releases the GIL around it). Why not let OpenBLAS thread itself:
 
-* OpenBLAS's idle threads spin after each call (``2**OPENBLAS_THREAD_TIMEOUT`` cycles,
-  about 0.1 s by default) and take the cores from numba's threads in the steps that
+* OpenBLAS's idle threads spin after each call (``2**OPENBLAS_THREAD_TIMEOUT`` cycles)
+  and take the cores from numba's threads in the steps that
   follow. The variable is read once, as NumPy loads OpenBLAS, so a program that imported
   NumPy before refengine could not change it, and neither could any set-up made at run time.
 * Two pools then take turns in one step (BLAS products, numba kernels between them), each

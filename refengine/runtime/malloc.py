@@ -1,4 +1,4 @@
-"""glibc malloc settings for the CPU engine: freed activations stay in the process.
+"""Memory for the CPU engine: glibc malloc thresholds (freed activations stay mapped) and a huge-page KV pool.
 
 A forward pass allocates its activations afresh: NumPy arrays of up to tens of MB at
 prefill sizes (2048 tokens x SmolLM2's fused gate/up width is 25 MB). glibc serves every
@@ -6,9 +6,7 @@ allocation above its mmap threshold with a fresh ``mmap`` and unmaps it on ``fre
 each pass faults all those pages in again, and zeroes them. :func:`keep_freed_memory`
 raises the threshold to glibc's largest (32 MB on 64-bit) and the heap's trim threshold
 to :data:`TRIM_THRESHOLD`, so freed buffers return to the heap and the next pass reuses
-them, already mapped. Measured side by side (one 2048-token prefill pass, both settings
-alternating in one process), the pass is clearly faster with the freed memory kept. vLLM's
-CPU backend recommends preloading tcmalloc for the same reason.
+them, already mapped. vLLM's CPU backend recommends preloading tcmalloc for the same reason.
 
 Only glibc has ``mallopt``; elsewhere, and when the user set glibc's own variables
 (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``GLIBC_TUNABLES``), nothing changes.

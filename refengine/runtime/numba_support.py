@@ -1,8 +1,12 @@
-"""numba building blocks shared by the CPU kernels: parallel/serial kernel pairs, two LLVM
-intrinsics, the thread-pool starter and the kernel registry.
+"""numba building blocks shared by the CPU kernels: parallel/serial pairs, intrinsics, the kernel registry.
+
+:class:`ParallelKernel` (a ``prange`` loop and its serial twin), two LLVM intrinsics
+(``prefetch``, ``stack_f32``), the thread-pool starter and the kernel registry
+(:func:`register_kernels`, :func:`kernel_cache_misses`, :func:`kernel_cache_dirs`).
 
 Nothing here imports the rest of refengine: the kernel modules
-(:mod:`refengine.ops.numba_ops`, :mod:`refengine.attention.numba_cpu`) import it, and
+(:mod:`refengine.ops.numba_ops`, :mod:`refengine.attention.numba_cpu` and the quantized
+products in :mod:`refengine.quant`) import it, and
 register themselves with :func:`register_kernels` so that the engine's warm-up can tell how
 many kernels numba compiled rather than loaded from its cache.
 """
@@ -29,8 +33,7 @@ class ParallelKernel:
     array expressions before or after the loop are calls to ``@njit`` functions too. Numba
     turns every ``np.zeros``, slice assignment and array expression in a parallel function
     into a parallel loop of its own, each a thread-pool launch, which costs more than
-    small work (the more so with passive waits): the paged decode kernel's merge, with one
-    small ``np.zeros`` per head, ran an order of magnitude slower on two threads than on one.
+    small work (the more so with passive waits).
 
     Why both: a parallel launch hands the work to pool threads even at one thread, and a
     woken thread waits for a core; on a busy machine that wait (milliseconds) dwarfs a
@@ -56,8 +59,8 @@ class ParallelKernel:
 
 def get_num_threads() -> int:
     """``numba.get_num_threads()``, without its per-call locks once the pool is up: numba's
-    own function takes two locks to check that its threading layer is loaded, about 1 us a
-    call, and a decode step asks hundreds of times (every kernel call picks its parallel or
+    own function takes two locks to check that its threading layer is loaded, and a decode
+    step asks hundreds of times (every kernel call picks its parallel or
     serial version and its task size by it). After :func:`start_thread_pool` (or any parallel
     kernel) this reads the layer's count directly (numba's ``_get_num_threads``, the ctypes
     function its public one calls); the public function before that, or where numba lacks it."""
@@ -124,9 +127,7 @@ def prefetch(typingctx, array, index):
 #: Bytes of input rows a multi-row dot kernel keeps in cache while it passes over a task's
 #: weight rows (:func:`refengine.ops.numba_ops._dot_rows_4x4`, the int8, GGUF block and
 #: Q8_0-activation kernels): with the few weight rows of a register tile, inside a 32 KB L1
-#: (the tiles load from it at every FMA or two). Measured side by side on SmolLM2's shapes at
-#: 512 rows (AMD EPYC Zen 5, 48 KB L1): 96 KB blocks (in L2) left the float32 and int8
-#: tiles and the Q8_0 kernel 1.3-1.8x slower than 24 KB; 12 KB was no faster than 24.
+#: (the tiles load from it at every FMA or two; docs/PERFORMANCE.md, "Design notes").
 X_BLOCK_BYTES = 24 * 1024
 
 

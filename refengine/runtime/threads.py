@@ -1,4 +1,4 @@
-"""How many threads the CPU engine uses, per step, and how idle threads wait.
+"""Thread counts of the CPU engine (BLAS and numba), set once at start and once per step; idle threads' wait.
 
 The engine calls :func:`configure_threads` once at start and :func:`adapt_threads` once
 per step; :func:`refengine.runtime.setup_cpu_runtime` calls :func:`use_wait_policy`
@@ -33,9 +33,8 @@ before. docs/cpu_runtime.md walks through the choices; in short:
   steps follow each other a few milliseconds apart (sampler, scheduler); a spinning thread
   picks up the next loop at once, a sleeping one must be woken first, and on a virtual
   machine a sleeping thread's idle vCPU is given back to the host, which may take
-  milliseconds to return it. A short spin (tens of microseconds, once the default here)
-  left batch-1 decode steps on a 2-vCPU VM with a long tail of slow steps that the long
-  spin removes, prefill no slower (docs/cpu_runtime.md). With other
+  milliseconds to return it; a short spin leaves a tail of slow decode steps
+  (docs/PERFORMANCE.md, "Design notes"). With other
   processes running, :func:`adapt_threads` drops to one thread, and a kernel then runs its
   serial twin on the calling thread (no pool, nothing spins).
   The variable is set only while numba loads libgomp, then restored, so OpenMP runtimes
@@ -207,8 +206,9 @@ def configure_threads(num_threads: int | None = None, library_blas: bool = True)
 
 
 def adapt_threads(blas_step: bool | None = None, library_blas: bool | None = None) -> int:
-    """Call once per engine step, from the thread that runs the model. After
-    :func:`configure_threads` ``(None)``, every :data:`ADAPT_INTERVAL_S` seconds, sets the
+    """Set this step's thread counts (BLAS and numba); called once per engine step, from the
+    thread that runs the model. After :func:`configure_threads` ``(None)``, every
+    :data:`ADAPT_INTERVAL_S` seconds, sets the
     thread count to the usable cores minus those other processes kept busy since the last
     look (at least 1). Returns the thread count in use (1 before :func:`configure_threads`).
 
