@@ -175,7 +175,7 @@ class EngineConfig:
         activation_dtype: the input of the products with GGUF block weights, "auto" (float32)
             or "q8_0" (ggml's Q8_0 blocks, integer dot products; :mod:`refengine.quant.numba_q8`).
         enforce_eager: every step runs the model's forward; False: one-row decode steps on the
-            numba backend are replayed from bound kernels (:mod:`refengine.ops.numba_decode`).
+            numba backend are replayed from a recording of the forward (:mod:`refengine.cpu.capture`).
         gpu_memory_utilization: share of GPU memory the engine may use.
         max_logprobs: most ``SamplingParams.logprobs`` a request may ask for.
         log_stats: log per-request lines and periodic stats. trace: record step events.
