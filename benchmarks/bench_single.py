@@ -15,7 +15,7 @@ repeated ``--repeats`` times after one warm-up; the median is reported.
 
 ``--busy-core``: refengine once more with a second process keeping one core busy (a
 Python busy loop this benchmark starts, and stops when done), after a warm-up request
-so the engine has seen the load (``refengine.runtime.threads.adapt_threads``); both figures and
+so the engine has seen the load (``refengine.cpu.threads.adapt_threads``); both figures and
 their ratio are reported.
 
     python benchmarks/bench_single.py [--model DIR] [--prompt-len 512] [--decode-steps 128] [--busy-core] [--json FILE]
@@ -73,7 +73,7 @@ def bench_refengine(model_dir: str, prompt_ids: list[int], decode_steps: int, re
 
         spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
         try:
-            time.sleep(1.5)  # the engine's thread count looks back one second (refengine/runtime/threads.py)
+            time.sleep(1.5)  # the engine's thread count looks back one second (refengine/cpu/threads.py)
             llm.generate([prompt_ids[:64]], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True),
                          use_tqdm=False)
             quiet["busy_core"] = measure()

@@ -76,7 +76,7 @@ def run_collective_worker(hidden: int) -> None:
 
 
 def measure_collectives(hidden: int) -> dict:
-    from refengine.parallel.executor import mpiexec
+    from refengine.core.executor import mpiexec
 
     proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, os.path.abspath(__file__), "--collective-worker",
                            "--hidden", str(hidden)], capture_output=True, text=True, timeout=600)
@@ -110,9 +110,9 @@ def measure_engine(model: str, tp: int, prompt: list[int], steps: int) -> dict:
 def main(model, prompt_len, decode_steps, performance_md, collective_worker, hidden):
     if collective_worker:
         return run_collective_worker(hidden)
+    from refengine.bench.report import write_performance
     from refengine.bench.workload import load_corpus
     from refengine.engine_args import EngineArgs, resolve_model_dir
-    from refengine.bench.report import write_performance
     from refengine.tokenizer import Tokenizer
 
     model_dir = resolve_model_dir(model)

@@ -177,8 +177,8 @@ def check_kv_quant(cp, rng, dtypes, quick: bool = False) -> list[tuple[str, bool
     (``quick``: head_dim 64 only)."""
     from refengine.attention import AttentionMetadata
     from refengine.attention.cuda import CudaAttention
+    from refengine.attention.kv_cache import FP8Scale
     from refengine.attention.numpy_ref import NumpyAttention, fp8_to_float
-    from refengine.kv_cache import FP8Scale
 
     results = []
     backend, twin = CudaAttention(decode_partition_size=64), NumpyAttention()

@@ -49,7 +49,7 @@ __device__ __forceinline__ float warp_sum(float x) {
 #define REFENGINE_NEG_INF __int_as_float(static_cast<int>(0xff800000u))
 
 // ---------------------------------------------------------------------------------------
-// Quantized KV caches (kv_cache_dtype "int8", "fp8_e4m3", "fp8_e5m2"; refengine/kv_cache.py).
+// Quantized KV caches (kv_cache_dtype "int8", "fp8_e4m3", "fp8_e5m2"; refengine/core/block_manager.py).
 //
 // * int8 (LMDeploy's scheme): int8 values and a float32 scale per token and KV head,
 //   value = q * scale[slot][kv_head]; written by reshape_and_cache_<dt>_int8.

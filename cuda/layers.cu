@@ -67,7 +67,7 @@ __device__ void silu_and_mul(T* __restrict__ out, const T* __restrict__ x, int i
 }
 
 // x: [T, 2 * inter] (gate then up); out: [T, inter]. The same float32 operation order as
-// refengine.layers.gelu_tanh_and_mul.
+// refengine.ops.layers.gelu_tanh_and_mul.
 template <typename T>
 __device__ void gelu_tanh_and_mul(T* __restrict__ out, const T* __restrict__ x, int inter) {
     constexpr float kSqrt2OverPi = 0.7978845608028654f;

@@ -45,7 +45,7 @@ DEFINE_RESHAPE_AND_CACHE(reshape_and_cache_bf16, __nv_bfloat16)
 
 // Quantized caches (common.cuh, "Quantized KV caches"): the same slots, written as int8 or fp8.
 //
-// int8 (LMDeploy's scheme, refengine.kv_cache.quantize_int8): per token and KV head,
+// int8 (LMDeploy's scheme, refengine.attention.kv_cache.quantize_int8): per token and KV head,
 // scale = max|x| / 127 and q = rint(x / scale) clamped to [-127, 127] (0 for a zero row);
 // the scale goes to k_scales / v_scales [num_blocks * block_size, num_kv_heads]. Warp w of
 // the block quantizes KV heads w, w + 4, ...: its lanes stride over head_dim, warp_max gives

@@ -1,8 +1,8 @@
 """refengine: a readable, correctness-first LLM inference engine.
 
-Start at :class:`refengine.engine.LLM` (offline generation) or
-:class:`refengine.engine.LLMEngine` (add_request / step / abort). Importing the package
-changes nothing process-wide; :func:`refengine.runtime.setup_cpu_runtime` does, explicitly.
+Start at :class:`refengine.core.engine.LLM` (offline generation) or
+:class:`refengine.core.engine.LLMEngine` (add_request / step / abort). Importing the package
+changes nothing process-wide; :func:`refengine.cpu.setup_cpu_runtime` does, explicitly.
 """
 
 from refengine.beam_search import BeamSearchParams
@@ -14,11 +14,11 @@ __version__ = "0.1.0"
 
 def __getattr__(name):  # lazy, so `import refengine` stays light for the CLI and converters
     if name in ("LLM", "LLMEngine"):
-        from refengine import engine
+        from refengine.core import engine
 
         return getattr(engine, name)
     if name in ("RequestOutput", "CompletionOutput"):
-        from refengine import sequence
+        from refengine.core import sequence
 
         return getattr(sequence, name)
     raise AttributeError(name)

@@ -137,7 +137,7 @@ def beam_search(llm, prompts: list[list[int]], params: BeamSearchParams) -> list
     """Run beam search for each prompt (token ids) through ``llm.generate``.
 
     Args:
-        llm: a :class:`refengine.engine.LLM`.
+        llm: a :class:`refengine.core.engine.LLM`.
         prompts: one list of token ids per prompt (each shorter than ``max_model_len``).
         params: the search parameters.
     Returns:

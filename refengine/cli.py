@@ -257,7 +257,7 @@ def chat(system, **kw):
 @log_level_option
 def convert_gguf_cmd(gguf_file, out_dir):
     """Convert a llama GGUF file into a Hugging Face model directory (float32 safetensors)."""
-    from refengine.convert_gguf import convert_gguf
+    from refengine.formats.convert_gguf import convert_gguf
 
     try:
         path = convert_gguf(gguf_file, out_dir)

@@ -184,9 +184,9 @@ def engine_from_args(args: EngineArgs):
     """The engine of ``args`` (:meth:`LLMEngine.from_engine_args` with the CPU runtime set
     up). A bad setting ends the command with its message and exit status 2; a missing
     device or library with 1."""
-    from refengine.engine import LLMEngine
+    from refengine.core.engine import LLMEngine
 
-    try:  # on the CPU with the process-wide settings of refengine.runtime.setup_cpu_runtime
+    try:  # on the CPU with the process-wide settings of refengine.cpu.setup_cpu_runtime
         return LLMEngine.from_engine_args(args, setup_runtime=True)
     except (ValueError, FileNotFoundError) as e:
         fail(str(e))

@@ -460,7 +460,7 @@ class TransformersReference:
         import torch
         import transformers
 
-        from refengine.gguf_file import is_gguf
+        from refengine.formats.gguf_file import is_gguf
 
         self.torch = torch
         transformers.utils.logging.disable_progress_bar()

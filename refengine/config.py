@@ -165,15 +165,15 @@ class EngineConfig:
         device: "cpu" or "cuda". dtype: NumPy dtype of weights and KV cache.
         attention_backend: :data:`refengine.attention.selector.ATTENTION_BACKENDS` entry.
         layer_ops: :data:`refengine.ops.LAYER_OPS` entry.
-        num_threads: CPU threads (None: adaptive, :mod:`refengine.runtime.threads`).
+        num_threads: CPU threads (None: adaptive, :mod:`refengine.cpu.threads`).
         block_size: tokens per KV block. num_kv_blocks: pool size in blocks (None only
             before a GPU engine has measured its memory). bytes_per_block: one block
             across all layers, keys and values.
-        enable_prefix_caching: reuse full KV blocks by content (:mod:`refengine.kv_cache`).
+        enable_prefix_caching: reuse full KV blocks by content (:mod:`refengine.core.block_manager`).
         batch_invariant: the numba kernels in their batch-invariant mode (a row's logits the
-            same bits whatever its step; :class:`refengine.ops.numba_ops.NumbaOps`).
+            same bits whatever its step; :class:`refengine.cpu.layer_ops.NumbaOps`).
         activation_dtype: the input of the products with GGUF block weights, "auto" (float32)
-            or "q8_0" (ggml's Q8_0 blocks, integer dot products; :mod:`refengine.quant.numba_q8`).
+            or "q8_0" (ggml's Q8_0 blocks, integer dot products; :mod:`refengine.cpu.q8_products`).
         enforce_eager: every step runs the model's forward; False: one-row decode steps on the
             numba backend are replayed from a recording of the forward (:mod:`refengine.cpu.capture`).
         gpu_memory_utilization: share of GPU memory the engine may use.
@@ -188,7 +188,7 @@ class EngineConfig:
         kv_cache_dtype: KV cache storage, "auto" (``dtype``), "float16" (IEEE halves under
             float32 activations, the CPU), "int8" (with float32 scales per token and KV
             head) or "fp8_e4m3" / "fp8_e5m2" (a float scale per layer;
-            :class:`refengine.kv_cache.KVCache`); the draft's cache too.
+            :class:`refengine.attention.kv_cache.KVCache`); the draft's cache too.
         tensor_parallel_size: worker processes sharing every layer (:mod:`refengine.parallel`);
             1: the model runs in the engine's process.
         quantization: the target model's weights: None (float), "int8" (quantized at load),

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
+from refengine.attention.kv_cache import KV_CACHE_DTYPES, KVCache, cdiv
 from refengine.config import EngineConfig, ModelConfig, SchedulerConfig
-from refengine.gguf_file import is_gguf, open_gguf
-from refengine.kv_cache import KV_CACHE_DTYPES, KVCache, cdiv
+from refengine.formats.gguf_file import is_gguf, open_gguf
 from refengine.models.hf_config import model_config_from_dict, read_model_config
 from refengine.quant.awq_gptq import QUANTIZATIONS, resolve_quantization
 from refengine.spec_decode.config import SpeculativeConfig
@@ -67,7 +67,7 @@ def _option(help: str, *, metavar: str | None = None, choices=None, flag: str | 
 MODEL_ALIASES = {"smollm2-135m": DEFAULT_MODEL, "gemma3-270m": "weights/gemma-3-270m-q4_k_m.gguf"}
 
 
-#: ``activation_dtype`` values: the products' float32 input, or ggml's Q8_0 blocks (:mod:`refengine.quant.numba_q8`).
+#: ``activation_dtype`` values: the products' float32 input, or ggml's Q8_0 blocks (:mod:`refengine.cpu.q8_products`).
 ACTIVATION_DTYPES = ("auto", "q8_0")
 
 
@@ -90,7 +90,7 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
 
 @dataclass
 class EngineArgs:
-    """The options of :class:`refengine.engine.LLMEngine` and ``LLM(...)``, with vLLM's names.
+    """The options of :class:`refengine.core.engine.LLMEngine` and ``LLM(...)``, with vLLM's names.
 
     Raises (on construction):
         ValueError: a value of the wrong type or out of range; the message names the
@@ -584,7 +584,7 @@ def resolve_device(device: str) -> str:
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, backend: str) -> str:
-    """``kv_cache_dtype`` (one of :data:`refengine.kv_cache.KV_CACHE_DTYPES`) checked against
+    """``kv_cache_dtype`` (one of :data:`refengine.attention.kv_cache.KV_CACHE_DTYPES`) checked against
     the attention backend: "float16" runs on :data:`FLOAT16_KV_BACKENDS` (the CPU), "int8"
     on :data:`INT8_KV_BACKENDS`, "fp8_e4m3" / "fp8_e5m2" on :data:`FP8_KV_BACKENDS` (the
     CUDA kernels).

@@ -83,7 +83,7 @@ class TokenUniforms:
 
     Args:
         seed: the request's seed, an int in ``[0, 2**64)`` (an unseeded request draws one at
-            random once, when its sequences are made: ``refengine.sequence.Sequence``).
+            random once, when its sequences are made: ``refengine.core.sequence.Sequence``).
         index: which of the request's ``n`` completions (``>= 0``).
     Raises:
         ValueError: ``seed`` or ``index`` out of range.
@@ -115,7 +115,7 @@ class TokenUniforms:
 
 
 class SequenceLike(Protocol):
-    """What the sampler reads from a sequence (``refengine.sequence.Sequence`` fits). The
+    """What the sampler reads from a sequence (``refengine.core.sequence.Sequence`` fits). The
     token it samples sits at output position ``len(output_token_ids)``."""
 
     sampling_params: SamplingParams

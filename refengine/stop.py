@@ -27,8 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+from refengine.core.sequence import Sequence
 from refengine.detokenizer import IncrementalDetokenizer
-from refengine.sequence import Sequence
 
 
 @dataclass(frozen=True)

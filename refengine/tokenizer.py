@@ -1,6 +1,6 @@
 """Tokenizer: a thin wrapper over a Hugging Face ``tokenizers.Tokenizer`` plus the chat template.
 
-A model directory (as written by ``transformers`` or :mod:`refengine.convert_gguf`) holds:
+A model directory (as written by ``transformers`` or :mod:`refengine.formats.convert_gguf`) holds:
 
 - ``tokenizer.json``: the whole text <-> id pipeline (normalizer, pre-tokenizer, BPE
   model, decoder, added/special tokens), run by the Rust ``tokenizers`` library;

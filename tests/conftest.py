@@ -118,5 +118,5 @@ def nothing_allocated(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("bad input was found only after loading the weights / allocating the KV pool")
 
-    monkeypatch.setattr("refengine.engine.load_model", refuse)
-    monkeypatch.setattr("refengine.engine.KVCache", refuse)
+    monkeypatch.setattr("refengine.core.engine.load_model", refuse)
+    monkeypatch.setattr("refengine.core.engine.KVCache", refuse)

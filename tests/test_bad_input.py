@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from refengine import SamplingParams
-from refengine.engine import LLMEngine
+from refengine.core.engine import LLMEngine
 from refengine.engine_args import EngineArgs
 
 NAN, INF = math.nan, math.inf

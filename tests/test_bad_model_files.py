@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from refengine.engine import LLMEngine
+from refengine.core.engine import LLMEngine
 
 
 @pytest.fixture

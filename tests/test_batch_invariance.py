@@ -16,7 +16,7 @@ import pytest
 from test_tiny_families import build
 
 from refengine import LLM, SamplingParams
-from refengine.ops.numba_ops import BLAS_MIN_ROWS
+from refengine.cpu.layer_ops import BLAS_MIN_ROWS
 
 PROMPT_LEN = 45  # several chunks of 7; not a multiple of the block size
 MAX_TOKENS = 6

@@ -18,11 +18,11 @@ pytest.importorskip("numba")
 
 from refengine import LLM, SamplingParams  # noqa: E402
 from refengine.attention import paged_metadata  # noqa: E402
-from refengine.attention.numba_cpu import DECODE_PARTITION, SERIAL_DECODE_MAX_TOKENS  # noqa: E402
 from refengine.cpu import capture as capture_module  # noqa: E402
+from refengine.cpu.attention import DECODE_PARTITION, SERIAL_DECODE_MAX_TOKENS  # noqa: E402
+from refengine.cpu.layer_ops import NumbaOps  # noqa: E402
+from refengine.cpu.threads import use_threads  # noqa: E402
 from refengine.models.registry import MODEL_REGISTRY  # noqa: E402
-from refengine.ops.numba_ops import NumbaOps  # noqa: E402
-from refengine.runtime.threads import use_threads  # noqa: E402
 
 WINDOW = 8
 COMMON = dict(vocab_size=211, hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,

@@ -29,7 +29,7 @@ def no_model_load(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the bad flag was found")
 
-    monkeypatch.setattr("refengine.engine.load_model", refuse)
+    monkeypatch.setattr("refengine.core.engine.load_model", refuse)
 
 
 def one_error_line(res, flag: str | None = None) -> str:

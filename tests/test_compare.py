@@ -179,7 +179,7 @@ def serve(model_dir: Path):
     pytest.importorskip("uvicorn")
     from test_server import ServerThread
 
-    from refengine.engine import LLMEngine
+    from refengine.core.engine import LLMEngine
     from refengine.server.api import create_app
 
     return ServerThread(create_app(LLMEngine(model_dir, num_kv_blocks=128, log_stats=False),

@@ -1,4 +1,4 @@
-"""refengine.convert_gguf: GGUF -> HF model directory.
+"""refengine.formats.convert_gguf: GGUF -> HF model directory.
 
 The real-model tests convert the SmolLM2 GGUF afresh into a temporary directory and compare
 every tensor with what ``transformers`` itself dequantizes from the same file, which proves
@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from refengine.convert_gguf import convert_gguf, unpermute_rotary
+from refengine.formats.convert_gguf import convert_gguf, unpermute_rotary
 
 # --- no weights needed ------------------------------------------------------------------
 
@@ -100,7 +100,7 @@ def test_written_files_get_the_usual_mode(tmp_path):
     under umask 022), so model.safetensors is as readable as the JSON files beside it."""
     from safetensors.numpy import save_file
 
-    from refengine.convert_gguf import _atomic, _write_json
+    from refengine.formats.convert_gguf import _atomic, _write_json
 
     with _atomic(tmp_path / "model.safetensors") as tmp:
         save_file({"w": np.zeros(2, np.float32)}, str(tmp))

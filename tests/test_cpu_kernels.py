@@ -26,13 +26,13 @@ import pytest
 pytest.importorskip("numba")
 
 from refengine.attention import AttentionMetadata  # noqa: E402
-from refengine.attention.selector import get_attention_backend  # noqa: E402
-from refengine.attention.numba_cpu import NumbaAttention, _Plan, _soft_cap  # noqa: E402
+from refengine.attention.kv_cache import quantize_int8
 from refengine.attention.numpy_ref import NumpyAttention  # noqa: E402
-from refengine.kv_cache import quantize_int8  # noqa: E402
-from refengine.layers import RotaryEmbedding  # noqa: E402
+from refengine.attention.selector import get_attention_backend  # noqa: E402
+from refengine.cpu.attention import NumbaAttention, _Plan, _soft_cap  # noqa: E402
+from refengine.cpu.layer_ops import BLAS_MIN_ROWS, DOT_4X4_MIN_ROWS, NumbaOps, _matmul_dot  # noqa: E402
 from refengine.ops import get_layer_ops  # noqa: E402
-from refengine.ops.numba_ops import BLAS_MIN_ROWS, DOT_4X4_MIN_ROWS, NumbaOps, _matmul_dot  # noqa: E402
+from refengine.ops.layers import RotaryEmbedding  # noqa: E402
 from refengine.ops.numpy_ops import NumpyOps  # noqa: E402
 
 U32 = 2.0 ** -24  # float32 unit roundoff
@@ -147,9 +147,9 @@ def test_paged_decode(head_dim, group):
 
 def test_paged_decode_long_context_partitions():
     """Contexts past one decode partition (merged partial softmaxes), lengths around the cut."""
-    from refengine.attention import numba_cpu
+    from refengine.cpu import attention
 
-    part = numba_cpu.DECODE_PARTITION
+    part = attention.DECODE_PARTITION
     rng = np.random.default_rng(7)
     run_both(make_batch(rng, [(part - 1, 1), (part, 1), (part + 1, 1), (3 * part + 5, 1)], 9, 3, 64, BS))
 
@@ -168,14 +168,14 @@ def test_flash_prefill_whole_and_chunked(head_dim, group):
 def test_long_prefill_blas_and_flash_paths(blas, monkeypatch):
     """Long chunks go to the BLAS-tiled path by default (several query tiles, chunks that
     start mid-context); the flash kernel must be right there too."""
-    from refengine.attention import numba_cpu
+    from refengine.cpu import attention
 
     rng = np.random.default_rng(3)
-    tile, low = numba_cpu.BLAS_PREFILL_Q_TILE, numba_cpu.BLAS_PREFILL_MIN_ROWS
+    tile, low = attention.BLAS_PREFILL_Q_TILE, attention.BLAS_PREFILL_MIN_ROWS
     seqs = [(800, 70), (low + 5, low), (900, 1), (300, 300), (2 * tile + 9, 2 * tile + 3), (140, low - 1)]
     b = make_batch(rng, seqs, 9, 3, 64, BS)
     if not blas:
-        monkeypatch.setattr(numba_cpu, "BLAS_PREFILL_MIN_ROWS", 1 << 30)
+        monkeypatch.setattr(attention, "BLAS_PREFILL_MIN_ROWS", 1 << 30)
     assert _Plan(b.meta, BS).blas_prefill == ([0, 1, 3, 4] if blas else [])
     run_both(b)
 
@@ -209,7 +209,7 @@ def test_plan_and_bad_inputs():
 
 # --- sliding window, soft-cap, head dims ---------------------------------------------------
 
-PART = 128  # numba_cpu.DECODE_PARTITION, checked below
+PART = 128  # attention.DECODE_PARTITION, checked below
 WINDOWS = [1, 5, BS, PART + 9]  # the last: past a decode partition and a prefill key tile
 
 
@@ -225,25 +225,25 @@ def window_batch(window):
 @pytest.fixture(params=["flash", "blas"])
 def prefill_path(request, monkeypatch):
     """Every chunk of two rows or more through the flash kernel, or through the BLAS path."""
-    from refengine.attention import numba_cpu
+    from refengine.cpu import attention
 
-    monkeypatch.setattr(numba_cpu, "BLAS_PREFILL_MIN_ROWS", 1 << 30 if request.param == "flash" else 2)
+    monkeypatch.setattr(attention, "BLAS_PREFILL_MIN_ROWS", 1 << 30 if request.param == "flash" else 2)
     return request.param
 
 
 @pytest.fixture(params=["serial", "parallel"])
 def decode_path(request, monkeypatch):
     """Every decode batch on the calling thread, or as a parallel launch."""
-    from refengine.attention import numba_cpu
+    from refengine.cpu import attention
 
-    monkeypatch.setattr(numba_cpu, "SERIAL_DECODE_MAX_TOKENS", 1 << 30 if request.param == "serial" else 0)
+    monkeypatch.setattr(attention, "SERIAL_DECODE_MAX_TOKENS", 1 << 30 if request.param == "serial" else 0)
     return request.param
 
 
 def test_window_constants():
-    from refengine.attention import numba_cpu
+    from refengine.cpu import attention
 
-    assert numba_cpu.DECODE_PARTITION == PART and numba_cpu.PREFILL_K_TILE == 128
+    assert attention.DECODE_PARTITION == PART and attention.PREFILL_K_TILE == 128
 
 
 @pytest.mark.parametrize("window", WINDOWS)
@@ -264,10 +264,10 @@ def test_sliding_window_prefill(window, prefill_path, decode_path):
 def test_sliding_window_rows_without_keys_in_a_key_tile(window, monkeypatch):
     """Key tiles smaller than a query tile: later rows of a query tile find whole key tiles
     before their window; they must skip them (no NaN, no key outside the window)."""
-    from refengine.attention import numba_cpu
+    from refengine.cpu import attention
 
-    monkeypatch.setattr(numba_cpu, "PREFILL_K_TILE", 4)
-    monkeypatch.setattr(numba_cpu, "BLAS_PREFILL_MIN_ROWS", 1 << 30)
+    monkeypatch.setattr(attention, "PREFILL_K_TILE", 4)
+    monkeypatch.setattr(attention, "BLAS_PREFILL_MIN_ROWS", 1 << 30)
     rng = np.random.default_rng(window)
     run_both(make_batch(rng, [(64, 64), (150, 40), (97, 33), (9, 9)], 4, 2, 32, BS), sliding_window=window)
 
@@ -331,7 +331,7 @@ def test_batch_invariant_rows_are_decode_rows(monkeypatch, window):
     """Batch-invariant mode: every query row, prefill rows too, is a decode row of the paged
     decode kernel whose context ends at its own position; a step's rows are split into
     launches of whole rows, and the split changes no bit. Against the twin, int8 too."""
-    from refengine.attention import numba_cpu
+    from refengine.cpu import attention
 
     rng = np.random.default_rng(5)
     seqs = [(300, 37), (20, 1), (5, 5), (3 * PART + 7, 2), (PART + 1, PART)]
@@ -344,7 +344,7 @@ def test_batch_invariant_rows_are_decode_rows(monkeypatch, window):
     assert plan._decode_lens.tolist() == [int(lens[i] - (qsl[i + 1] - 1 - r))
                                           for i in range(len(seqs)) for r in range(qsl[i], qsl[i + 1])]
     whole = run_both(b, invariant=True, **options)
-    monkeypatch.setattr(numba_cpu, "DECODE_PARTS_PER_LAUNCH", 3)
+    monkeypatch.setattr(attention, "DECODE_PARTS_PER_LAUNCH", 3)
     parts = _Plan(b.meta, BS, batch_invariant=True).decode_parts(window)
     assert len(parts.launches) > 10 and sum(t for *_, t in parts.launches) == parts.tokens
     assert [p for a, e, _ in parts.launches for p in range(a, e)] == list(range(parts.seq.size))
@@ -546,7 +546,7 @@ def test_configure_and_adapt_threads(monkeypatch):
     import numba
     from threadpoolctl import threadpool_info
 
-    from refengine.runtime import threads
+    from refengine.cpu import threads
 
     assert threads.numba_threading_layer() in ("omp", "workqueue", "tbb")
     try:
@@ -590,9 +590,9 @@ def test_wait_policy_is_set_only_while_numba_starts(first):
     import subprocess
     import sys
 
-    start = ("from refengine.runtime import setup_cpu_runtime; setup_cpu_runtime()" if first == "setup_cpu_runtime"
-             else "import numpy, numba.np.ufunc.parallel\nfrom refengine.runtime import setup_cpu_runtime\n"
-                  "setup_cpu_runtime()\nfrom refengine.runtime import threads as th; th.configure_threads(2)")
+    start = ("from refengine.cpu import setup_cpu_runtime; setup_cpu_runtime()" if first == "setup_cpu_runtime"
+             else "import numpy, numba.np.ufunc.parallel\nfrom refengine.cpu import setup_cpu_runtime\n"
+                  "setup_cpu_runtime()\nfrom refengine.cpu import threads as th; th.configure_threads(2)")
     code = ("import os, numba, numba.np.ufunc.parallel as par\n"
             "seen = []\n"
             "launch = par._launch_threads\n"
@@ -601,13 +601,13 @@ def test_wait_policy_is_set_only_while_numba_starts(first):
             "    launch()\n"
             "par._launch_threads = spy\n"
             f"{start}\n"
-            "from refengine.runtime.threads import numba_threading_layer as t\n"
+            "from refengine.cpu.threads import numba_threading_layer as t\n"
             "print(t(), seen[0], os.environ.get('GOMP_SPINCOUNT'))\n")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True)
     layer, at_start, after = out.stdout.split()
-    from refengine.runtime.threads import GOMP_SPINCOUNT
+    from refengine.cpu.threads import GOMP_SPINCOUNT
 
     assert layer in ("omp", "workqueue", "tbb") and at_start == GOMP_SPINCOUNT and after == "None"
 
@@ -619,7 +619,7 @@ def test_key_tile_transpose_is_a_copy(dims, count):
     ``i`` of the cache into column ``j0 + i`` of the tile, every value bit for bit."""
     from numba import njit
 
-    from refengine.attention.numba_cpu import _transpose_keys
+    from refengine.cpu.attention import _transpose_keys
 
     @njit
     def copy(kf, first, row, count, dims, ktf, j0, k_tile):
@@ -642,7 +642,7 @@ def test_sixteen_lane_sums_at_once_equal_one_at_a_time():
     vector's sum with the bits of ``f8_sum(v16_halves(v))``, the one-at-a-time sum, in order."""
     from numba import njit
 
-    from refengine.quant.numba_gguf import f8_sum, v16_halves, v16_load, v16_store, v16_sums16
+    from refengine.cpu.simd import f8_sum, v16_halves, v16_load, v16_store, v16_sums16
 
     @njit
     def both(a, at_once, one_by_one):
@@ -664,7 +664,7 @@ def test_sixteen_lane_sums_at_once_equal_one_at_a_time():
 def test_exp_affine_accuracy_and_edges():
     """Within 2 ulp (4 units of 2^-24 relative) of exp over the range softmax and SiLU use;
     clamped below -87, inf above the float32 range, NaN kept."""
-    from refengine.ops.numba_ops import exp_affine
+    from refengine.cpu.layer_ops import exp_affine
 
     x = np.linspace(-87.0, 88.3, 400_001).astype(np.float32)
     out = np.empty_like(x)
@@ -680,7 +680,7 @@ def test_exp_affine_accuracy_and_edges():
 def test_keep_freed_memory_applies_once_and_respects_the_user(monkeypatch):
     import platform
 
-    from refengine.runtime import malloc
+    from refengine.cpu import malloc
 
     monkeypatch.setattr(malloc, "_applied", False)
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
@@ -697,8 +697,8 @@ def test_huge_page_zeros_is_an_aligned_writable_zero_array():
     """The KV pool's allocation: zeros, writable, C-contiguous, the requested shape and dtype,
     starting on a 2 MB boundary when it is big enough to hold a huge page; small arrays are
     plain ``np.zeros``. Whether the kernel grants huge pages is its business (THP mode)."""
-    from refengine.runtime import malloc
-    from refengine.kv_cache import KVCache
+    from refengine.attention.kv_cache import KVCache
+    from refengine.cpu import malloc
 
     big = malloc.huge_page_zeros((300, 16, 3, 64), np.float32)  # 3.5 MB
     assert big.shape == (300, 16, 3, 64) and big.dtype == np.float32 and big.flags.c_contiguous
@@ -721,21 +721,21 @@ def test_warm_up_says_once_what_compiling_took(tiny_llama_dir, monkeypatch, capl
     import logging
 
     from refengine import LLM
-    from refengine.model_runner import warm_up_cpu_kernels
-    from refengine.runtime import numba_support
+    from refengine.core.model_runner import warm_up_cpu_kernels
+    from refengine.cpu import numba_support
 
     llm = LLM(str(tiny_llama_dir), max_model_len=128, log_stats=False)
     engine = llm.llm_engine
     caplog.clear()  # the engine's own warm-up: silent or not, depending on numba's cache
     counts = iter([5, 9])  # before and after: 4 kernels compiled
     monkeypatch.setattr(numba_support, "kernel_cache_misses", lambda: next(counts))
-    with caplog.at_level(logging.WARNING, logger="refengine.model_runner"):
+    with caplog.at_level(logging.WARNING, logger="refengine.core.model_runner"):
         warm_up_cpu_kernels(engine.model, engine.kv_cache, 2048, 128)
     (record,) = caplog.records
     assert record.getMessage().startswith("compiled 4 numba CPU kernels in ")
     caplog.clear()
     monkeypatch.setattr(numba_support, "kernel_cache_misses", lambda: 7)  # all from the cache
-    with caplog.at_level(logging.WARNING, logger="refengine.model_runner"):
+    with caplog.at_level(logging.WARNING, logger="refengine.core.model_runner"):
         warm_up_cpu_kernels(engine.model, engine.kv_cache, 2048, 128)
         warm_up_cpu_kernels(engine.model, engine.kv_cache, 1, 2)  # too short a context: nothing runs
     assert not caplog.records
@@ -750,7 +750,7 @@ def test_blas_matmul_over_own_threads(rows, k, n):
     it blocks the rows, single- or multi-threaded alike); and one thread is one call."""
     from threadpoolctl import threadpool_limits
 
-    from refengine.runtime import blas
+    from refengine.cpu import blas
 
     rng = np.random.default_rng(rows)
     a = rng.standard_normal((rows, k), dtype=np.float32)
@@ -779,7 +779,7 @@ def test_pools_per_step_for_the_numba_backend(monkeypatch):
     import numba
     from threadpoolctl import threadpool_info
 
-    from refengine.runtime import blas, threads
+    from refengine.cpu import blas, threads
 
     blas_threads = lambda: {lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"}  # noqa: E731
     try:
@@ -808,7 +808,7 @@ def test_short_spin_follows_who_loaded_libgomp():
 
     code = ("import ctypes, sys\n"
             "if sys.argv[1] == 'first': ctypes.CDLL('libgomp.so.1')\n"
-            "from refengine.runtime import setup_cpu_runtime, threads\n"
+            "from refengine.cpu import setup_cpu_runtime, threads\n"
             "setup_cpu_runtime()\n"
             "print(threads.numba_threading_layer(), threads.short_spin())\n")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}

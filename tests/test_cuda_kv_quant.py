@@ -23,9 +23,9 @@ import pytest
 from refengine import LLM, SamplingParams, engine_args
 from refengine.attention import AttentionMetadata, paged_metadata
 from refengine.attention.cuda import EmulatedCudaAttention
+from refengine.attention.kv_cache import FP8Scale, KVCache, quantize_int8
 from refengine.attention.numpy_ref import NumpyAttention, float_to_fp8, fp8_to_float
 from refengine.engine_args import EngineArgs
-from refengine.kv_cache import FP8Scale, KVCache, quantize_int8
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from refengine.core.sequence import Sequence
 from refengine.detokenizer import IncrementalDetokenizer
 from refengine.sampling_params import SamplingParams
-from refengine.sequence import Sequence
 from refengine.stop import StopChecker
 
 FFFD = "\ufffd"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from refengine import LLM, SamplingParams
-from refengine.engine import LLMEngine
+from refengine.core.engine import LLMEngine
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 

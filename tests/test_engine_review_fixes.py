@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 
 from refengine.config import SchedulerConfig
-from refengine.kv_cache import BlockManager, hash_block_tokens
+from refengine.core.block_manager import BlockManager, hash_block_tokens
+from refengine.core.scheduler import Scheduler
+from refengine.core.sequence import Sequence
 from refengine.sampling_params import SamplingParams
-from refengine.scheduler import Scheduler
-from refengine.sequence import Sequence
 from refengine.stop import StopChecker
 from test_spec_decode_unit import StubSpeculator, make_seq, prefill
 
@@ -116,7 +116,7 @@ def test_gpu_kv_pool_leaves_room_for_the_draft():
     """The pool is what ``utilization`` of the GPU leaves after the weights (target and
     draft, both loaded when memory is read) and the larger activation peak; each block
     costs the target's and the draft's bytes together."""
-    from refengine.model_runner import gpu_kv_pool_blocks
+    from refengine.core.model_runner import gpu_kv_pool_blocks
 
     gib = 2**30
     # 80 GiB, 10 GiB held (weights of both), peak 2 GiB, 0.9: 72 - 10 - 2 = 60 GiB for KV
@@ -132,7 +132,7 @@ def test_profile_activation_peak_counts_only_scratch_bytes():
     """The activation peak of a profile pass is what the pool grew by, less the scratch
     cache that pass held (its own bytes: the target's, or the draft's; its KV dtype),
     never below 0; the larger of the two passes sizes the pool."""
-    from refengine.model_runner import activation_peak
+    from refengine.core.model_runner import activation_peak
 
     assert activation_peak(held_before=100, held_after=100 + 500 + 64, scratch_bytes=64) == 500
     assert activation_peak(held_before=100, held_after=120, scratch_bytes=64) == 0
@@ -302,7 +302,7 @@ def write_cgroup(root, files: dict[str, str]):
     ("0::/\n", {}, None),  # no controller files
 ])
 def test_cgroup_cpu_quota(tmp_path, proc, files, quota):
-    from refengine.runtime.threads import cgroup_cpu_quota
+    from refengine.cpu.threads import cgroup_cpu_quota
 
     write_cgroup(tmp_path / "cg", files)
     (tmp_path / "self_cgroup").write_text(proc)
@@ -313,7 +313,7 @@ def test_cgroup_cpu_quota(tmp_path, proc, files, quota):
 @pytest.mark.parametrize("affinity, quota, cores", [(64, 2.0, 2), (64, 1.5, 2), (64, 0.5, 1), (4, 8.0, 4),
                                                     (64, None, 64)])
 def test_usable_cores_is_the_affinity_capped_by_the_quota(monkeypatch, affinity, quota, cores):
-    from refengine.runtime import threads
+    from refengine.cpu import threads
 
     monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: set(range(affinity)))
     monkeypatch.setattr(threads, "cgroup_cpu_quota", lambda *a, **k: quota)
@@ -322,7 +322,7 @@ def test_usable_cores_is_the_affinity_capped_by_the_quota(monkeypatch, affinity,
 
 def test_a_two_cpu_container_starts_two_threads(monkeypatch, tmp_path):
     """A container limited to 2 CPUs on a 64-core host: configure_threads sizes the pools to 2."""
-    from refengine.runtime import threads
+    from refengine.cpu import threads
 
     write_cgroup(tmp_path / "cg", {"cpu.max": "200000 100000\n"})
     (tmp_path / "self_cgroup").write_text("0::/\n")

@@ -1,5 +1,5 @@
 """GGUF block types kept as stored (refengine.quant.gguf_blocks) and their compiled products
-(refengine.quant.numba_gguf).
+(refengine.cpu.gguf_products).
 
 Every type is tried on random blocks: random bytes with the f16 scales (and F16/BF16/F32
 values) replaced by finite values of a realistic size, row counts 1/3/7/33, several blocks
@@ -155,7 +155,7 @@ def test_bad_input_names_value_and_limit():
 def test_f16_conversion_exact_for_every_pattern():
     from numba import njit
 
-    from refengine.quant.numba_gguf import f16_to_f32, f8_load_f16, f8_load_f16_bits, f8_store
+    from refengine.cpu.simd import f16_to_f32, f8_load_f16, f8_load_f16_bits, f8_store
 
     @njit
     def convert(h, scalar, vector, bit_vector):
@@ -177,7 +177,7 @@ def test_f16_conversion_exact_for_every_pattern():
 
 @pytest.mark.parametrize("name", TYPES)
 def test_compiled_dequantize_bitwise(weights, name):
-    from refengine.quant.numba_gguf import dequantize_rows
+    from refengine.cpu.gguf_products import dequantize_rows
 
     w, _raw, ref = weights[name, 33]
     buf = np.full((40, w.shape[1]), np.nan, dtype=np.float32)
@@ -189,7 +189,7 @@ def test_compiled_dequantize_bitwise(weights, name):
 
 @pytest.mark.parametrize("name", TYPES)
 def test_product_against_float64(weights, name):
-    from refengine.quant.numba_gguf import PREFILL_MIN_ROWS
+    from refengine.cpu.gguf_products import PREFILL_MIN_ROWS
 
     rng = np.random.default_rng(99)
     for rows in ROWS:
@@ -214,9 +214,9 @@ def test_product_paths_and_threads(weights, name):
     size, and through NumbaOps.linear."""
     import numba
 
-    from refengine.ops.numba_ops import NumbaOps
-    from refengine.quant.numba_gguf import fused_linear, tiled_blas_linear
-    from refengine.runtime import blas
+    from refengine.cpu import blas
+    from refengine.cpu.gguf_products import fused_linear, tiled_blas_linear
+    from refengine.cpu.layer_ops import NumbaOps
 
     w, _raw, ref = weights[name, 33]
     x = np.random.default_rng(5).standard_normal((40, w.shape[1])).astype(np.float32)
@@ -245,7 +245,7 @@ def test_fused_rows_do_not_depend_on_the_batch_across_input_blocks(weights, name
     rows in cache-sized blocks and, in a block, in groups of eight (32-weight types), four
     and one: past the first block, with a last block of 1, 2, 5 or 7 rows, each row alone
     gives its bits in the batch."""
-    from refengine.runtime.numba_support import x_block_rows
+    from refengine.cpu.numba_support import x_block_rows
 
     w = weights[name, 7][0]
     block = int(x_block_rows(w.shape[1], 8 if name[-1] != "K" else 4))

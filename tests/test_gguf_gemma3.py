@@ -1,5 +1,5 @@
 """Gemma 3 270M from its Q4_K_M GGUF (``weights/gemma-3-270m-q4_k_m.gguf``, fetched by
-``python weights/fetch_gemma3.py``): refengine.gguf_file's config, tokenizer and weights
+``python weights/fetch_gemma3.py``): refengine.formats.gguf_file's config, tokenizer and weights
 against what ``transformers`` builds from the same file.
 
 The references, all loaded from the one file: ``AutoConfig`` (a ``Gemma3TextConfig``),
@@ -15,7 +15,7 @@ import json
 import numpy as np
 import pytest
 
-from refengine.gguf_file import GGUFFile, _gemma3_config, build_tokenizer
+from refengine.formats.gguf_file import GGUFFile, _gemma3_config, build_tokenizer
 
 
 slow = pytest.mark.slow
@@ -348,7 +348,7 @@ def test_convert_gguf_writes_a_directory_transformers_reads(gemma3_gguf, dequant
     transformers = pytest.importorskip("transformers")
     from safetensors.numpy import load_file
 
-    from refengine.convert_gguf import convert_gguf
+    from refengine.formats.convert_gguf import convert_gguf
 
     out = convert_gguf(gemma3_gguf, tmp_path / "gemma3")
     saved = load_file(str(out / "model.safetensors"))

@@ -1,4 +1,4 @@
-"""Q8_0 activations for the GGUF 32-weight block types (refengine.quant.numba_q8,
+"""Q8_0 activations for the GGUF 32-weight block types (refengine.cpu.q8_products,
 ``activation_dtype="q8_0"``).
 
 gguf-py is the oracle twice over: its ``quantize(x, Q8_0)`` must give the same blocks as
@@ -20,8 +20,8 @@ pytest.importorskip("numba")
 
 from gguf.quants import dequantize, quantize  # noqa: E402
 
+from refengine.cpu.q8_products import Q8_TYPES, q8_linear, quantize_q8_0  # noqa: E402
 from refengine.quant.gguf_blocks import GGUFWeight  # noqa: E402
-from refengine.quant.numba_q8 import Q8_TYPES, q8_linear, quantize_q8_0  # noqa: E402
 from test_gguf_blocks import PRODUCT_TOL, bits, oracle, random_raw  # noqa: E402
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
@@ -54,7 +54,7 @@ def test_quantize_matches_gguf_bitwise():
 
 def test_quantize_many_rows_in_parallel_gives_the_same_bits():
     """From QUANTIZE_PARALLEL_MIN_ROWS rows the quantizer runs its rows in parallel."""
-    from refengine.quant.numba_q8 import QUANTIZE_PARALLEL_MIN_ROWS
+    from refengine.cpu.q8_products import QUANTIZE_PARALLEL_MIN_ROWS
 
     x = np.random.default_rng(4).standard_normal((QUANTIZE_PARALLEL_MIN_ROWS + 3, 64)).astype(np.float32)
     q, d, _ = quantize_q8_0(x)
@@ -67,7 +67,7 @@ def test_f16_round_matches_numpy_for_every_half_boundary():
     floats either side of them, in the subnormal and normal ranges and at the overflow."""
     from numba import njit
 
-    from refengine.quant.numba_q8 import f16_round
+    from refengine.cpu.q8_products import f16_round
 
     @njit
     def rounded(v, out):
@@ -124,7 +124,7 @@ def test_rows_do_not_depend_on_the_batch_across_input_blocks_or_threads(q8_weigh
     two threads: each row alone gives its bits."""
     import numba
 
-    from refengine.runtime.numba_support import x_block_rows
+    from refengine.cpu.numba_support import x_block_rows
 
     w = q8_weights[name, k][0]
     block = int(x_block_rows(k // 2, 4))  # the kernel's input block (int8 rows and their repeated scales)
@@ -143,7 +143,7 @@ def test_rows_do_not_depend_on_the_batch_across_input_blocks_or_threads(q8_weigh
 
 
 def test_product_plans_per_thread_count_thread_and_not_pickled(q8_weights):
-    """The arguments kept on a weight (:func:`refengine.quant.numba_gguf.product_plan`): one
+    """The arguments kept on a weight (:func:`refengine.cpu.gguf_products.product_plan`): one
     plan per thread count and calling thread, each giving the bits a fresh weight gives, and
     none carried through pickle."""
     import pickle
@@ -151,19 +151,19 @@ def test_product_plans_per_thread_count_thread_and_not_pickled(q8_weights):
 
     import numba
 
-    from refengine.quant import numba_gguf
+    from refengine.cpu import gguf_products
 
     w = q8_weights["Q4_1", 544][0]
     x = np.random.default_rng(9).standard_normal((1, 544)).astype(np.float32)
     fresh = GGUFWeight("Q4_1", w.planes, w.shape)
-    want = (bits(q8_linear(x, fresh)), bits(numba_gguf.linear(x, fresh)))
+    want = (bits(q8_linear(x, fresh)), bits(gguf_products.linear(x, fresh)))
     before = numba.get_num_threads()
     try:
         for threads in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
             numba.set_num_threads(threads)
             for _ in range(2):  # the second call reuses the plan's buffers
                 assert np.array_equal(bits(q8_linear(x, w)), want[0])
-                assert np.array_equal(bits(numba_gguf.linear(x, w)), want[1])
+                assert np.array_equal(bits(gguf_products.linear(x, w)), want[1])
     finally:
         numba.set_num_threads(before)
     other = []
@@ -191,8 +191,8 @@ def test_layer_ops_bind_one_row_products(q8_weights, name):
     errors), and a thread count change binds the product anew."""
     import numba
 
-    from refengine.ops.numba_ops import NumbaOps
-    from refengine.quant.numba_q8 import RowProduct
+    from refengine.cpu.layer_ops import NumbaOps
+    from refengine.cpu.q8_products import RowProduct
 
     w = q8_weights[name, 576][0]
     ops = NumbaOps(activation_dtype="q8_0")
@@ -221,13 +221,13 @@ def test_layer_ops_bind_one_row_products(q8_weights, name):
 
 
 def test_other_types_keep_their_float_products():
-    """numba_q8.linear sends a type without a Q8-activation kernel to the float32 products."""
-    from refengine.quant import numba_gguf, numba_q8
+    """q8_products.linear sends a type without a Q8-activation kernel to the float32 products."""
+    from refengine.cpu import gguf_products, q8_products
 
     rng = np.random.default_rng(6)
     w = GGUFWeight.from_raw("Q6_K", random_raw("Q6_K", 5, 256, rng), (5, 256))
     x = rng.standard_normal((3, 256)).astype(np.float32)
-    assert np.array_equal(bits(numba_q8.linear(x, w)), bits(numba_gguf.linear(x, w)))
+    assert np.array_equal(bits(q8_products.linear(x, w)), bits(gguf_products.linear(x, w)))
     with pytest.raises(ValueError, match="Q6_K"):
         q8_linear(x, w)
     with pytest.raises(ValueError, match=r"\[T, 256\]"):
@@ -241,8 +241,8 @@ def test_q8_steps_keep_numba_threads():
     activations or a float matrix bring BLAS back."""
     import types
 
-    from refengine.model_runner import is_blas_step, layer_products_use_blas
-    from refengine.ops.numba_ops import NumbaOps
+    from refengine.core.model_runner import is_blas_step, layer_products_use_blas
+    from refengine.cpu.layer_ops import NumbaOps
 
     rng = np.random.default_rng(3)
 
@@ -320,7 +320,7 @@ def test_interleaved_groups_of_any_row_count(name):
     """The kernels at row counts around their groups of sixteen interleaved rows (a partial
     group alone, whole groups, one row past): the dequantized product, and each input row
     alone gives its bits; the interleaved planes are built once and are the size planned."""
-    from refengine.quant import numba_q8
+    from refengine.cpu import q8_products
 
     rng = np.random.default_rng(17)
     k = 96
@@ -336,8 +336,8 @@ def test_interleaved_groups_of_any_row_count(name):
         planes = w._x16
         for i in range(x.shape[0]):
             assert np.array_equal(bits(q8_linear(x[i:i + 1], w)), bits(got[i:i + 1])), f"{name} N={n} row {i}"
-        assert w._x16 is planes and numba_q8.interleave(w) is planes
-        assert planes[0].size == -(-n // 16) * numba_q8.GROUP_BLOCK_BYTES[name] * (k // 32)
+        assert w._x16 is planes and q8_products.interleave(w) is planes
+        assert planes[0].size == -(-n // 16) * q8_products.GROUP_BLOCK_BYTES[name] * (k // 32)
         assert planes[1].size == (-(-n // 16) * 64 * (k // 32) if name.startswith("Q5") else 0)
 
 
@@ -347,8 +347,8 @@ def _slice_dots():
     ``x`` broadcast), applied twice from zero, into ``out`` and ``out_small``."""
     from numba import njit
 
-    from refengine.quant.numba_gguf import q16_to_f, v16_store
-    from refengine.quant.numba_q8 import b64_bcast4, b64_load, q16_dpbusd, q16_dpbusd_small, q16_zero
+    from refengine.cpu.q8_products import b64_bcast4, b64_load, q16_dpbusd, q16_dpbusd_small, q16_zero
+    from refengine.cpu.simd import q16_to_f, v16_store
 
     @njit
     def dots(w, ws, x, out, out_small):  # 64 weight bytes and 4 activation bytes a slice
@@ -367,14 +367,14 @@ def test_integer_dots_exact_on_every_code_path(monkeypatch, path):
     on each way the instructions are chosen (the CPU's own; forced down here: no 512-bit
     ``vpdpbusd``, no VNNI at all, no AVX2), at the extremes: bytes up to 255 (Q8_0's
     ``q + 128``) and, for the small form, up to 31 (Q5); activations in [-127, 127]."""
-    from refengine.quant import numba_q8
+    from refengine.cpu import q8_products
 
     if path != "native":
-        monkeypatch.setattr(numba_q8, "_has_avx512_vnni", lambda context: False)
+        monkeypatch.setattr(q8_products, "_has_avx512_vnni", lambda context: False)
     if path in ("avx2-no-vnni", "generic-ir"):
-        monkeypatch.setattr(numba_q8, "_has_vnni", lambda context: False)
+        monkeypatch.setattr(q8_products, "_has_vnni", lambda context: False)
     if path == "generic-ir":
-        monkeypatch.setattr(numba_q8, "_has_avx2", lambda context: False)
+        monkeypatch.setattr(q8_products, "_has_avx2", lambda context: False)
     rng = np.random.default_rng(4)
     n = 32
     w = rng.integers(0, 256, (n, 16, 4)).astype(np.uint8)
@@ -398,7 +398,7 @@ def test_interleaved_copy_alone_gives_the_planes_back(name, n, monkeypatch):
     bits, and it holds one copy."""
     import pickle
 
-    from refengine.quant import numba_gguf, numba_q8
+    from refengine.cpu import gguf_products, q8_products
 
     rng = np.random.default_rng(31)
     k = 96
@@ -409,10 +409,10 @@ def test_interleaved_copy_alone_gives_the_planes_back(name, n, monkeypatch):
     product = bits(q8_linear(x, want))  # not w's: its interleaving comes below
     row_major = want.nbytes
     qs = w.planes["qs"]
-    numba_gguf.linear(x, w)  # a float32 product's plan holds the row-major planes
+    gguf_products.linear(x, w)  # a float32 product's plan holds the row-major planes
     assert "_plans" in vars(w)
-    monkeypatch.setattr(numba_q8, "_CHUNK_BYTES", 1)  # one group at a time: several chunks in place
-    numba_q8.interleave(w, keep_row_major=False)
+    monkeypatch.setattr(q8_products, "_CHUNK_BYTES", 1)  # one group at a time: several chunks in place
+    q8_products.interleave(w, keep_row_major=False)
     assert "_plans" not in vars(w)  # that plan would read overwritten bytes
     assert w._planes is None and row_major <= w.nbytes <= row_major * 48 // n + 1  # 48 rows: three groups
     assert np.shares_memory(w._x16[0], qs) == (n % 16 == 0)

@@ -1,4 +1,4 @@
-"""refengine.gguf_file's own GGUF header reader (read_gguf_header), against gguf-py's GGUFReader.
+"""refengine.formats.gguf_file's own GGUF header reader (read_gguf_header), against gguf-py's GGUFReader.
 
 The oracle is ``gguf.GGUFReader`` (what the engine used before): on the two real files
 (SmolLM2 Q4_1, Gemma 3 Q4_K_M; skipped when absent) and on synthetic files written by
@@ -20,7 +20,7 @@ gguf = pytest.importorskip("gguf")
 
 from gguf import GGMLQuantizationType, GGUFValueType  # noqa: E402
 
-from refengine.gguf_file import GGUFFile, read_gguf_header, read_metadata  # noqa: E402
+from refengine.formats.gguf_file import GGUFFile, read_gguf_header, read_metadata  # noqa: E402
 
 # --- comparison with gguf.GGUFReader --------------------------------------------------------
 

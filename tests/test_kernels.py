@@ -27,13 +27,13 @@ from helpers import (BF16, BLOCK_SIZE, TOLERANCE, decode_batch, dense_reference,
 
 from refengine.attention import AttentionMetadata, paged_metadata
 from refengine.attention.cuda import CudaAttention, EmulatedCudaAttention
+from refengine.kernels import plans
 from refengine.kernels.build import (SELF_TEST_SOURCES, EmulatedKernels, build_emulation_library, cuda_source_dir,
                                      emulated_launch)
-from refengine.kernels import plans
 from refengine.kernels.plans import DeviceMetadata, Launch
-from refengine.layers import RotaryEmbedding
 from refengine.ops import get_layer_ops
 from refengine.ops.cuda import CudaLayerOps
+from refengine.ops.layers import RotaryEmbedding
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,12 @@ import pytest
 
 from refengine import LLM, SamplingParams
 from refengine.attention import AttentionMetadata
+from refengine.attention.kv_cache import KVCache
 from refengine.attention.numpy_ref import NumpyAttention
 from refengine.engine_args import EngineArgs
-from refengine.kv_cache import KVCache
 from test_kv_cache_int8 import BS, EDGES, GQA, make_int8_batch
 
-numba_cpu = pytest.importorskip("refengine.attention.numba_cpu")
+numba_cpu = pytest.importorskip("refengine.cpu.attention")
 
 
 def test_write_rounds_like_numpy():
@@ -119,7 +119,7 @@ def test_conversions_against_numpy_on_every_half():
     neighbours (the ties) and a spread of float32 written as NumPy rounds them."""
     import numba
 
-    from refengine.quant.numba_gguf import f32_to_f16, v16_load_f16, v16_load_f16_bits, v16_store
+    from refengine.cpu.simd import f32_to_f16, v16_load_f16, v16_load_f16_bits, v16_store
 
     @numba.njit
     def read(h, out, bits):

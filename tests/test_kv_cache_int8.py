@@ -18,11 +18,11 @@ import pytest
 
 from refengine import LLM, SamplingParams
 from refengine.attention import AttentionMetadata, paged_metadata
+from refengine.attention.kv_cache import KVCache, dequantize_int8, quantize_int8
 from refengine.attention.numpy_ref import NumpyAttention
 from refengine.engine_args import EngineArgs
-from refengine.kv_cache import KVCache, dequantize_int8, quantize_int8
 
-numba_cpu = pytest.importorskip("refengine.attention.numba_cpu")
+numba_cpu = pytest.importorskip("refengine.cpu.attention")
 
 BS = 16
 EDGES = [1, BS - 1, BS, BS + 1, 2 * BS + 7, 300]

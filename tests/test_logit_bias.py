@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from refengine.engine import LLM
+from refengine.core.engine import LLM
 from refengine.sampler import Sampler, TokenUniforms
 from refengine.sampling_params import SamplingParams
 from refengine.structured_output import banned_by_bad_words, bad_words_token_ids

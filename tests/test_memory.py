@@ -1,6 +1,6 @@
 """What stays resident in the process: the GGUF file's memory map after the weights are
-copied out of it (refengine/gguf_file.py) and the KV pool's first pages
-(refengine/runtime/malloc.py). Read from ``/proc/self/smaps`` (Linux)."""
+copied out of it (refengine/formats/gguf_file.py) and the KV pool's first pages
+(refengine/cpu/malloc.py). Read from ``/proc/self/smaps`` (Linux)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _vma_at(address: int):
 def test_gguf_weights_leave_no_page_of_the_file_resident(gguf_path):
     """Each tensor's pages of the map are dropped once copied (``madvise(MADV_DONTNEED)``),
     the header's once parsed: the load never holds the file's 98 MB beside the copies."""
-    from refengine.gguf_file import GGUFFile
+    from refengine.formats.gguf_file import GGUFFile
 
     if not hasattr(mmap, "MADV_DONTNEED"):
         pytest.skip("no madvise here")
@@ -63,7 +63,7 @@ def test_kv_pool_first_pages_are_small_pages():
     """A short run writes only the first blocks of each layer's pool: in 4 KB pages that
     costs what it writes, in 2 MB pages a whole huge page per array (30 layers x K and V x
     2 MB for SmolLM2). Past :data:`SMALL_PAGE_PREFIX` the pool is advised huge pages."""
-    from refengine.runtime import malloc
+    from refengine.cpu import malloc
 
     a = malloc.huge_page_zeros((1024, 16, 3, 64), np.float32)  # 12 MB
     assert a.ctypes.data % malloc.HUGE_PAGE == 0 or not hasattr(mmap, "MADV_HUGEPAGE")

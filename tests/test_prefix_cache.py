@@ -14,10 +14,10 @@ import struct
 import pytest
 
 from refengine.config import SchedulerConfig
-from refengine.kv_cache import BlockManager, hash_block_tokens
+from refengine.core.block_manager import BlockManager, hash_block_tokens
+from refengine.core.scheduler import Scheduler
+from refengine.core.sequence import Sequence
 from refengine.sampling_params import SamplingParams
-from refengine.scheduler import Scheduler
-from refengine.sequence import Sequence
 from helpers import plan, stub_step
 
 BS = 4

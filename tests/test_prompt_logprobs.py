@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from refengine import LLM, SamplingParams
-from refengine.engine import LLMEngine
-from refengine.sequence import Logprob
+from refengine.core.engine import LLMEngine
+from refengine.core.sequence import Logprob
 
 TOL = 1e-4  # against transformers (another implementation, other summation orders)
 SAME = 1e-5  # the same engine run another way: only BLAS blocking differs

@@ -1,5 +1,5 @@
 """AWQ and GPTQ checkpoints (refengine/quant/awq_gptq.py) and their 4-bit form
-(refengine/quant/int4.py, kernels in refengine/quant/numba_int.py).
+(refengine/quant/int4.py, kernels in refengine/cpu/int_products.py).
 
 A tiny random Llama is built with transformers; each linear layer's weights are first
 rounded onto a 4-bit group grid (so packing them is lossless), then packed by the small
@@ -320,7 +320,7 @@ def test_int4_kernel_matches_the_numpy_twin(out_features, in_features, group_siz
 
 def test_int4_dot_kernel_results_do_not_depend_on_the_batch():
     pytest.importorskip("numba")
-    from refengine.quant.numba_int import INT4_BLAS_MIN_ROWS
+    from refengine.cpu.int_products import INT4_BLAS_MIN_ROWS
 
     rng = np.random.default_rng(6)
     w = Int4Weight.from_values(rng.integers(0, 16, (30, 128)), rng.random((30, 4)), rng.integers(0, 16, (30, 4)), 32)

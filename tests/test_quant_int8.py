@@ -1,5 +1,5 @@
 """``quantization="int8"``: per-output-channel symmetric int8 weights computed at load
-(refengine/quant/int8.py), their numba kernels (refengine/quant/numba_int.py) against the
+(refengine/quant/int8.py), their numba kernels (refengine/cpu/int_products.py) against the
 NumPy twin, and the engine with int8 weights against float32 (docs/quantization.md)."""
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def test_quantize_weights_transforms_matrices_only():
 @pytest.mark.parametrize("shape", SHAPES)
 def test_numba_kernel_matches_the_numpy_twin(shape):
     pytest.importorskip("numba")
-    from refengine.ops.numba_ops import NumbaOps
+    from refengine.cpu.layer_ops import NumbaOps
 
     rng = np.random.default_rng(3)
     w = Int8Weight.quantize(_matrix(rng, shape))
@@ -112,7 +112,7 @@ def test_dot_kernel_results_do_not_depend_on_the_batch(n_out):
     pairs the last row with itself) gives the same bits, over several blocks of input rows
     with a partial last one; batch-invariant, so do rows past the tile switch."""
     pytest.importorskip("numba")
-    from refengine.quant.numba_int import INT8_BLAS_MIN_ROWS, INT8_TILE_MIN_ROWS
+    from refengine.cpu.int_products import INT8_BLAS_MIN_ROWS, INT8_TILE_MIN_ROWS
 
     rng = np.random.default_rng(4)
     w = Int8Weight.quantize(_matrix(rng, (n_out, 200)))
@@ -246,7 +246,7 @@ def test_load_weights_quantizes_each_tensor_as_read(tmp_path):
     import ml_dtypes
     from safetensors.numpy import save_file
 
-    from refengine.loader import load_weights
+    from refengine.formats.loader import load_weights
 
     rng = np.random.default_rng(5)
     w = rng.standard_normal((6, 40)).astype(ml_dtypes.bfloat16)
@@ -302,17 +302,17 @@ def test_tile_path_rows_do_not_depend_on_the_batch(threads, monkeypatch):
     of rows, one thread too, as before this path; the dot kernels below the switch are the
     batch-independent ones, test_dot_kernel_results_do_not_depend_on_the_batch)."""
     pytest.importorskip("numba")
-    from refengine.quant import numba_int
-    from refengine.runtime import blas
+    from refengine.cpu import int_products
+    from refengine.cpu import blas
 
     rng = np.random.default_rng(7)
     w = Int8Weight.quantize(_matrix(rng, (960, 576)))
     x = rng.standard_normal((200, 576)).astype(np.float32)
     monkeypatch.setattr(blas, "_threads", threads)
-    assert blas.balanced_tile_rows(960, 576, 2, numba_int.TILE_BYTES) == 480  # two equal tiles, one per thread
+    assert blas.balanced_tile_rows(960, 576, 2, int_products.TILE_BYTES) == 480  # two equal tiles, one per thread
     switch = 64  # the tile path from 64 rows here (INT8_BLAS_MIN_ROWS is larger: 200 rows would not reach it)
-    full = numba_int.int8_linear(x, w.q, w.scales, switch)
-    part = numba_int.int8_linear(x[:switch + 3], w.q, w.scales, switch)
+    full = int_products.int8_linear(x, w.q, w.scales, switch)
+    part = int_products.int8_linear(x[:switch + 3], w.q, w.scales, switch)
     want = x.astype(np.float64) @ w.dequantize().astype(np.float64).T
     np.testing.assert_allclose(part, want[:switch + 3], rtol=0, atol=1e-5 * np.abs(want).max())
     np.testing.assert_allclose(full, want, rtol=0, atol=1e-5 * np.abs(want).max())

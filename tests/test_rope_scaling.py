@@ -2,11 +2,11 @@
 
 For each type a transformers config is built, its ``config.to_dict()`` goes through
 refengine's parser (:func:`refengine.models.hf_config.model_config_from_dict`) into a
-:class:`refengine.layers.RotaryEmbedding`, and the result is compared with
+:class:`refengine.ops.layers.RotaryEmbedding`, and the result is compared with
 ``ROPE_INIT_FUNCTIONS`` (inverse frequencies, attention factor) and with the model's rotary
 module (``LlamaRotaryEmbedding`` / ``Phi3RotaryEmbedding``) run over one forward of
 ``max_model_len`` positions, which is the static length the engine fixes (see
-:func:`refengine.layers.rope_frequencies`). Then the bad configs, each a clear ValueError.
+:func:`refengine.ops.layers.rope_frequencies`). Then the bad configs, each a clear ValueError.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ tf = pytest.importorskip("transformers")
 
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
-from refengine.layers import RotaryEmbedding, rope_frequencies  # noqa: E402
 from refengine.models.hf_config import model_config_from_dict  # noqa: E402
+from refengine.ops.layers import RotaryEmbedding, rope_frequencies  # noqa: E402
 from refengine.ops.numpy_ops import NumpyOps  # noqa: E402
 
 HEADS, HEAD_DIM = 4, 16

@@ -8,17 +8,17 @@ import numpy as np
 import pytest
 
 from refengine.sampler import (
-    SAMPLE,
-    Sampler,
-    TokenUniforms,
-    apply_min_p,
-    apply_presence_frequency_penalties,
-    apply_repetition_penalty,
-    apply_temperature,
-    apply_top_k_top_p,
-    log_softmax,
-    sample_rows,
-)
+                               SAMPLE,
+                               Sampler,
+                               TokenUniforms,
+                               apply_min_p,
+                               apply_presence_frequency_penalties,
+                               apply_repetition_penalty,
+                               apply_temperature,
+                               apply_top_k_top_p,
+                               log_softmax,
+                               sample_rows,
+                               )
 from refengine.sampling_params import SamplingParams
 
 NEG_INF = -np.inf
@@ -431,7 +431,7 @@ def test_golden_full_chain_matches_hf_processor_list(golden_batch, rep, t, k, p,
 
 
 def test_works_on_real_sequences_and_n_completions_differ():
-    from refengine.sequence import Sequence
+    from refengine.core.sequence import Sequence
 
     logits = np.zeros((1, 1000), np.float32)  # uniform: two streams agree by chance 1/1000 per step
 

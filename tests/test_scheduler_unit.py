@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 
 from refengine.config import SchedulerConfig
-from refengine.kv_cache import BlockManager
+from refengine.core.block_manager import BlockManager
+from refengine.core.scheduler import Scheduler
+from refengine.core.sequence import Sequence, SequenceStatus
 from refengine.sampling_params import SamplingParams
-from refengine.scheduler import Scheduler
-from refengine.sequence import Sequence, SequenceStatus
 from helpers import plan, stub_step
 
 

@@ -25,7 +25,7 @@ uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from refengine.engine import LLM, LLMEngine  # noqa: E402
+from refengine.core.engine import LLM, LLMEngine  # noqa: E402
 from refengine.sampling_params import SamplingParams  # noqa: E402
 from refengine.server.api import ServerLimits, create_app  # noqa: E402
 

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.specs.openapi.checks import response_schema_conformance, status_code_conformance  # noqa: E402
 
-from refengine.engine import LLMEngine  # noqa: E402
+from refengine.core.engine import LLMEngine  # noqa: E402
 from refengine.server.api import ServerLimits, create_app  # noqa: E402
 from test_server import KEY, ServerThread  # noqa: E402
 

@@ -22,10 +22,10 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from refengine.engine import LLM, LLMEngine  # noqa: E402
-from refengine.kv_cache import BlockManager, cache_salt_key, hash_block_tokens  # noqa: E402
+from refengine.core.block_manager import BlockManager, cache_salt_key, hash_block_tokens  # noqa: E402
+from refengine.core.engine import LLM, LLMEngine  # noqa: E402
+from refengine.core.sequence import Sequence  # noqa: E402
 from refengine.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
-from refengine.sequence import Sequence  # noqa: E402
 from refengine.server.api import ServerLimits, create_app  # noqa: E402
 from refengine.server.engine_loop import AsyncEngine  # noqa: E402
 from test_server import KEY, TIMEOUT, ServerThread, metric, wait_until  # noqa: E402

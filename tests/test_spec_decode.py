@@ -23,7 +23,7 @@ from click.testing import CliRunner
 
 from refengine import LLM, SamplingParams
 from refengine.cli import main
-from refengine.engine import LLMEngine
+from refengine.core.engine import LLMEngine
 from refengine.engine_args import EngineArgs
 from refengine.stop import StopChecker
 from test_scheduler_invariance import GREEDY, prompts, tokenizer  # noqa: F401 (fixtures)
@@ -450,7 +450,7 @@ def test_engine_option_and_resolved_config(tiny_llama_dir, tiny_draft_dir):
 
 
 def test_a_draft_with_another_vocabulary_is_refused_before_loading(tiny_llama_dir, small_vocab_pair, monkeypatch):
-    monkeypatch.setattr("refengine.engine.load_model", lambda *a, **k: pytest.fail("loaded the weights"))
+    monkeypatch.setattr("refengine.core.engine.load_model", lambda *a, **k: pytest.fail("loaded the weights"))
     with pytest.raises(ValueError, match=r"has vocab_size=16 but the target model has 211: a draft model must "
                                          r"share the target's vocabulary"):
         LLMEngine(tiny_llama_dir, speculative_config=draft(small_vocab_pair[1], 2))

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from refengine.config import SchedulerConfig
-from refengine.kv_cache import BlockManager
+from refengine.core.block_manager import BlockManager
+from refengine.core.scheduler import Scheduler
+from refengine.core.sequence import Sequence
 from refengine.sampling_params import SamplingParams
-from refengine.scheduler import Scheduler
-from refengine.sequence import Sequence
 from refengine.spec_decode import SpeculativeConfig, propose_ngram, rejection_sample, verify_tokens
 from refengine.spec_decode.rejection import draw
 from refengine.stop import StopChecker

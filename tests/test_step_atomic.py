@@ -11,8 +11,8 @@ from collections import Counter
 import pytest
 
 from refengine import SamplingParams
+from refengine.core.engine import LLMEngine
 from refengine.detokenizer import IncrementalDetokenizer
-from refengine.engine import LLMEngine
 from refengine.metrics import EngineMetrics, RequestMetrics
 from refengine.sampler import Sampler
 from refengine.stop import StopChecker

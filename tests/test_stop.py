@@ -9,8 +9,8 @@ import logging
 import pytest
 
 from refengine import LLM, SamplingParams
+from refengine.core.sequence import Sequence
 from refengine.detokenizer import IncrementalDetokenizer
-from refengine.sequence import Sequence
 from refengine.stop import StopChecker, find_stop_string
 
 

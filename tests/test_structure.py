@@ -77,7 +77,7 @@ def find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
 
 def test_import_graph_has_no_cycle():
     graph = import_graph()
-    assert len(graph) > 50 and "refengine.runtime.threads" in graph["refengine.model_runner"]
+    assert len(graph) > 50 and "refengine.cpu.threads" in graph["refengine.core.model_runner"]
     cycle = find_cycle(graph)
     where = [f"{a} -> {b} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:])] if cycle else []
     assert cycle is None, "import cycle:\n" + "\n".join(where)
@@ -89,13 +89,13 @@ def test_find_cycle_finds_one():
 
 
 def test_the_leaves_import_nothing_above_them():
-    """``refengine.runtime`` is the bottom layer: the kernels and the engine import it, never
+    """``refengine.cpu`` is the bottom layer: the kernels and the engine import it, never
     the other way round. The command modules import their shared flags from
     ``refengine.cli_options``, which imports none of them; ``config`` imports nothing."""
     graph = import_graph()
     for module, imports in graph.items():
-        if module.startswith("refengine.runtime"):
-            assert all(m.startswith("refengine.runtime") for m in imports), (module, imports)
+        if module.startswith("refengine.cpu"):
+            assert all(m.startswith("refengine.cpu") for m in imports), (module, imports)
     commands = ("refengine.cli", "refengine.bench", "refengine.server")  # the command modules share cli_options
     assert not [m for m in graph["refengine.cli_options"] if m.startswith(commands)], graph["refengine.cli_options"]
     assert graph["refengine.config"] == {}, graph["refengine.config"]  # plain data
@@ -106,9 +106,9 @@ import json, os, sys
 before = dict(os.environ)
 import refengine
 from refengine import LLM, LLMEngine, SamplingParams
-import refengine.cli, refengine.engine, refengine.ops.numba_ops, refengine.attention.numba_cpu
+import refengine.cli, refengine.core.engine, refengine.cpu.layer_ops, refengine.cpu.attention
 import refengine.attention.selector, refengine.server.cli, refengine.bench.cli, refengine.metrics
-from refengine.runtime import is_set_up, malloc, threads
+from refengine.cpu import is_set_up, malloc, threads
 changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))
 par = sys.modules.get("numba.np.ufunc.parallel")
 print(json.dumps({"changed": changed, "set_up": is_set_up(), "malloc": malloc._applied,
@@ -133,7 +133,7 @@ import json, os, sys
 import threadpoolctl  # sets KMP_DUPLICATE_LIB_OK as it loads (its guard for two Intel OpenMP runtimes): not ours
 before = dict(os.environ)
 from refengine import LLMEngine
-from refengine.runtime import is_set_up, malloc
+from refengine.cpu import is_set_up, malloc
 engine = LLMEngine(sys.argv[1], max_model_len=64, log_stats=False)  # the numba backend, the CPU default
 after_engine = {"changed": sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)),
                 "set_up": is_set_up(), "malloc": malloc._applied}

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
-from refengine.engine import LLM  # noqa: E402
+from refengine.core.engine import LLM  # noqa: E402
 from refengine.sampler import Sampler, TokenUniforms  # noqa: E402
 from refengine.sampling_params import SamplingParams  # noqa: E402
 from refengine.structured_output import StructuredOutputsParams  # noqa: E402

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from refengine import LLM, SamplingParams
+from refengine.core.executor import cpu_shares
 from refengine.engine_args import EngineArgs
 from refengine.models.hf_config import read_model_config
 from refengine.parallel import plan_partitions, shard_checkpoint
-from refengine.parallel.executor import cpu_shares
 from refengine.quant.gguf_blocks import GGUFWeight
 from refengine.quant.int8 import Int8Weight
 
@@ -237,7 +237,7 @@ def test_a_worker_that_dies_is_reported_not_waited_for(tiny_llama_dir):
     import os
     import signal
 
-    from refengine.parallel.executor import WorkerError
+    from refengine.core.executor import WorkerError
 
     llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=32, tensor_parallel_size=2)
     try:

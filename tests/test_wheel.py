@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from refengine import LLM, SamplingParams, resources
-from refengine.kernels.build import EMULATION_SUPPORT, KERNEL_SOURCES, SELF_TEST_SOURCES
 from refengine.bench.workload import load_corpus
+from refengine.kernels.build import EMULATION_SUPPORT, KERNEL_SOURCES, SELF_TEST_SOURCES
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [list(range(3, 40)), [5, 9, 17]]  # 37 and 3 tokens: block edges at 8
@@ -113,7 +113,7 @@ backend = sys.argv[2] or None
 llm = LLM(sys.argv[1], attention_backend=backend, **json.loads(sys.argv[3]))
 params = SamplingParams(max_tokens=int(sys.argv[5]), temperature=0.0, ignore_eos=True)
 outs = llm.generate(json.loads(sys.argv[4]), params, use_tqdm=False)
-from refengine.runtime import numba_support
+from refengine.cpu import numba_support
 print(json.dumps({"file": refengine.__file__, "cuda_dir": str(cuda_source_dir()), "data_dir": str(bench_data_dir()),
                   "cache_dir": str(build_cache_dir()), "corpus": load_corpus(),
                   "tokens": [o.outputs[0].token_ids for o in outs],

@@ -20,16 +20,16 @@ The contract (``docs/architecture.md``, "The attention contract"):
   ``write_kv`` rounds each value to nearest (NumPy's cast), ``forward`` reads it exactly.
 * Quantized caches (``kv_cache_dtype="int8"``): ``k_cache``/``v_cache`` hold int8 and
   ``k_scale``/``v_scale [num_blocks, block_size, num_kv_heads]`` float32 beside them, one
-  scale per token and KV head (:func:`refengine.kv_cache.quantize_int8`); ``write_kv``
+  scale per token and KV head (:func:`refengine.attention.kv_cache.quantize_int8`); ``write_kv``
   quantizes and ``forward`` reads ``q * scale``, prefill and decode alike. The scales are
   keyword arguments, None for unquantized caches. fp8 caches (``"fp8_e4m3"`` / ``"fp8_e5m2"``,
   the CUDA backends and the NumPy twin) hold uint8 codes, and ``k_scale``/``v_scale`` are
-  :class:`refengine.kv_cache.FP8Scale` (format and the layer's float scale): stored
+  :class:`refengine.attention.kv_cache.FP8Scale` (format and the layer's float scale): stored
   ``fp8(x / scale)``, read ``fp8 * scale``.
 
 Every backend implements :class:`AttentionBackend`: ``prepare`` once per step, then per
 layer ``write_kv`` and ``forward``. The backends: :mod:`refengine.attention.numpy_ref` (the
-NumPy twin, the reference), :mod:`refengine.attention.numba_cpu` (the CPU default) and
+NumPy twin, the reference), :mod:`refengine.cpu.attention` (the CPU default) and
 :mod:`refengine.attention.cuda` (CUDA, and its CPU emulation); built by name in
 :mod:`refengine.attention.selector`.
 """

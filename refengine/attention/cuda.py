@@ -32,7 +32,7 @@ wholly before the window of a query tile's first row, decode reads and partition
 last W keys) and ``logits_soft_cap`` c (scores ``c * tanh(s / c)``, Gemma 2). The kernels take
 them as ``int window`` and ``float soft_cap``, 0 meaning off.
 
-Quantized caches (``kv_cache_dtype`` "int8", "fp8_e4m3", "fp8_e5m2"; :mod:`refengine.kv_cache`):
+Quantized caches (``kv_cache_dtype`` "int8", "fp8_e4m3", "fp8_e5m2"; :mod:`refengine.core.block_manager`):
 ``reshape_and_cache_<dt>_<kv>`` quantizes as it writes (int8: a float32 scale per token and KV
 head, LMDeploy's scheme; fp8: ``fp8(x / scale)`` with the layer's :class:`FP8Scale`, vLLM's),
 and ``flash_prefill_<dt>_<kv>_hd<D>`` / ``paged_decode_<dt>_<kv>_hd<D>`` dequantize into their
@@ -55,10 +55,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from refengine.attention import AttentionMetadata
+from refengine.attention.kv_cache import FP8Scale
 from refengine.kernels import plans
 from refengine.kernels.build import EmulatedKernels, KernelModule, cupy_kernels
 from refengine.kernels.plans import DEFAULT_PARTITION_SIZE, DECODE_KEY_TILE, PREFILL_KERNELS, SUPPORTED_HEAD_DIMS
-from refengine.kv_cache import FP8Scale
 
 
 class _KernelAttention:

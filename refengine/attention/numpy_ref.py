@@ -21,10 +21,10 @@ keys) and ``logits_soft_cap`` c (scores ``c * tanh(s / c)`` before the softmax, 
 ``eager_attention_forward``).
 
 int8 caches (``kv_cache_dtype="int8"``): ``write_kv`` quantizes each token's row per KV
-head (:func:`refengine.kv_cache.quantize_int8`, LMDeploy's scheme) and both paths read
+head (:func:`refengine.attention.kv_cache.quantize_int8`, LMDeploy's scheme) and both paths read
 ``q * scale`` through :func:`gather_context`, so prefill and decode see the same values.
 fp8 caches (``kv_cache_dtype="fp8_e4m3"`` / ``"fp8_e5m2"``, vLLM's scheme): uint8 codes and
-one :class:`refengine.kv_cache.FP8Scale` per layer; ``write_kv`` stores
+one :class:`refengine.attention.kv_cache.FP8Scale` per layer; ``write_kv`` stores
 ``float_to_fp8(x / scale)`` and both paths read ``fp8_to_float(code) * scale``. The two
 conversions below are the CUDA kernels' (``cuda/common.cuh``) twins, bit for bit.
 
@@ -42,7 +42,7 @@ from __future__ import annotations
 import numpy as np
 
 from refengine.attention import AttentionMetadata
-from refengine.kv_cache import FP8Scale, dequantize_int8, quantize_int8
+from refengine.attention.kv_cache import FP8Scale, dequantize_int8, quantize_int8
 
 Q_TILE = 128
 K_TILE = 256

@@ -14,7 +14,7 @@ ATTENTION_BACKENDS = ("numpy", "numba", "cuda", "cuda-emulated")
 def get_attention_backend(name: str, *, batch_invariant: bool = False) -> AttentionBackend:
     """Build the attention backend called ``name`` (one of :data:`ATTENTION_BACKENDS`);
     ``batch_invariant``: the numba backend's batch-invariant mode
-    (:class:`refengine.attention.numba_cpu.NumbaAttention`), which the others do not have.
+    (:class:`refengine.cpu.attention.NumbaAttention`), which the others do not have.
 
     Raises:
         ValueError: ``name`` is not a known backend.
@@ -24,7 +24,7 @@ def get_attention_backend(name: str, *, batch_invariant: bool = False) -> Attent
 
         return NumpyAttention()
     if name == "numba":
-        from refengine.attention.numba_cpu import NumbaAttention
+        from refengine.cpu.attention import NumbaAttention
 
         return NumbaAttention(batch_invariant=batch_invariant)
     if name == "cuda":

@@ -120,7 +120,7 @@ class StepBreakdown(PartTimer):
     """Times the parts of every step ``engine`` runs while entered (a context manager).
 
     Args:
-        engine: an :class:`refengine.engine.LLMEngine`.
+        engine: an :class:`refengine.core.engine.LLMEngine`.
     Attributes:
         seconds: ``"prefill"``/``"decode"`` -> part -> seconds spent (``python`` filled by
             :meth:`summary`).

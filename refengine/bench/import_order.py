@@ -13,7 +13,7 @@ after the other, never two at once:
   note, when either is not installed).
 
 In each process the engine is built through :class:`refengine.LLM` (which calls
-:func:`refengine.runtime.setup_cpu_runtime`) from the engine flags; two small warm-up
+:func:`refengine.cpu.setup_cpu_runtime`) from the engine flags; two small warm-up
 requests run (:func:`refengine.bench.driver.warm_up`), then the workload all at once
 (closed loop, :func:`refengine.bench.driver.run_engine`): ``--num-prompts`` requests
 with seeded prompt and output lengths cut from the bench corpus, greedy, EOS ignored.
@@ -61,7 +61,7 @@ def child_main(job: dict) -> dict:
     from refengine import LLM
     from refengine.bench.driver import run_engine, warm_up
     from refengine.bench.workload import load_corpus, sample_requests
-    from refengine.runtime.threads import numba_threading_layer
+    from refengine.cpu.threads import numba_threading_layer
 
     loaded_first = [m for m in ("torch", "transformers") if m in sys.modules]
     llm = LLM(**job["engine_kwargs"])

@@ -70,7 +70,7 @@ def _measure(engine_kw: dict, ids: list[int], prompt_len: int, num_prompts: int,
 def invariance_cmd(prompt_len, num_prompts, input_len, output_len, repeats, performance_md, **kw):
     """Batch-invariant logits against the faster non-invariant kernels: prefill, decode and throughput."""
     from refengine.bench.workload import load_corpus
-    from refengine.engine import _load_tokenizer
+    from refengine.core.engine import load_tokenizer
 
     args, engine_kw = engine_kwargs(kw)
     if args.batch_invariant is not None:
@@ -80,7 +80,7 @@ def invariance_cmd(prompt_len, num_prompts, input_len, output_len, repeats, perf
         model_dir, model_config = args.model_config()
     except (ValueError, FileNotFoundError) as e:
         fail(str(e))
-    tokenizer = _load_tokenizer(model_dir, model_config.vocab_size)
+    tokenizer = load_tokenizer(model_dir, model_config.vocab_size)
     if tokenizer is None:
         fail(f"{model_dir} has no tokenizer: bench invariance cuts its prompts from the bench corpus's text")
     ids = tokenizer.encode(load_corpus())

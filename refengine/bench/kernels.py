@@ -18,7 +18,7 @@ second is faster). Sections:
 No engine is built: the models are loaded bare, once per backend (the numba layout of the
 weights differs from BLAS's), so the engine flags do not apply. Load from other processes
 skews every number; the load average is printed before and after. The thread count adapts
-to it (:func:`refengine.runtime.threads.adapt_threads`) before each round.
+to it (:func:`refengine.cpu.threads.adapt_threads`) before each round.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import numpy as np
 from refengine.bench.options import performance_md_option
 from refengine.bench.report import write_performance
 
-#: Which thread pool each side's calls get (``refengine.runtime.threads.adapt_threads(blas_step=...)``),
+#: Which thread pool each side's calls get (``refengine.cpu.threads.adapt_threads(blas_step=...)``),
 #: as the model runner would give a step of that kind: BLAS and the NumPy backend run on
 #: BLAS's threads, the numba kernels below BLAS_MIN_ROWS on numba's.
 BLAS_SIDES = {"numpy": True, "blas": True, "numba": False}
@@ -46,7 +46,7 @@ def best_of(fns: dict, repeats: int, inner: int = 1, blas_step: dict | None = No
     """Best wall time (s) per call of each function, the functions interleaved; the thread
     count adapted to the machine's load, and the pools set as for a step of that side
     (``blas_step``: name -> bool, default :data:`BLAS_SIDES`), before each call."""
-    from refengine.runtime.threads import adapt_threads
+    from refengine.cpu.threads import adapt_threads
 
     sides = {**BLAS_SIDES, **(blas_step or {})}
     library = {k: not k.startswith("numba") for k in fns}  # the numba side spreads BLAS over its own threads
@@ -115,9 +115,9 @@ def attention_batch(rng, seqs: list[tuple[int, int]], num_heads: int, num_kv_hea
 
 
 def section_kernels(model, repeats: int, out: Rows) -> None:
-    from refengine.attention.numba_cpu import NumbaAttention
     from refengine.attention.numpy_ref import NumpyAttention
-    from refengine.ops.numba_ops import NumbaOps
+    from refengine.cpu.attention import NumbaAttention
+    from refengine.cpu.layer_ops import NumbaOps
     from refengine.ops.numpy_ops import NumpyOps
 
     cfg = model.config
@@ -190,7 +190,7 @@ def section_linear(model_np, model_nb, repeats: int, out: Rows) -> None:
         out.row(f"{rows:3d} rows, lm_head embed.T {tuple(model_nb.lm_head.shape)}",
                 best_of({"blas": lambda: x @ model_np.lm_head,
                          "numba": lambda: model_nb.ops.linear(x, model_nb.lm_head)}, repeats), "blas", "numba")
-    from refengine.ops.numba_ops import matmul_dot
+    from refengine.cpu.layer_ops import matmul_dot
 
     for rows in (2, 4, 8, 16):
         xs = {n: rng.standard_normal((rows, n), dtype=np.float32) for n in (cfg.hidden_size, cfg.intermediate_size)}
@@ -204,7 +204,7 @@ def section_linear(model_np, model_nb, repeats: int, out: Rows) -> None:
 
 
 def _random_cache(model, num_blocks: int, block_size: int):
-    from refengine.kv_cache import KVCache
+    from refengine.attention.kv_cache import KVCache
 
     cfg = model.config
     kv = KVCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
@@ -229,7 +229,7 @@ def decode_inputs(model, rows: int, ctx: int, block_size: int = 16):
 def prefill_inputs(model, n: int, block_size: int = 16):
     """``(token ids, positions, kv, meta)`` of one prefill of ``n`` tokens from position 0."""
     from refengine.attention import paged_metadata
-    from refengine.kv_cache import KVCache
+    from refengine.attention.kv_cache import KVCache
 
     cfg = model.config
     per = -(-n // block_size)
@@ -275,8 +275,8 @@ def thread_child(model_dir: str, repeats: int, num_threads: int | None) -> None:
     """One policy, in this fresh process: decode steps at 1 and 8 rows, as is, then with a
     busy loop; ``adapt_threads`` before each step, as the model runner calls it. Prints one
     JSON line: the threading layer, the threads used per phase, ``{case: (best ms, median ms)}``."""
-    from refengine.runtime import setup_cpu_runtime
-    from refengine.runtime.threads import adapt_threads, configure_threads, numba_threading_layer
+    from refengine.cpu import setup_cpu_runtime
+    from refengine.cpu.threads import adapt_threads, configure_threads, numba_threading_layer
 
     setup_cpu_runtime()  # numba's layer with the policy this process's environment names
     configure_threads(num_threads)
@@ -346,9 +346,9 @@ def _sections(ctx, param, value: str) -> list[str]:
 @performance_md_option
 def kernels_cmd(model_dir, repeats, sections, threads_study, performance_md):
     """The numba CPU kernels against their NumPy twins and BLAS, at the model's shapes."""
+    from refengine.cpu import setup_cpu_runtime
+    from refengine.cpu.threads import adapt_threads, configure_threads, numba_threading_layer
     from refengine.engine_args import resolve_model_dir
-    from refengine.runtime import setup_cpu_runtime
-    from refengine.runtime.threads import adapt_threads, configure_threads, numba_threading_layer
 
     model_dir = str(resolve_model_dir(model_dir))
     setup_cpu_runtime()

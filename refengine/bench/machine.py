@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from refengine.runtime.threads import max_threads
+from refengine.cpu.threads import max_threads
 
 #: The checkout refengine was imported from, when it is one (an installed wheel is not).
 SOURCE_ROOT = Path(__file__).resolve().parent.parent.parent
@@ -33,7 +33,7 @@ SOURCE_ROOT = Path(__file__).resolve().parent.parent.parent
 def measure_bandwidth(nbytes: int = 512 << 20, repeats: int = 5, num_threads: int | None = None) -> float:
     """Read bandwidth in bytes/s: the best of ``repeats`` sums over ``nbytes`` of float32,
     split in ``num_threads`` parts (default: the engine's thread count,
-    :func:`refengine.runtime.threads.max_threads`) summed at once (NumPy releases the GIL
+    :func:`refengine.cpu.threads.max_threads`) summed at once (NumPy releases the GIL
     in the sum). Allocates ``nbytes`` for the call."""
     n = num_threads or max_threads()
     x = np.ones(nbytes // 4, dtype=np.float32)

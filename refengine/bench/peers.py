@@ -218,7 +218,7 @@ def _ct2_convert(hf_dir: Path, quantization: str, echo) -> Path:
 
 def _prompt_ids(gguf: Path, prompt_len: int) -> list[int]:
     from refengine.bench.workload import load_corpus
-    from refengine.gguf_file import open_gguf
+    from refengine.formats.gguf_file import open_gguf
 
     ids = open_gguf(gguf).tokenizer().encode(load_corpus())
     if len(ids) < prompt_len:

@@ -76,7 +76,7 @@ def forward_times(engine_kw: dict, prompt_ids: list[int], rows: tuple[int, ...],
     """Median seconds of one target forward pass returning logits at ``n`` rows (a verify of
     n - 1 proposals) after a context of ``len(prompt_ids)`` tokens, for each ``n`` in ``rows``."""
     from refengine import SamplingParams
-    from refengine.sequence import Sequence
+    from refengine.core.sequence import Sequence
 
     engine = build_llm_or_fail({**engine_kw, "speculative_config": None}).llm_engine
     context, most = len(prompt_ids), max(rows)

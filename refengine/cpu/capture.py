@@ -193,7 +193,7 @@ class _Recording:
 
 
 def _same_threads(threads: int) -> bool:
-    from refengine.runtime.numba_support import get_num_threads
+    from refengine.cpu.numba_support import get_num_threads
 
     return get_num_threads() == threads
 
@@ -272,7 +272,7 @@ class DecodeCapture:
     def _record(self) -> np.ndarray:
         """Run the forward on the recorded inputs with the layer ops and attention recording;
         keep its tape and logits buffer. Returns the logits (a fresh array)."""
-        from refengine.runtime.numba_support import get_num_threads
+        from refengine.cpu.numba_support import get_num_threads
 
         model, tape = self.model, Tape()
         self.tape = None  # a recording that raises leaves none

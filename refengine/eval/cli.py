@@ -14,10 +14,10 @@ import time
 
 import click
 
+from refengine.attention.kv_cache import cdiv
 from refengine.cli_options import engine_from_args, engine_options, fail
 from refengine.engine_args import EngineArgs
 from refengine.eval.perplexity import compare, load_text, perplexity, tokenize
-from refengine.kv_cache import cdiv
 
 #: What ``--baseline`` alone changes in the run's engine options: float32, and the
 #: quantization, KV-cache and activation options at their defaults (where EngineArgs has them).

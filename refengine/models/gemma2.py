@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from refengine.attention import AttentionMetadata
-from refengine.kv_cache import LayerKVCache
+from refengine.attention.kv_cache import LayerKVCache
 from refengine.models.llama import Layer, LlamaForCausalLM
 
 

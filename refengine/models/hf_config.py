@@ -194,7 +194,7 @@ def _check_number(rope_scaling: dict, key: str, where: str) -> None:
 
 
 def _check_rope_scaling(rope_scaling: dict, source: str, head_dim: int) -> None:
-    """The fields :func:`refengine.layers.rope_frequencies` reads, per type: present where
+    """The fields :func:`refengine.ops.layers.rope_frequencies` reads, per type: present where
     required, numbers it divides by or takes logs of finite and > 0, lengths integers >= 1,
     ``longrope``'s factor lists ``head_dim // 2`` finite numbers > 0; ``beta_fast >= beta_slow``
     (YaRN), ``high_freq_factor > low_freq_factor`` (llama3).

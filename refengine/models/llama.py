@@ -37,20 +37,20 @@ from typing import Callable
 import numpy as np
 
 from refengine.attention import AttentionBackend, AttentionMetadata
+from refengine.attention.kv_cache import KVCache, LayerKVCache
 from refengine.config import ModelConfig
-from refengine.kv_cache import KVCache, LayerKVCache
-from refengine.layers import RotaryEmbedding
 from refengine.ops import LayerOps
+from refengine.ops.layers import RotaryEmbedding
 from refengine.quant import concat_rows, is_quantized
 
 Shape = Callable[[ModelConfig], tuple[int, ...]]
 
 
-def _q_out(c: ModelConfig) -> int:
+def q_size(c: ModelConfig) -> int:
     return c.num_attention_heads * c.head_dim
 
 
-def _kv_out(c: ModelConfig) -> int:
+def kv_size(c: ModelConfig) -> int:
     return c.num_key_value_heads * c.head_dim
 
 
@@ -100,10 +100,10 @@ class LlamaForCausalLM:
     layer_tensors: dict[str, Shape] = {
         "input_layernorm.weight": lambda c: (c.hidden_size,),
         "post_attention_layernorm.weight": lambda c: (c.hidden_size,),
-        "self_attn.q_proj.weight": lambda c: (_q_out(c), c.hidden_size),
-        "self_attn.k_proj.weight": lambda c: (_kv_out(c), c.hidden_size),
-        "self_attn.v_proj.weight": lambda c: (_kv_out(c), c.hidden_size),
-        "self_attn.o_proj.weight": lambda c: (c.hidden_size, _q_out(c)),
+        "self_attn.q_proj.weight": lambda c: (q_size(c), c.hidden_size),
+        "self_attn.k_proj.weight": lambda c: (kv_size(c), c.hidden_size),
+        "self_attn.v_proj.weight": lambda c: (kv_size(c), c.hidden_size),
+        "self_attn.o_proj.weight": lambda c: (c.hidden_size, q_size(c)),
         "mlp.gate_proj.weight": lambda c: (c.intermediate_size, c.hidden_size),
         "mlp.up_proj.weight": lambda c: (c.intermediate_size, c.hidden_size),
         "mlp.down_proj.weight": lambda c: (c.hidden_size, c.intermediate_size),
@@ -120,9 +120,9 @@ class LlamaForCausalLM:
     }
     # q/k/v biases, present when config.json sets attention_bias (Qwen2 by default)
     bias_tensors: dict[str, Shape] = {
-        "self_attn.q_proj.bias": lambda c: (_q_out(c),),
-        "self_attn.k_proj.bias": lambda c: (_kv_out(c),),
-        "self_attn.v_proj.bias": lambda c: (_kv_out(c),),
+        "self_attn.q_proj.bias": lambda c: (q_size(c),),
+        "self_attn.k_proj.bias": lambda c: (kv_size(c),),
+        "self_attn.v_proj.bias": lambda c: (kv_size(c),),
     }
 
     norm_offset = 0.0

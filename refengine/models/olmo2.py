@@ -11,8 +11,8 @@ RMSNorm over the whole q and k projections (``q_norm [heads * head_dim]``, ``k_n
 from __future__ import annotations
 
 from refengine.attention import AttentionMetadata
-from refengine.kv_cache import LayerKVCache
-from refengine.models.llama import Layer, LlamaForCausalLM, _kv_out, _q_out
+from refengine.attention.kv_cache import LayerKVCache
+from refengine.models.llama import Layer, LlamaForCausalLM, kv_size, q_size
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):
@@ -21,8 +21,8 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
                      if name != "input_layernorm.weight"}
     layer_tensors.update({
         "post_feedforward_layernorm.weight": lambda c: (c.hidden_size,),
-        "self_attn.q_norm.weight": lambda c: (_q_out(c),),
-        "self_attn.k_norm.weight": lambda c: (_kv_out(c),),
+        "self_attn.q_norm.weight": lambda c: (q_size(c),),
+        "self_attn.k_norm.weight": lambda c: (kv_size(c),),
     })
     supports_tensor_parallel = False  # q_norm/k_norm normalize over every head at once
     vectors = {"post_norm": ("post_attention_layernorm.weight",), "post_ff_norm": ("post_feedforward_layernorm.weight",),

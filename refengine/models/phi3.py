@@ -1,14 +1,14 @@
 """Phi-3 (``Phi3ForCausalLM``): Llama's layer with the projections stored fused in the
 checkpoint (``self_attn.qkv_proj`` rows ``[q | k | v]``, ``mlp.gate_up_proj`` rows
 ``[gate | up]``: the fusions refengine makes for Llama, already made), head_dim 96 in the
-released models, ``longrope`` scaling (:func:`refengine.layers.rope_inv_freq`), and the
+released models, ``longrope`` scaling (:func:`refengine.ops.layers.rope_inv_freq`), and the
 config's ``sliding_window`` on every layer where it is set. transformers
 ``models/phi3/modeling_phi3.py`` (``Phi3Attention``, ``Phi3MLP``).
 """
 
 from __future__ import annotations
 
-from refengine.models.llama import LlamaForCausalLM, _kv_out, _q_out
+from refengine.models.llama import LlamaForCausalLM, kv_size, q_size
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
@@ -16,8 +16,8 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     layer_tensors = {
         "input_layernorm.weight": lambda c: (c.hidden_size,),
         "post_attention_layernorm.weight": lambda c: (c.hidden_size,),
-        "self_attn.qkv_proj.weight": lambda c: (_q_out(c) + 2 * _kv_out(c), c.hidden_size),
-        "self_attn.o_proj.weight": lambda c: (c.hidden_size, _q_out(c)),
+        "self_attn.qkv_proj.weight": lambda c: (q_size(c) + 2 * kv_size(c), c.hidden_size),
+        "self_attn.o_proj.weight": lambda c: (c.hidden_size, q_size(c)),
         "mlp.gate_up_proj.weight": lambda c: (2 * c.intermediate_size, c.hidden_size),
         "mlp.down_proj.weight": lambda c: (c.hidden_size, c.intermediate_size),
     }

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 
 from refengine.config import ModelConfig
-from refengine.gguf_file import is_gguf, open_gguf
-from refengine.loader import check_weights, load_weights
+from refengine.formats.gguf_file import is_gguf, open_gguf
+from refengine.formats.loader import check_weights, load_weights
 from refengine.models.gemma2 import Gemma2ForCausalLM
 from refengine.models.gemma3 import Gemma3ForCausalLM
 from refengine.models.llama import LlamaForCausalLM
@@ -45,9 +45,9 @@ def load_model(model_dir: str | Path, config: ModelConfig, attention, ops, xp=np
                partition=None):
     """Build the model of ``config.architecture`` from ``model_dir``'s checkpoint.
 
-    The model class says which tensors it expects; :func:`refengine.loader.load_weights`
+    The model class says which tensors it expects; :func:`refengine.formats.loader.load_weights`
     checks the checkpoint against them strictly. ``model_dir`` may also be a GGUF file
-    (:mod:`refengine.gguf_file`): its matrices stay in their stored block types unless
+    (:mod:`refengine.formats.gguf_file`): its matrices stay in their stored block types unless
     ``dequantize_gguf`` (then float32, as ``convert-gguf`` writes them).
 
     Args:
@@ -57,13 +57,13 @@ def load_model(model_dir: str | Path, config: ModelConfig, attention, ops, xp=np
             ``"awq"``/``"gptq"``: must match ``config.json``'s ``quantization_config``),
             :func:`refengine.quant.awq_gptq.resolve_quantization`; max_model_len: the longest
             context the engine allows (the static choice of ``longrope`` and ``dynamic`` RoPE,
-            :class:`refengine.layers.RotaryEmbedding`), None for ``max_position_embeddings``;
+            :class:`refengine.ops.layers.RotaryEmbedding`), None for ``max_position_embeddings``;
             partition: a :class:`refengine.parallel.Partition` to build one tensor-parallel
             worker's share (the checkpoint is read whole, then cut,
             :func:`refengine.parallel.shard_checkpoint`), None for the whole model.
     Raises:
-        FileNotFoundError, ValueError: from :func:`refengine.loader.load_weights` or
-            :meth:`refengine.gguf_file.GGUFFile.weights`.
+        FileNotFoundError, ValueError: from :func:`refengine.formats.loader.load_weights` or
+            :meth:`refengine.formats.gguf_file.GGUFFile.weights`.
     """
     cls = MODEL_REGISTRY[config.architecture]
     method = resolve_quantization(quantization, model_dir)

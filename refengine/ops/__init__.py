@@ -4,12 +4,12 @@ A model's forward pass calls these through one :class:`LayerOps` object chosen o
 engine (by device and backend), so a faster implementation of RMSNorm, RoPE, SiLU-and-mul
 or the matrix product (compiled CPU kernels, CUDA kernels, quantized matmuls) slots in
 without touching the model code. The NumPy implementation (:mod:`refengine.ops.numpy_ops`,
-over :mod:`refengine.layers`) is the reference every other one is tested against.
+over :mod:`refengine.ops.layers`) is the reference every other one is tested against.
 
 Implementations:
 
 * ``"numpy"``: :class:`refengine.ops.numpy_ops.NumpyOps` (NumPy, or CuPy through ``xp``).
-* ``"numba"``: :class:`refengine.ops.numba_ops.NumbaOps`, CPU kernels compiled by numba.
+* ``"numba"``: :class:`refengine.cpu.layer_ops.NumbaOps`, CPU kernels compiled by numba.
 * ``"cuda"``: :class:`refengine.ops.cuda.CudaLayerOps`, the kernels of ``cuda/layers.cu``.
 """
 
@@ -53,21 +53,21 @@ class LayerOps(Protocol):
     def rope(self, q: Any, k: Any, positions: Any, rope: Any) -> tuple[Any, Any]:
         """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by ``positions`` (from
         :meth:`device_positions`) with the tables of ``rope`` (a
-        :class:`refengine.layers.RotaryEmbedding`); may work in place; returns ``(q, k)``."""
+        :class:`refengine.ops.layers.RotaryEmbedding`); may work in place; returns ``(q, k)``."""
 
     def silu_and_mul(self, x: Any) -> Any:
         """``silu(x[:, :I]) * x[:, I:]`` for ``x [T, 2I]`` float32 -> ``[T, I]`` float32."""
 
     def gelu_tanh_and_mul(self, x: Any) -> Any:
         """``gelu_tanh(x[:, :I]) * x[:, I:]`` for ``x [T, 2I]`` float32 -> ``[T, I]`` float32
-        (:func:`refengine.layers.gelu_tanh_and_mul`)."""
+        (:func:`refengine.ops.layers.gelu_tanh_and_mul`)."""
 
 
 def get_layer_ops(name: str, xp=np, kernels: Any = None, *, batch_invariant: bool = False,
                   activation_dtype: str = "auto") -> LayerOps:
     """Build the layer operations called ``name`` (one of :data:`LAYER_OPS`).
 
-    ``batch_invariant``: the numba ops' batch-invariant mode (:class:`refengine.ops.numba_ops.NumbaOps`);
+    ``batch_invariant``: the numba ops' batch-invariant mode (:class:`refengine.cpu.layer_ops.NumbaOps`);
     the other ops have none (the engine refuses the combination first). ``activation_dtype``:
     ``"q8_0"`` for the numba ops' Q8_0-activation products (the engine allows it there only).
 
@@ -82,7 +82,7 @@ def get_layer_ops(name: str, xp=np, kernels: Any = None, *, batch_invariant: boo
 
         return NumpyOps(xp)
     if name == "numba":
-        from refengine.ops.numba_ops import NumbaOps
+        from refengine.cpu.layer_ops import NumbaOps
 
         return NumbaOps(batch_invariant=batch_invariant, activation_dtype=activation_dtype)
     if name == "cuda":

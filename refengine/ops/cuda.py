@@ -4,7 +4,7 @@ The kernels of ``cuda/layers.cu``, and of ``cuda/quant_matmul.cu`` for weights k
 quantized (int8, AWQ/GPTQ 4-bit; GGUF files are dequantized at load on a GPU); float
 products through cuBLAS. NumPy arrays on the CPU emulator.
 
-The NumPy versions in :mod:`refengine.layers` are their reference; the NumPy twin of the
+The NumPy versions in :mod:`refengine.ops.layers` are their reference; the NumPy twin of the
 quantized products is :func:`refengine.quant.reference_linear`.
 """
 
@@ -182,7 +182,7 @@ class CudaLayerOps:
 
     def rope(self, q, k, positions: DevicePositions, rope):
         """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by ``positions`` with ``rope``'s tables
-        (:class:`refengine.layers.RotaryEmbedding`, ``cos``/``sin [max_positions, D // 2]``;
+        (:class:`refengine.ops.layers.RotaryEmbedding`, ``cos``/``sin [max_positions, D // 2]``;
         any even D, 96 and 256 included). Their concatenation is built once per ``rope`` object.
 
         Returns:
@@ -208,7 +208,7 @@ class CudaLayerOps:
 
     def gelu_tanh_and_mul(self, x: Any) -> Any:
         """GeGLU activation (Gemma's ``gelu_pytorch_tanh``): ``gelu_tanh(x[:, :I]) * x[:, I:]``
-        for ``x [T, 2I]`` -> ``[T, I]``, as :func:`refengine.layers.gelu_tanh_and_mul`.
+        for ``x [T, 2I]`` -> ``[T, I]``, as :func:`refengine.ops.layers.gelu_tanh_and_mul`.
 
         Raises:
             ValueError: x is not 2-D with an even last dimension.

@@ -1,10 +1,10 @@
-"""The reference layer operations: :mod:`refengine.layers` over an array module ``xp``."""
+"""The reference layer operations: :mod:`refengine.ops.layers` over an array module ``xp``."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from refengine.layers import gelu_tanh_and_mul, rms_norm, silu_and_mul
+from refengine.ops.layers import gelu_tanh_and_mul, rms_norm, silu_and_mul
 from refengine.quant import is_quantized, reference_linear
 
 

@@ -5,7 +5,7 @@
   :func:`shard_checkpoint`, and :class:`TensorParallelShard` (what the model calls).
 * :mod:`refengine.parallel.communicator`: all-reduce and all-gather over MPI (``mpi4py``,
   CPU) or NCCL (``cupy.cuda.nccl``, GPU).
-* :mod:`refengine.parallel.executor`: the driver-side runner; :mod:`refengine.parallel.worker`:
+* :mod:`refengine.core.executor`: the driver-side runner; :mod:`refengine.core.worker`:
   the worker processes (started by ``mpiexec``).
 
 Data-parallel replicas (many engines behind one endpoint) are :mod:`refengine.server.ray_serve`.

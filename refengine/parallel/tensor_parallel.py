@@ -185,7 +185,7 @@ def take_columns(matrix, cols: range, name: str):
 
 def shard_checkpoint(weights: dict, cfg: ModelConfig, part: Partition) -> dict:
     """Worker ``part``'s share of a checkpoint (HF names -> ``[out, in]`` arrays or quantized
-    weights, as :func:`refengine.loader.load_weights` returns them), by the module table.
+    weights, as :func:`refengine.formats.loader.load_weights` returns them), by the module table.
 
     The dict is consumed (emptied) so the full tensors can be freed as their shares are
     taken. Returns a new dict with the same names.

@@ -12,9 +12,9 @@ the one it mirrors). ``gguf.quants.dequantize`` is its bit-exact oracle in the t
 (``tests/test_gguf_blocks.py``): the formulas are evaluated in float32 in ggml's order, so
 every value is the same float.
 
-The products with activations are compiled: :mod:`refengine.quant.numba_gguf` (float32
+The products with activations are compiled: :mod:`refengine.cpu.gguf_products` (float32
 activations, decoding on the fly) and, with ``activation_dtype="q8_0"``,
-:mod:`refengine.quant.numba_q8` (Q8_0 activations, integer sums), imported when
+:mod:`refengine.cpu.q8_products` (Q8_0 activations, integer sums), imported when
 :meth:`GGUFWeight.numba_linear` is first called. Their NumPy twin is
 :func:`refengine.quant.reference_linear`.
 
@@ -228,14 +228,14 @@ class GGUFWeight(QuantizedWeight):
     def planes(self) -> dict[str, np.ndarray]:
         """The fields' arrays (the class docstring). A weight whose products run on its
         interleaved copy alone (:meth:`drop_planes`) rebuilds them on each access, from
-        that copy (:func:`refengine.quant.numba_q8.row_major_planes`)."""
+        that copy (:func:`refengine.cpu.q8_products.row_major_planes`)."""
         if self._planes is None:
             return _kernels("numba_q8").row_major_planes(self)
         return self._planes
 
     def drop_planes(self) -> None:
         """Keep only the interleaved copy of the quants (built first,
-        :func:`refengine.quant.numba_q8.interleave`): one copy of the matrix in memory.
+        :func:`refengine.cpu.q8_products.interleave`): one copy of the matrix in memory.
 
         Raises:
             ValueError: no interleaved copy yet.
@@ -349,11 +349,11 @@ class GGUFWeight(QuantizedWeight):
     def numba_linear(self, x: np.ndarray, *, batch_invariant: bool = False,
                      activation_dtype: str = "auto") -> np.ndarray:
         """``x [T, in] @ self.T`` -> float32 ``[T, out]`` by the compiled kernels of
-        :mod:`refengine.quant.numba_gguf` (decoding on the fly, never the whole matrix).
+        :mod:`refengine.cpu.gguf_products` (decoding on the fly, never the whole matrix).
         ``x``: float32 (cast to C-contiguous float32 otherwise). ``batch_invariant``: the
         fused dot kernels at every row count (a row's results the same bits in any batch).
         ``activation_dtype="q8_0"``: ``x`` rounded to ggml's Q8_0 blocks and integer
-        products for the 32-weight block types (:mod:`refengine.quant.numba_q8`).
+        products for the 32-weight block types (:mod:`refengine.cpu.q8_products`).
 
         Raises:
             ValueError: ``x`` not 2-D with ``in_features`` columns, or an ``activation_dtype``
@@ -367,7 +367,7 @@ class GGUFWeight(QuantizedWeight):
 
     def row_product(self, threads: int):
         """This weight's one-row product with Q8_0 activations on ``threads`` numba threads,
-        every argument but the row bound (:class:`refengine.quant.numba_q8.RowProduct`:
+        every argument but the row bound (:class:`refengine.cpu.q8_products.RowProduct`:
         ``run(x [1, in_features])``, C-contiguous float32, unchecked), or None for a type
         without a Q8_0-activation kernel. A fresh one each call, owning its buffers."""
         q8 = _kernels("numba_q8")
@@ -375,8 +375,8 @@ class GGUFWeight(QuantizedWeight):
 
     def __getstate__(self) -> dict:
         """Pickled without the kernels' product plans (compiled functions and scratch kept on
-        the weight by :func:`refengine.quant.numba_gguf.product_plan`) and interleaved planes
-        (:func:`refengine.quant.numba_q8.interleave`), rebuilt at first use; with the
+        the weight by :func:`refengine.cpu.gguf_products.product_plan`) and interleaved planes
+        (:func:`refengine.cpu.q8_products.interleave`), rebuilt at first use; with the
         row-major planes, rebuilt first where only the interleaved copy was kept."""
         state = {k: v for k, v in self.__dict__.items() if k not in ("_plans", "_x16")}
         state["_planes"] = self.planes  # rebuilt where only the interleaved copy was kept

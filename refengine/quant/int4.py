@@ -182,7 +182,7 @@ class Int4Weight(QuantizedWeight):
         """int64 ``[in]``: position ``p`` of the dot kernel's input is input feature
         ``kernel_columns()[p]``: the act-order permutation, then, within every full run
         of 32 stored columns of a group, the 16 even columns before the 16 odd ones (the
-        low and the high nibbles of 16 bytes; :func:`refengine.quant.numba_int._int4_rows`)."""
+        low and the high nibbles of 16 bytes; :func:`refengine.cpu.int_products._int4_rows`)."""
         if self._kernel_index is None:
             in_features, gs = self.shape[1], self.group_size
             order = np.arange(in_features)
@@ -196,10 +196,10 @@ class Int4Weight(QuantizedWeight):
 
     def numba_linear(self, x: np.ndarray, *, batch_invariant: bool = False) -> np.ndarray:
         """``x [T, in]`` (C-contiguous float32) ``@ w.T`` -> float32 ``[T, out]`` by the numba
-        kernels (:func:`refengine.quant.numba_int.int4_linear`): the dot kernels read ``x``
+        kernels (:func:`refengine.cpu.int_products.int4_linear`): the dot kernels read ``x``
         gathered into :meth:`kernel_columns` order, the tile path (many rows) ``x[:, perm]``
         (one ``T x in`` gather per product). ``batch_invariant``: the dot kernels at every row count."""
-        from refengine.quant.numba_int import int4_linear, int4_uses_blas
+        from refengine.cpu.int_products import int4_linear, int4_uses_blas
 
         tiles = not batch_invariant and int4_uses_blas(x.shape[0])
         if tiles:

@@ -140,9 +140,9 @@ class Int8Weight(QuantizedWeight):
 
     def numba_linear(self, x: np.ndarray, *, batch_invariant: bool = False) -> np.ndarray:
         """``x [T, in]`` (C-contiguous float32) ``@ w'.T`` -> float32 ``[T, out]`` by the numba
-        kernels (:func:`refengine.quant.numba_int.int8_linear`); ``batch_invariant``: the dot
+        kernels (:func:`refengine.cpu.int_products.int8_linear`); ``batch_invariant``: the dot
         kernel at every row count."""
-        from refengine.quant.numba_int import int8_linear
+        from refengine.cpu.int_products import int8_linear
 
         return int8_linear(x, self.q, self.scales, sys.maxsize if batch_invariant else None)
 
@@ -153,7 +153,7 @@ def quantize_weights(weights: dict) -> dict:
     vectors (norms, biases) and weights already quantized are left as they are.
 
     Args:
-        weights: HF tensor name -> array (as :func:`refengine.loader.load_weights` returns it);
+        weights: HF tensor name -> array (as :func:`refengine.formats.loader.load_weights` returns it);
             each matrix is replaced in the dict as it is quantized (its float copy freed).
     Returns:
         ``weights`` itself.

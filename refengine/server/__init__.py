@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP server over :class:`refengine.engine.LLMEngine`.
+"""An OpenAI-compatible HTTP server over :class:`refengine.core.engine.LLMEngine`.
 
 - ``protocol.py``: the request and response bodies (OpenAI's field names, vLLM's extras).
 - ``engine_loop.py``: :class:`AsyncEngine`, the one owner of the engine; handlers talk to

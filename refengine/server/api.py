@@ -48,9 +48,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from refengine.engine import PromptTooLongError
+from refengine.core.engine import PromptTooLongError
+from refengine.core.sequence import CompletionOutput, Logprob
 from refengine.sampling_params import RequestOutputKind, SamplingParams
-from refengine.sequence import CompletionOutput, Logprob
 from refengine.server.engine_loop import (AsyncEngine, EngineDeadError, EngineStepError, MergedOutput, Overloaded,
                                           RequestStream)
 from refengine.server.protocol import (ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest,

@@ -34,8 +34,8 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from refengine.core.sequence import RequestOutput
 from refengine.sampling_params import RequestOutputKind, SamplingParams
-from refengine.sequence import RequestOutput
 
 logger = logging.getLogger("refengine.server")
 

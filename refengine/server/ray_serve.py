@@ -194,7 +194,7 @@ class EngineReplica:
 
     def __init__(self, engine_args: dict, served_model_name: str, limits: dict | None = None,
                  log_requests: bool = True):
-        from refengine.engine import LLMEngine
+        from refengine.core.engine import LLMEngine
         from refengine.engine_args import EngineArgs
         from refengine.server.api import ServerLimits, create_app
 
@@ -338,10 +338,10 @@ class OpenAIIngress:
     def __init__(self, replicas, model_dir: str, block_size: int, vocab_size: int, api_key: str | None = None,
                  metrics_auth: bool = True, max_body_bytes: int = 4 * 1024 * 1024,
                  routing_prefix_blocks: int = ROUTING_PREFIX_BLOCKS):
-        from refengine.engine import _load_tokenizer
+        from refengine.core.engine import load_tokenizer
 
         self.replicas = replicas
-        self.tokenizer = _load_tokenizer(Path(model_dir), vocab_size)  # as the engine loads it (None: ids only)
+        self.tokenizer = load_tokenizer(Path(model_dir), vocab_size)  # as the engine loads it (None: ids only)
         self.block_size, self.prefix_blocks = block_size, routing_prefix_blocks
         self.api_key, self.metrics_auth, self.max_body_bytes = api_key, metrics_auth, max_body_bytes
 

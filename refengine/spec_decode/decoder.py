@@ -1,7 +1,7 @@
 """The engine's side of speculative decoding: how many tokens to propose, the proposals,
 and the verification of a step's logits.
 
-One step with speculation (``engine.py``, ``scheduler.py``)::
+One step with speculation (``core/engine.py``, ``core/scheduler.py``)::
 
     scheduler.schedule()   once every running sequence has its own tokens, asks
                            num_spec_tokens(seq) for each decoding sequence and gives it
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from refengine.core.sequence import Sequence
 from refengine.sampler import ACCEPT, RESIDUAL, SAMPLE, Sampler, log_softmax, sample_rows, sanitize_logits, top_logprobs
-from refengine.sequence import Sequence
 from refengine.spec_decode.config import SpeculativeConfig
 from refengine.spec_decode.draft_model import DraftModelProposer, HistoryView, Proposal
 from refengine.spec_decode.ngram import propose_ngram

@@ -1,6 +1,6 @@
 """Draft-model proposals: a smaller model with the same vocabulary guesses the next k tokens.
 
-**KV cache.** The draft has its own :class:`~refengine.kv_cache.KVCache` (its own layer
+**KV cache.** The draft has its own :class:`~refengine.attention.kv_cache.KVCache` (its own layer
 count and head sizes) with as many blocks as the target's and the same block size, and it
 uses *the target's block tables*: position ``p`` of a sequence lives in block
 ``seq.block_table[p // block_size]`` of both pools. So the target's ``BlockManager`` and
@@ -22,7 +22,7 @@ passes 2..k feed one proposed token per sequence. Every draft forward keeps to t
 engine's ``max_num_batched_tokens`` rows, as the target's steps do (a first proposal after
 a long prompt or a preemption catches up in chunks over several forwards, a sequence at
 most once per forward), and sizes the CPU thread pools for its own rows first
-(:func:`refengine.runtime.threads.adapt_threads`, as :class:`refengine.model_runner.ModelRunner`
+(:func:`refengine.cpu.threads.adapt_threads`, as :class:`refengine.core.model_runner.ModelRunner`
 does for the target), not for whatever the last target step was. Each distribution is
 processed as the sampler would at that position (penalties see the earlier proposals)
 and a greedy request proposes its argmax, a sampled one draws from it with the uniform its
@@ -38,11 +38,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from refengine.attention import paged_metadata
-from refengine.kv_cache import KVCache
-from refengine.model_runner import is_blas_step
-from refengine.runtime.threads import adapt_threads
+from refengine.attention.kv_cache import KVCache
+from refengine.core.model_runner import is_blas_step
+from refengine.core.sequence import Sequence
+from refengine.cpu.threads import adapt_threads
 from refengine.sampler import DRAFT, Sampler
-from refengine.sequence import Sequence
 from refengine.spec_decode.rejection import draw, probs_from_logits
 
 
@@ -177,7 +177,7 @@ class DraftModelProposer:
         ids = np.fromiter((t for _, _, toks in chunks for t in toks), dtype=np.int64, count=int(q_lens.sum()))
         positions = np.concatenate([np.arange(start, start + len(t)) for _, start, t in chunks]).astype(np.int64)
         last_rows = np.cumsum(q_lens) - 1
-        if xp is np:  # this forward's own thread pools (refengine/runtime/threads.py)
+        if xp is np:  # this forward's own thread pools (refengine/cpu/threads.py)
             adapt_threads(blas_step=is_blas_step(self.model, int(q_lens.sum()), int(q_lens.max())),
                           library_blas=not getattr(self.model.ops, "spreads_blas", False))
         logits = self.model.forward(xp.asarray(ids), positions, self.kv_cache, meta, xp.asarray(last_rows))

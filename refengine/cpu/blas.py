@@ -18,7 +18,7 @@ the numba kernels nothing; the products they run are large (at least
 Numerics: ``a @ b`` up to float32 rounding, not its bits: OpenBLAS's summation order
 depends on how it blocks the rows, so its own threading changes the bits too. Products
 that must not depend on the batch go through the numba dot-product kernel instead
-(:func:`refengine.ops.numba_ops.matmul_dot`).
+(:func:`refengine.cpu.layer_ops.matmul_dot`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 (:func:`register_kernels`, :func:`kernel_cache_misses`, :func:`kernel_cache_dirs`).
 
 Nothing here imports the rest of refengine: the kernel modules
-(:mod:`refengine.ops.numba_ops`, :mod:`refengine.attention.numba_cpu` and the quantized
+(:mod:`refengine.cpu.layer_ops`, :mod:`refengine.cpu.attention` and the quantized
 products in :mod:`refengine.quant`) import it, and
 register themselves with :func:`register_kernels` so that the engine's warm-up can tell how
 many kernels numba compiled rather than loaded from its cache.
@@ -84,7 +84,7 @@ def _fill_range(out):  # pragma: no cover - compiled
 
 def start_thread_pool() -> None:
     """Run one tiny parallel loop so numba loads its threading layer now
-    (:mod:`refengine.runtime.threads` sets the environment libgomp reads around this call)."""
+    (:mod:`refengine.cpu.threads` sets the environment libgomp reads around this call)."""
     _fill_range(np.empty(64, dtype=np.int64))
 
 
@@ -125,7 +125,7 @@ def prefetch(typingctx, array, index):
 
 
 #: Bytes of input rows a multi-row dot kernel keeps in cache while it passes over a task's
-#: weight rows (:func:`refengine.ops.numba_ops._dot_rows_4x4`, the int8, GGUF block and
+#: weight rows (:func:`refengine.cpu.layer_ops._dot_rows_4x4`, the int8, GGUF block and
 #: Q8_0-activation kernels): with the few weight rows of a register tile, inside a 32 KB L1
 #: (the tiles load from it at every FMA or two; docs/PERFORMANCE.md, "Design notes").
 X_BLOCK_BYTES = 24 * 1024

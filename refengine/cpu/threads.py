@@ -1,7 +1,7 @@
 """Thread counts of the CPU engine (BLAS and numba), set once at start and once per step; idle threads' wait.
 
 The engine calls :func:`configure_threads` once at start and :func:`adapt_threads` once
-per step; :func:`refengine.runtime.setup_cpu_runtime` calls :func:`use_wait_policy`
+per step; :func:`refengine.cpu.setup_cpu_runtime` calls :func:`use_wait_policy`
 before. docs/cpu_runtime.md walks through the choices; in short:
 
 * **Thread count**: the cores this process may run on (``os.sched_getaffinity``, so
@@ -17,14 +17,14 @@ before. docs/cpu_runtime.md walks through the choices; in short:
   :data:`BUSY_CORE_SHARE` busy, never fewer than one. An explicit ``num_threads`` turns
   this off.
 * **One thread pool per step**: numba's kernels get the thread count in every step, and so
-  do refengine's own BLAS threads (:mod:`refengine.runtime.blas`), which split the numba
+  do refengine's own BLAS threads (:mod:`refengine.cpu.blas`), which split the numba
   backend's large products into one-thread BLAS calls (``library_blas=False``). The BLAS
   library's own pool gets the threads only where it runs the products itself (the NumPy
   backend, all BLAS). Two pools taking turns in one step wait on each other's idle
   threads: after each call an idle thread spins for a while and holds its core.
   OpenBLAS's spin is long and fixed as NumPy loads it, so, whatever was imported first,
   its pool is given no work. numba's spin is long (below), so a step with BLAS products
-  (``blas_step``, :func:`refengine.model_runner.is_blas_step`) runs numba's serial twins,
+  (``blas_step``, :func:`refengine.cpu.engine_hooks.is_blas_step`) runs numba's serial twins,
   and no numba thread spins on a core a BLAS thread needs; where the user made the spin
   short (:func:`short_spin`), numba keeps its threads in those steps too.
 * **numba's threading layer and wait policy**: OpenMP (GNU libgomp) with idle threads
@@ -50,7 +50,7 @@ import os
 import sys
 import time
 
-from refengine.runtime import blas
+from refengine.cpu import blas
 
 #: How long libgomp's idle threads spin before they sleep, in its rounds (see the module docstring).
 GOMP_SPINCOUNT = "300000"
@@ -69,7 +69,7 @@ _requested: int | None = None  # the thread count asked for (fixed), or all usab
 _adaptive = False
 _current: int | None = None
 _pools: tuple[int, int] | None = None  # (BLAS threads, numba threads) last set
-_library_blas = True  # BLAS products run on the BLAS library's threads (else on refengine.runtime.blas's)
+_library_blas = True  # BLAS products run on the BLAS library's threads (else on refengine.cpu.blas's)
 _short_spin = False  # numba's idle threads spin briefly (set by use_wait_policy)
 _blas = None  # threadpoolctl's handle on the BLAS libraries
 _last_sample: tuple[float, float, float] | None = None  # (wall s, busy s of our cores, own CPU s)
@@ -188,7 +188,7 @@ def configure_threads(num_threads: int | None = None, library_blas: bool = True)
         num_threads: threads for each pool, fixed; ``None`` = all :func:`usable_cores`,
             adapted each step to the cores other processes leave free (:func:`adapt_threads`).
         library_blas: BLAS products run on the BLAS library's own threads (the NumPy
-            backend); False: on refengine's (:mod:`refengine.runtime.blas`, the numba
+            backend); False: on refengine's (:mod:`refengine.cpu.blas`, the numba
             backend), and the library stays on one thread.
     Raises:
         ValueError: ``num_threads < 1``.
@@ -215,7 +215,7 @@ def adapt_threads(blas_step: bool | None = None, library_blas: bool | None = Non
     ``blas_step``: the step has BLAS products (None: assume so). Then the BLAS library gets
     the threads if it runs them (``library_blas``: the step's layer ops leave their products
     to the library's threads; None: as :func:`configure_threads` was told), else it stays on one and
-    :mod:`refengine.runtime.blas` spreads them; numba's kernels get the threads in every
+    :mod:`refengine.cpu.blas` spreads them; numba's kernels get the threads in every
     step, except in a BLAS step while numba's idle threads spin long (:func:`short_spin`
     is False: a spinning numba thread would hold the core that a BLAS thread needs), when
     they run their serial twins. The calling thread's numba count always matches (numba
@@ -276,7 +276,7 @@ def _sample() -> tuple[float, float, float] | None:
 
 def _set_pools(blas_n: int, numba_n: int, own_blas_n: int | None = None) -> None:
     """The BLAS library to ``blas_n`` threads (when it changed); this thread's numba count
-    to ``numba_n``; the threads :mod:`refengine.runtime.blas` spreads products over to
+    to ``numba_n``; the threads :mod:`refengine.cpu.blas` spreads products over to
     ``own_blas_n`` (default ``numba_n``)."""
     global _blas, _pools
     if _pools is None or _pools[0] != blas_n:
@@ -320,7 +320,7 @@ def use_wait_policy() -> None:
     """Start numba's threading layer with the layers of
     :data:`NUMBA_LAYERS` in that order and libgomp's idle threads spinning
     :data:`GOMP_SPINCOUNT` rounds (module docstring). Called by
-    :func:`refengine.runtime.setup_cpu_runtime`; without it numba starts its own default way.
+    :func:`refengine.cpu.setup_cpu_runtime`; without it numba starts its own default way.
     Imports numba and starts the layer now (a no-op if it is running already)."""
     global _short_spin
     import numba
@@ -336,7 +336,7 @@ def use_wait_policy() -> None:
     for k, v in wanted.items():
         os.environ.setdefault(k, v)
     try:
-        from refengine.runtime.numba_support import start_thread_pool
+        from refengine.cpu.numba_support import start_thread_pool
 
         start_thread_pool()  # loads the layer (libgomp reads the environment now)
     finally:

@@ -3,7 +3,7 @@
 llama.cpp's scheme for its CPU dot products, ``activation_dtype="q8_0"``. ``w [out, in]``
 in Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 (:data:`Q8_TYPES`); ``x`` float32 ``[T, in]``; the result
 float32 ``[T, out]``. Entry points: :func:`linear` (any block type: the others fall back to
-:func:`refengine.quant.numba_gguf.linear`) and :class:`RowProduct` (one row, bound once).
+:func:`refengine.cpu.gguf_products.linear`) and :class:`RowProduct` (one row, bound once).
 Two steps:
 
 1. :func:`quantize_q8_0` rounds each row of ``x`` to Q8_0 blocks, exactly as ggml's
@@ -43,7 +43,7 @@ d_x[t, b] * sum(q_x[t, b]), acc_m)`` in order, then ``acc + acc_m``. One activat
 many (four rows at a time share each loaded slice), one thread or several, any CPU: each
 output is this chain, so the bits do not depend on the batch (this path serves every row
 count; it has no BLAS twin). The other block types keep their float32 products
-(:func:`linear` falls back to :func:`refengine.quant.numba_gguf.linear`).
+(:func:`linear` falls back to :func:`refengine.cpu.gguf_products.linear`).
 
 What it costs and saves: the activations carry ggml's Q8_0 rounding error (each value
 within half a step, ``max|x| / 254`` of its block); ``refengine eval perplexity
@@ -70,15 +70,15 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from refengine.quant import numba_gguf
-from refengine.quant.numba_gguf import (
-    _BLOCKS32, _F8, _I8, _I16L, _I32, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, _is_c_array, _splat, _vector_ptr, _vector_type,
-    f16_to_f32, f32_to_f16, i32x16, q16_add, q16_to_f, v16_add, v16_fma, v16_load_f16, v16_mul, v16_splat, v16_store,
-    v16_zero)
-from refengine.runtime.numba_support import get_num_threads, parallel_kernel, register_kernels, x_block_rows
+from refengine.cpu import gguf_products
+from refengine.cpu.gguf_products import BLOCKS32, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+from refengine.cpu.numba_support import get_num_threads, parallel_kernel, register_kernels, x_block_rows
+from refengine.cpu.simd import (F8, I8, I16L, I32, is_c_array, ir_splat, vector_ptr, vector_type, f16_to_f32,
+                                f32_to_f16, i32x16, q16_add, q16_to_f, v16_add, v16_fma, v16_load_f16, v16_mul,
+                                v16_splat, v16_store, v16_zero)
 
 #: Block types whose products take Q8_0 activations here (the others stay float32).
-Q8_TYPES = _BLOCKS32
+Q8_TYPES = BLOCKS32
 #: From this many rows :func:`quantize_q8_0` runs its rows in parallel.
 QUANTIZE_PARALLEL_MIN_ROWS = 64
 #: Output rows interleaved per group (the int32 lanes of one AVX-512 register).
@@ -94,7 +94,7 @@ _LOCK = threading.Lock()
 
 #: Sixty-four int8 lanes (LLVM ``<64 x i8>``, one AVX-512 ``zmm`` register, two ``ymm`` where
 #: LLVM splits it): one slice, four quant bytes of each of sixteen rows.
-i8x64 = _vector_type("i8x64", _B64)
+i8x64 = vector_type("i8x64", _B64)
 
 
 def _features(context) -> list[str]:
@@ -122,7 +122,7 @@ def _has_avx512_vnni(context) -> bool:
 
 def _mask(lanes) -> ir.Constant:
     """A shuffle mask: the lane numbers ``lanes``."""
-    return ir.Constant(ir.VectorType(_I32, len(lanes)), [_I32(i) for i in lanes])
+    return ir.Constant(ir.VectorType(I32, len(lanes)), [I32(i) for i in lanes])
 
 
 def _call(builder, name, ret, *vals):
@@ -151,30 +151,30 @@ def _pairs(builder, v, out):
 def f16_round(v):  # pragma: no cover - compiled
     """The float32 ``v >= 0`` rounded to the nearest float16 value (ties to even; at or above
     65520, infinity), returned as float32: the value NumPy's ``astype(float16)`` stores
-    (:func:`refengine.quant.numba_gguf.f32_to_f16`, read back exactly)."""
+    (:func:`refengine.cpu.simd.f32_to_f16`, read back exactly)."""
     return f16_to_f32(f32_to_f16(v))
 
 
 def _block_f8(context, builder, sig, args):
     """The four :data:`f32x8` of the 32 float32 at flat element ``args[1]`` of the array ``args[0]``."""
-    ptr = _vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _F8)
-    return [builder.load(builder.gep(ptr, [_I32(i)]), align=4) for i in range(4)]
+    ptr = vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], F8)
+    return [builder.load(builder.gep(ptr, [I32(i)]), align=4) for i in range(4)]
 
 
 @intrinsic
 def _block_amax(typingctx, x, xo):
     """``max |x[xo : xo + 32]|`` (flat float32 array; finite values), in vector registers."""
-    if not (_is_c_array(x, types.float32) and isinstance(xo, types.Integer)):
+    if not (is_c_array(x, types.float32) and isinstance(xo, types.Integer)):
         return None
 
     def codegen(context, builder, sig, args):
-        v = [_call(builder, "llvm.fabs.v8f32", _F8, a) for a in _block_f8(context, builder, sig, args)]
-        m = _call(builder, "llvm.maxnum.v8f32", _F8, _call(builder, "llvm.maxnum.v8f32", _F8, v[0], v[1]),
-                  _call(builder, "llvm.maxnum.v8f32", _F8, v[2], v[3]))
+        v = [_call(builder, "llvm.fabs.v8f32", F8, a) for a in _block_f8(context, builder, sig, args)]
+        m = _call(builder, "llvm.maxnum.v8f32", F8, _call(builder, "llvm.maxnum.v8f32", F8, v[0], v[1]),
+                  _call(builder, "llvm.maxnum.v8f32", F8, v[2], v[3]))
         for half in (4, 2, 1):  # max is exact: any order gives the same value
             top = builder.shuffle_vector(m, m, _mask([i + half if i < half else i for i in range(8)]))
-            m = _call(builder, "llvm.maxnum.v8f32", _F8, m, top)
-        return builder.extract_element(m, _I32(0))
+            m = _call(builder, "llvm.maxnum.v8f32", F8, m, top)
+        return builder.extract_element(m, I32(0))
 
     return types.float32(x, xo), codegen
 
@@ -184,28 +184,28 @@ def _block_round(typingctx, x, xo, inv, q, qo):
     """``q[qo + i] = roundf(x[xo + i] * inv)`` for ``i < 32`` (flat float32 ``x``, int8 ``q``;
     ``roundf`` as gguf-py's ``np_roundf``: ``floor(a) + floor(2 * (a - floor(a)))`` of
     ``a = |v|``, with ``v``'s sign, exactly); returns the sum of the 32 quants (int32)."""
-    if not (_is_c_array(x, types.float32) and _is_c_array(q, types.int8) and isinstance(inv, types.Float)):
+    if not (is_c_array(x, types.float32) and is_c_array(q, types.int8) and isinstance(inv, types.Float)):
         return None
 
     def codegen(context, builder, sig, args):
-        scale = _splat(builder, context.cast(builder, args[2], sig.args[2], types.float32), _F8)
-        two = ir.Constant(_F8, [2.0] * 8)
+        scale = ir_splat(builder, context.cast(builder, args[2], sig.args[2], types.float32), F8)
+        two = ir.Constant(F8, [2.0] * 8)
         total, parts = None, []
         for v in _block_f8(context, builder, sig, args[:2]):
             v = builder.fmul(v, scale)
-            a = _call(builder, "llvm.fabs.v8f32", _F8, v)
-            fl = _call(builder, "llvm.floor.v8f32", _F8, a)
-            r = builder.fadd(fl, _call(builder, "llvm.floor.v8f32", _F8, builder.fmul(two, builder.fsub(a, fl))))
-            qi = builder.fptosi(_call(builder, "llvm.copysign.v8f32", _F8, r, v), _I8)
+            a = _call(builder, "llvm.fabs.v8f32", F8, v)
+            fl = _call(builder, "llvm.floor.v8f32", F8, a)
+            r = builder.fadd(fl, _call(builder, "llvm.floor.v8f32", F8, builder.fmul(two, builder.fsub(a, fl))))
+            qi = builder.fptosi(_call(builder, "llvm.copysign.v8f32", F8, r, v), I8)
             total = qi if total is None else builder.add(total, qi)
             parts.append(builder.trunc(qi, ir.VectorType(ir.IntType(8), 8)))
         lo = builder.shuffle_vector(parts[0], parts[1], _mask(range(16)))
         hi = builder.shuffle_vector(parts[2], parts[3], _mask(range(16)))
         out = builder.shuffle_vector(lo, hi, _mask(range(32)))
-        builder.store(out, _vector_ptr(context, builder, sig.args[3], args[3], sig.args[4], args[4], _B32), align=1)
+        builder.store(out, vector_ptr(context, builder, sig.args[3], args[3], sig.args[4], args[4], _B32), align=1)
         for half in (4, 2, 1):
             total = builder.add(total, builder.shuffle_vector(total, total, _mask([(i + half) % 8 for i in range(8)])))
-        return builder.extract_element(total, _I32(0))
+        return builder.extract_element(total, I32(0))
 
     return types.int32(x, xo, inv, q, qo), codegen
 
@@ -267,11 +267,11 @@ def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 @intrinsic
 def b64_load(typingctx, arr, idx):
     """Elements ``idx .. idx + 63`` (flat) of a C-contiguous int8 or uint8 array, as :data:`i8x64`. Not bounds-checked."""
-    if not (_is_c_array(arr, types.uint8, types.int8) and isinstance(idx, types.Integer)):
+    if not (is_c_array(arr, types.uint8, types.int8) and isinstance(idx, types.Integer)):
         return None
 
     def codegen(context, builder, sig, args):
-        return builder.load(_vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _B64), align=1)
+        return builder.load(vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _B64), align=1)
 
     return i8x64(arr, idx), codegen
 
@@ -280,13 +280,13 @@ def b64_load(typingctx, arr, idx):
 def b64_bcast4(typingctx, arr, idx):
     """Bytes ``idx .. idx + 3`` (flat) of a C-contiguous int8 array in each of the sixteen
     32-bit lanes of an :data:`i8x64`: four activation quants for every row. Not bounds-checked."""
-    if not (_is_c_array(arr, types.int8) and isinstance(idx, types.Integer)):
+    if not (is_c_array(arr, types.int8) and isinstance(idx, types.Integer)):
         return None
 
     def codegen(context, builder, sig, args):
-        one = ir.VectorType(_I32, 1)
-        word = builder.load(_vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], one), align=1)
-        return builder.bitcast(_splat(builder, builder.extract_element(word, _I32(0)), _I16L), _B64)
+        one = ir.VectorType(I32, 1)
+        word = builder.load(vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], one), align=1)
+        return builder.bitcast(ir_splat(builder, builder.extract_element(word, I32(0)), I16L), _B64)
 
     return i8x64(arr, idx), codegen
 
@@ -320,13 +320,13 @@ def b64_fifth_bits(typingctx, v, arr, idx):
     """``v`` with 16 added to byte ``i`` where bit ``i`` of the little-endian 64-bit word at
     bytes ``idx .. idx + 7`` of the C-contiguous uint8 array is set: Q5's fifth bits (a mask
     register and a masked add or blend on AVX-512). Not bounds-checked."""
-    if not (v == i8x64 and _is_c_array(arr, types.uint8) and isinstance(idx, types.Integer)):
+    if not (v == i8x64 and is_c_array(arr, types.uint8) and isinstance(idx, types.Integer)):
         return None
 
     def codegen(context, builder, sig, args):
         one = ir.VectorType(ir.IntType(64), 1)
-        word = builder.load(_vector_ptr(context, builder, sig.args[1], args[1], sig.args[2], args[2], one), align=1)
-        bits = builder.bitcast(builder.extract_element(word, _I32(0)), ir.VectorType(ir.IntType(1), 64))
+        word = builder.load(vector_ptr(context, builder, sig.args[1], args[1], sig.args[2], args[2], one), align=1)
+        bits = builder.bitcast(builder.extract_element(word, I32(0)), ir.VectorType(ir.IntType(1), 64))
         return builder.or_(args[0], builder.select(bits, ir.Constant(_B64, [16] * 64), ir.Constant(_B64, [0] * 64)))
 
     return i8x64(v, arr, idx), codegen
@@ -336,7 +336,7 @@ def b64_fifth_bits(typingctx, v, arr, idx):
 def q16_zero(typingctx):
     """Sixteen int32 zeros."""
     def codegen(context, builder, sig, args):
-        return ir.Constant(_I16L, None)
+        return ir.Constant(I16L, None)
 
     return i32x16(), codegen
 
@@ -368,23 +368,23 @@ def _dpbusd_intrinsic(small: bool):
         def codegen(context, builder, sig, args):
             acc, a, b = args
             if _has_avx512_vnni(context):
-                return _call(builder, "llvm.x86.avx512.vpdpbusd.512", _I16L, acc, builder.bitcast(a, _I16L),
-                             builder.bitcast(b, _I16L))
+                return _call(builder, "llvm.x86.avx512.vpdpbusd.512", I16L, acc, builder.bitcast(a, I16L),
+                             builder.bitcast(b, I16L))
             if _has_vnni(context) or (small and _has_avx2(context)):
                 halves = []
                 for h in (0, 32):
                     ah = builder.shuffle_vector(a, a, _mask(range(h, h + 32)))
                     bh = builder.shuffle_vector(b, b, _mask(range(h, h + 32)))
                     if _has_vnni(context):
-                        halves.append(_call(builder, "llvm.x86.avx512.vpdpbusd.256", _I8, ir.Constant(_I8, None),
-                                            builder.bitcast(ah, _I8), builder.bitcast(bh, _I8)))
+                        halves.append(_call(builder, "llvm.x86.avx512.vpdpbusd.256", I8, ir.Constant(I8, None),
+                                            builder.bitcast(ah, I8), builder.bitcast(bh, I8)))
                     else:
                         p16 = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16, ah, bh)
-                        halves.append(_call(builder, "llvm.x86.avx2.pmadd.wd", _I8, p16, ir.Constant(_W16, [1] * 16)))
+                        halves.append(_call(builder, "llvm.x86.avx2.pmadd.wd", I8, p16, ir.Constant(_W16, [1] * 16)))
                 return builder.add(acc, builder.shuffle_vector(halves[0], halves[1], _mask(range(16))))
             wide = ir.VectorType(ir.IntType(32), 64)
             prod = builder.mul(builder.zext(a, wide), builder.sext(b, wide))
-            return builder.add(acc, _pairs(builder, _pairs(builder, prod, ir.VectorType(ir.IntType(32), 32)), _I16L))
+            return builder.add(acc, _pairs(builder, _pairs(builder, prod, ir.VectorType(ir.IntType(32), 32)), I16L))
 
         return i32x16(acc, a, b), codegen
 
@@ -778,7 +778,7 @@ def q8_linear(x: np.ndarray, w) -> np.ndarray:
     out = np.empty((rows, n), dtype=np.float32)
     if rows == 0 or n == 0:
         return out
-    kernel, planes, block, tmp, xq, dx, xsq, qsum = numba_gguf.product_plan(w, "q8", _q8_plan)
+    kernel, planes, block, tmp, xq, dx, xsq, qsum = gguf_products.product_plan(w, "q8", _q8_plan)
     nq = rows  # quantized by the kernel, into the plan's buffers
     if rows > 1:
         xq, dx, xsq = quantize_q8_0(x)  # in parallel
@@ -788,7 +788,7 @@ def q8_linear(x: np.ndarray, w) -> np.ndarray:
 
 
 def _q8_plan(w, threads: int) -> tuple:
-    """:func:`refengine.quant.numba_gguf.product_plan` builder of :func:`q8_linear`: the
+    """:func:`refengine.cpu.gguf_products.product_plan` builder of :func:`q8_linear`: the
     kernel (its parallel twin from two threads), the interleaved planes (:func:`interleave`;
     interleaving in place drops the plans built before), groups of rows per task (about four
     tasks per thread), a float32 ``[16]`` scratch per task, and a one-row input's buffers:
@@ -810,7 +810,7 @@ class RowProduct:
     Python around the kernel call then costs more than the checks and lookups can afford.
 
     ``run(x)`` takes ``x`` of shape :attr:`in_shape` ``(1, in_features)``, C-contiguous
-    float32, unchecked (the caller checks, :meth:`refengine.ops.numba_ops.NumbaOps.linear`),
+    float32, unchecked (the caller checks, :meth:`refengine.cpu.layer_ops.NumbaOps.linear`),
     and returns a fresh float32 ``[1, out_features]``, the same bits as :func:`q8_linear`.
     It owns its buffers: one calling thread at a time (one engine's steps).
     """
@@ -845,14 +845,14 @@ class RowProduct:
 def linear(x: np.ndarray, w, *, batch_invariant: bool = False) -> np.ndarray:
     """``x [T, in] @ w.T`` -> float32 ``[T, out]`` with Q8_0 activations where ``w``'s type has
     a kernel here (:func:`q8_linear`, every row count), else the float32 products
-    (:func:`refengine.quant.numba_gguf.linear`, with ``batch_invariant``).
+    (:func:`refengine.cpu.gguf_products.linear`, with ``batch_invariant``).
 
     Raises:
         ValueError: ``x`` not 2-D with ``in_features`` columns.
     """
     if w.format in _KERNELS:
         return q8_linear(x, w)
-    return numba_gguf.linear(x, w, batch_invariant=batch_invariant)
+    return gguf_products.linear(x, w, batch_invariant=batch_invariant)
 
 
 register_kernels(sys.modules[__name__])

@@ -45,8 +45,8 @@ class Sequence:
 
     ``num_computed_tokens`` counts the tokens whose K/V are in the cache. At admission it
     is set to the length of the cached prefix the sequence reuses (0 without a prefix
-    cache hit; :meth:`refengine.kv_cache.BlockManager.allocate`); after that only
-    :meth:`refengine.scheduler.Scheduler.postprocess` advances it, once a step's chunk has
+    cache hit; :meth:`refengine.core.block_manager.BlockManager.allocate`); after that only
+    :meth:`refengine.core.scheduler.Scheduler.postprocess` advances it, once a step's chunk has
     run. A sequence whose prompt is fully computed and which is not finished is decoding.
     ``block_table`` lists the physical KV blocks that hold positions
     ``0 .. len(block_table) * block_size - 1``. ``detokenizer`` turns its output ids into
@@ -71,7 +71,7 @@ class Sequence:
         self.logprobs: list[dict[int, float]] = []  # per output token, when asked
         # SamplingParams.prompt_logprobs: entry j is position j's {token_id: Logprob} (entry 0
         # None); one list shared by the request's n sequences, filled once whichever computes
-        # a position first (refengine.model_runner.prompt_logprob_rows). None: not asked.
+        # a position first (refengine.core.model_runner.prompt_logprob_rows). None: not asked.
         if prompt_logprobs is None and sampling_params.prompt_logprobs is not None:
             prompt_logprobs = [None]
         self.prompt_logprobs = prompt_logprobs

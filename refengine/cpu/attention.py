@@ -30,7 +30,7 @@ twin (:mod:`refengine.attention.numpy_ref`), written as loops over the cache lay
   when ``use_blas_prefill`` is off.
 
 int8 caches (``kv_cache_dtype="int8"``): :func:`_write_kv_int8` quantizes each token's row
-per KV head as the twin does (:func:`refengine.kv_cache.quantize_int8`, bitwise equal);
+per KV head as the twin does (:func:`refengine.attention.kv_cache.quantize_int8`, bitwise equal);
 the prefill kernels dequantize ``q * scale`` into their float32 key/value tiles (the twin's
 values exactly), and decode multiplies each score ``q . k_int8`` by its key scale and each
 probability by its value scale (the same products up to float32 rounding). The scales are
@@ -39,7 +39,7 @@ are pruned at compile time).
 
 float16 caches (``kv_cache_dtype="float16"``): numba has no float16, so the kernels take
 the caches' uint16 bit patterns; :func:`_write_kv_f16` rounds as NumPy does
-(:func:`refengine.quant.numba_gguf.f32_to_f16`) and every read converts exactly
+(:func:`refengine.cpu.simd.f32_to_f16`) and every read converts exactly
 (``vcvtph2ps`` with F16C: ``_kv16``, ``_kv8``, ``_kv1``), so the float32 arithmetic, and
 its bits, are those over the cache's float32 copy.
 
@@ -74,7 +74,7 @@ fuse multiply-adds and vectorise the dot products' sums (never ``nnan``/``ninf``
 read from outside a sequence's blocks shows in the output). The paged decode kernel writes
 its sums as explicit sixteen-lane operations and takes ``contract`` only, so every sum keeps
 its written order. Softmax weights use a vectorised ``exp``
-(:func:`refengine.ops.numba_ops.exp_affine`, within 2 ulp).
+(:func:`refengine.cpu.layer_ops.exp_affine`, within 2 ulp).
 """
 
 from __future__ import annotations
@@ -89,20 +89,20 @@ from numba.extending import overload
 
 from refengine.attention import AttentionMetadata
 from refengine.attention.numpy_ref import gather_context
+from refengine.cpu import blas
 from refengine.cpu.capture import Recordable
-from refengine.ops.numba_ops import _F32, _LN2_HI, _LN2_LO, _LOG2E, exp_affine
-from refengine.quant.numba_gguf import (f16_to_f32, f32_to_f16, f8_load, f8_load_f16, f8_store, f8_sum,
-                                        f8_transpose8, q16_load_bytes, q16_to_f, v16_add, v16_fma, v16_halves, v16_load,
-                                        v16_load_f16, v16_mul, v16_splat, v16_store, v16_sums16, v16_zero)
-from refengine.runtime import blas
-from refengine.runtime.numba_support import parallel_kernel, prefetch, register_kernels
+from refengine.cpu.layer_ops import F32, LN2_HI, LN2_LO, LOG2E, exp_affine
+from refengine.cpu.numba_support import parallel_kernel, prefetch, register_kernels
+from refengine.cpu.simd import (f16_to_f32, f32_to_f16, f8_load, f8_load_f16, f8_store, f8_sum, f8_transpose8,
+                                q16_load_bytes, q16_to_f, v16_add, v16_fma, v16_halves, v16_load, v16_load_f16, v16_mul,
+                                v16_splat, v16_store, v16_sums16, v16_zero)
 
 #: Context tokens per decode task (a multiple of the block size is used).
 DECODE_PARTITION = 128
 #: Decode batches whose contexts add up to fewer tokens than this run on the calling thread:
 #: their work is less than a parallel launch costs (waking spinning or sleeping threads).
 SERIAL_DECODE_MAX_TOKENS = 256
-#: Decode partitions per launch of :func:`_paged_decode` (its scratch is about 2.4 KB per
+#: Decode partitions per launch of :func:`paged_decode_kernel` (its scratch is about 2.4 KB per
 #: partition at SmolLM2's 9 heads of 64): a long prefill chunk in batch-invariant mode is
 #: thousands of decode rows, each of up to ``context / DECODE_PARTITION`` partitions.
 DECODE_PARTS_PER_LAUNCH = 2048
@@ -171,8 +171,8 @@ def _soft_cap(s, n, a, cap, scratch):  # pragma: no cover - compiled
         y = abs(s[j]) * two_x
         if y > _TANH_2X_MAX:
             y = _TANH_2X_MAX
-        k = np.floor(y * _LOG2E + np.float32(0.5))
-        r = y - k * _LN2_HI - k * _LN2_LO
+        k = np.floor(y * LOG2E + np.float32(0.5))
+        r = y - k * LN2_HI - k * LN2_LO
         p = np.float32(1.0 / 5040.0)
         p = p * r + np.float32(1.0 / 720.0)
         p = p * r + np.float32(1.0 / 120.0)
@@ -228,7 +228,7 @@ def _write_kv(k_cache, v_cache, k, v, slot_mapping):  # pragma: no cover - compi
         v_cache[block, off] = v[t]
 
 
-def _kernel_views(k_cache: np.ndarray, v_cache: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def kernel_views(k_cache: np.ndarray, v_cache: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The caches as the kernels take them: float16 as its uint16 bit patterns (numba has no
     float16), every other dtype as it is."""
     if k_cache.dtype == np.float16:
@@ -268,7 +268,7 @@ def cache_writer(k_cache: np.ndarray, v_cache: np.ndarray, k_scale, v_scale) -> 
     ``(k, v, slot_mapping)``: :func:`_write_kv_f16` over the bit patterns of float16 caches,
     :func:`_write_kv_int8` with the scales of int8 ones, :func:`_write_kv` otherwise."""
     if k_cache.dtype == np.float16:
-        return _write_kv_f16, _kernel_views(k_cache, v_cache)
+        return _write_kv_f16, kernel_views(k_cache, v_cache)
     if k_scale is None:
         return _write_kv, (k_cache, v_cache)
     return _write_kv_int8, (k_cache, v_cache, k_scale, v_scale)
@@ -423,7 +423,7 @@ def _block_span(block_tables, seq, b, end_block, start, end, block_size):  # pra
 @njit(cache=True, fastmath=_CONTRACT)
 def _decode_partition(p, q, k_cache, v_cache, k_scale, v_scale, block_tables, seqs, rows, part_seq, part_start,
                       part_end, scale32, cap, part_max, part_sum, part_acc):  # pragma: no cover - compiled
-    """Partition ``p`` of :func:`_paged_decode`: its scores, their max and exp-sum, and the
+    """Partition ``p`` of :func:`paged_decode_kernel`: its scores, their max and exp-sum, and the
     unnormalised output, into ``part_max[p]``, ``part_sum[p]``, ``part_acc[p]``.
 
     Scores by :func:`_block_scores`, then one softmax per query head, then ``P V`` by
@@ -501,7 +501,7 @@ def _prefetch_row(cache, first, length):  # pragma: no cover - compiled
 
 
 @parallel_kernel(fastmath=_CONTRACT)
-def _paged_decode(q, k_cache, v_cache, k_scale, v_scale, block_tables, seqs, rows, part_seq, part_start, part_end,
+def paged_decode_kernel(q, k_cache, v_cache, k_scale, v_scale, block_tables, seqs, rows, part_seq, part_start, part_end,
                   scale, cap, out):  # pragma: no cover - compiled
     """Decode attention for the batch sequences ``seqs`` whose query rows are ``rows``.
 
@@ -529,7 +529,7 @@ def _paged_decode(q, k_cache, v_cache, k_scale, v_scale, block_tables, seqs, row
 
 @njit(cache=True)
 def _decode_scratch(num_parts, num_kv, num_heads, head_dim):  # pragma: no cover - compiled
-    """Per-partition max, exp-sum and output of :func:`_paged_decode`."""
+    """Per-partition max, exp-sum and output of :func:`paged_decode_kernel`."""
     group = num_heads // num_kv
     return (np.empty((num_parts, num_kv, group), dtype=np.float32),
             np.empty((num_parts, num_kv, group), dtype=np.float32),
@@ -800,7 +800,7 @@ def decode_partition_tokens(block_size: int) -> int:
 
 
 class _DecodeParts:
-    """Decode partitions of a step for one window (the arguments of :func:`_paged_decode`).
+    """Decode partitions of a step for one window (the arguments of :func:`paged_decode_kernel`).
 
     Attributes:
         seq, start, end: ``[P]`` int32: partition ``p`` is context positions ``start[p] : end[p]``
@@ -951,7 +951,7 @@ class _Plan:
 
 
 # dtypes the checks compare with (dtype objects: comparing a dtype with a scalar type converts the type each time)
-_FLOAT_CACHES = (_F32, np.dtype(np.float16))
+_FLOAT_CACHES = (F32, np.dtype(np.float16))
 _INT8_CACHES = (np.dtype(np.int8),)
 
 
@@ -1009,7 +1009,7 @@ class NumbaAttention(Recordable):
                             f"caches {'with' if k_scale is not None else 'without'} scales (k and v alike), "
                             f"got k_cache {k_cache.dtype} and v_cache {v_cache.dtype}")
         for a in arrays:
-            if a.dtype is not _F32 and a.dtype != _F32:
+            if a.dtype is not F32 and a.dtype != F32:
                 raise TypeError(f"the numba attention backend takes float32 arrays, got {a.dtype}")
         if k_cache.shape != v_cache.shape or k_cache.ndim != 4:
             raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must be equal 4-d shapes")
@@ -1077,12 +1077,12 @@ class NumbaAttention(Recordable):
         elif out.shape != q.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
             raise ValueError(f"out must be a C-contiguous float32 array of shape {q.shape}")
         window = _NO_WINDOW if sliding_window is None else sliding_window
-        kc, vc = _kernel_views(k_cache, v_cache)
+        kc, vc = kernel_views(k_cache, v_cache)
         if plan.decode_seqs.shape[0]:
             parts = plan.decode_parts(sliding_window)
             scale = float(scale)
             for tokens, seq, start, end in parts.launch_args:
-                decode = _paged_decode.serial if tokens < SERIAL_DECODE_MAX_TOKENS else _paged_decode
+                decode = paged_decode_kernel.serial if tokens < SERIAL_DECODE_MAX_TOKENS else paged_decode_kernel
                 self._launch(decode, q, kc, vc, k_scale, v_scale, plan.block_tables, plan.decode_seqs,
                              plan.decode_rows, seq, start, end, scale, logits_soft_cap, out)
         if plan.tile_seq.shape[0]:

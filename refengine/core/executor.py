@@ -2,11 +2,11 @@
 
 The engine's process keeps everything that decides (scheduler, block manager, sampler,
 detokenizer); it holds no weights. :class:`TensorParallelRunner` takes the place of
-:class:`refengine.model_runner.ModelRunner`: it lays out each step's flat batch as the
+:class:`refengine.core.model_runner.ModelRunner`: it lays out each step's flat batch as the
 single-process runner does and sends it to ``N`` worker processes, started with
-MPI's launcher (``mpiexec -n N python -m refengine.parallel.worker``: fresh interpreters
+MPI's launcher (``mpiexec -n N python -m refengine.core.worker``: fresh interpreters
 that never import the user's script) and talking to it over ``multiprocessing.connection``
-sockets. Each worker (:func:`refengine.parallel.worker.worker_main`)
+sockets. Each worker (:func:`refengine.core.worker.worker_main`)
 holds one :class:`refengine.parallel.Partition` of the model and a KV cache of its own KV
 heads with the same number of blocks (the block tables are the driver's, so one block id
 means the same tokens on every worker), runs the forward pass, meeting the others in the
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from refengine.model_runner import ModelRunner
+from refengine.core.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -55,14 +55,14 @@ def cpu_shares(world_size: int, cpus: list[int] | None = None) -> list[list[int]
 
 
 class TensorParallelRunner(ModelRunner):
-    """A :class:`refengine.model_runner.ModelRunner` (the same ``execute``) whose forward pass
+    """A :class:`refengine.core.model_runner.ModelRunner` (the same ``execute``) whose forward pass
     runs on ``config.tensor_parallel_size`` worker processes.
 
     Args:
         args: the engine's :class:`refengine.engine_args.EngineArgs` (a GPU pool is resolved
             again with the blocks every worker has room for).
         config: the resolved config (``tensor_parallel_size > 1``).
-        dequantize_gguf: as :func:`refengine.engine.build_model`.
+        dequantize_gguf: as :func:`refengine.core.engine.build_model`.
 
     Attributes:
         config: the config the workers run with (on a GPU: with the agreed ``num_kv_blocks``).
@@ -96,7 +96,7 @@ class TensorParallelRunner(ModelRunner):
         with listener:
             host, port = listener.address
             # MPI's launcher starts the N ranks (fresh interpreters: no inherited threads, locks or user script)
-            self._launcher = subprocess.Popen([mpiexec(), "-n", str(n), sys.executable, "-m", "refengine.parallel.worker",
+            self._launcher = subprocess.Popen([mpiexec(), "-n", str(n), sys.executable, "-m", "refengine.core.worker",
                                                f"{host}:{port}", authkey.hex()])
             accepted = {}
             try:

@@ -8,7 +8,7 @@ fields (:attr:`GGUFFile.config`), a :class:`refengine.tokenizer.Tokenizer`, and 
 tensors under HF names (:meth:`GGUFFile.weights`): matrices as
 :class:`refengine.quant.gguf_blocks.GGUFWeight` (the stored blocks, dequantized on the fly
 by the products) or, with ``dequantize=True``, as float32 arrays (what
-:mod:`refengine.convert_gguf` writes to safetensors).
+:mod:`refengine.formats.convert_gguf` writes to safetensors).
 
 Shapes. GGUF lists a tensor's dimensions fastest-varying first (ggml's ``ne[0]`` is the
 row length), the reverse of numpy. :func:`read_gguf_header` hands back the data in numpy

@@ -10,9 +10,9 @@ into a frozen :class:`refengine.config.EngineConfig` before anything is allocate
 
 One step::
 
-    scheduler.schedule()     -> [(seq, num_new_tokens)]        (refengine/scheduler.py)
+    scheduler.schedule()     -> [(seq, num_new_tokens)]        (refengine/core/scheduler.py)
     (speculative decoding: the proposals of sequences given 1 + k tokens, refengine/spec_decode/)
-    model_runner.execute()   -> logits of sequences that sample  (refengine/model_runner.py)
+    model_runner.execute()   -> logits of sequences that sample  (refengine/core/model_runner.py)
     sampler(...)             -> one token per such sequence      (refengine/sampler.py;
                                 with proposals: their verification, spec_decode/decoder.py)
     scheduler.postprocess()  -> computed tokens advance, tokens appended, stop rules
@@ -32,24 +32,25 @@ from pathlib import Path
 
 import numpy as np
 
+from refengine.attention.kv_cache import KVCache, cdiv
 from refengine.attention.selector import get_attention_backend
 from refengine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from refengine.config import read_generation_config
+from refengine.core.block_manager import BlockManager
+from refengine.core.model_runner import (ModelRunner, activation_peak, gpu_kv_pool_blocks, layer_products_use_blas,
+                                         warm_up_cpu_kernels)
+from refengine.core.scheduler import Scheduler
+from refengine.core.sequence import CompletionOutput, Logprob, RequestOutput, Sequence, SequenceStatus
+from refengine.cpu import setup_cpu_runtime
+from refengine.cpu.threads import configure_threads
 from refengine.detokenizer import IncrementalDetokenizer
 from refengine.engine_args import EngineArgs
-from refengine.gguf_file import close_gguf_files, is_gguf, open_gguf
-from refengine.kv_cache import BlockManager, KVCache, cdiv
+from refengine.formats.gguf_file import close_gguf_files, is_gguf, open_gguf
 from refengine.metrics import EngineMetrics, RequestMetrics
-from refengine.model_runner import (ModelRunner, activation_peak, gpu_kv_pool_blocks, layer_products_use_blas,
-                                    warm_up_cpu_kernels)
 from refengine.models import load_model
 from refengine.ops import get_layer_ops
-from refengine.runtime import setup_cpu_runtime
-from refengine.runtime.threads import configure_threads
 from refengine.sampler import Sampler, log_softmax, sanitize_logits
 from refengine.sampling_params import RequestOutputKind, SamplingParams
-from refengine.scheduler import Scheduler
-from refengine.sequence import CompletionOutput, Logprob, RequestOutput, Sequence, SequenceStatus
 from refengine.spec_decode import DraftModelProposer, SpecDecoder
 from refengine.stop import StopChecker
 from refengine.text import check_unicode
@@ -84,7 +85,7 @@ def as_token_ids(prompt) -> list[int]:
     return [int(t) for t in prompt]
 
 
-def _load_tokenizer(model_dir, vocab_size: int):
+def load_tokenizer(model_dir, vocab_size: int):
     """The model's tokenizer, or None without ``tokenizer.json`` (token-id prompts only,
     e.g. tiny test models).
 
@@ -157,7 +158,7 @@ def build_model(config, dequantize_gguf: bool, partition=None):
     # CUDA ops share the attention backend's compiled module
     ops = get_layer_ops(config.layer_ops, xp, batch_invariant=config.batch_invariant,
                         activation_dtype=config.activation_dtype)
-    if config.device == "cpu":  # thread pools sized to this process's cores (refengine/runtime/threads.py)
+    if config.device == "cpu":  # thread pools sized to this process's cores (refengine/cpu/threads.py)
         configure_threads(config.num_threads, library_blas=not getattr(ops, "spreads_blas", False))
     model = load_model(config.model_dir, config.model_config, attention, ops, xp=xp, dtype=config.dtype,
                        dequantize_gguf=dequantize_gguf, quantization=config.quantization,
@@ -167,17 +168,17 @@ def build_model(config, dequantize_gguf: bool, partition=None):
     if config.device == "cpu" and hasattr(attention, "use_blas_prefill") and not layer_products_use_blas(model):
         # Every product runs in numba's kernels (Q8_0 activations): a chunk's BLAS attention
         # would make its step a BLAS step, and numba's threads would sit out the products
-        # (refengine/runtime/threads.py); the compiled prefill kernel keeps them.
+        # (refengine/cpu/threads.py); the compiled prefill kernel keeps them.
         attention.use_blas_prefill = False
     return model
 
 
 def keep_interleaved_only(config, model) -> None:
     """With Q8_0 activations on the CPU, ``model``'s products of the 32-weight block types read
-    only their interleaved copies (:func:`refengine.quant.numba_q8.interleave_model`): made
+    only their interleaved copies (:func:`refengine.cpu.q8_products.interleave_model`): made
     now, over the loaded planes, and kept alone (one copy of each matrix in memory)."""
     if config.device == "cpu" and config.activation_dtype == "q8_0":
-        from refengine.quant.numba_q8 import interleave_model
+        from refengine.cpu.q8_products import interleave_model
 
         interleave_model(model)
 
@@ -192,7 +193,7 @@ def make_kv_cache(config, model_config, xp=np) -> KVCache:
 
 def measure_gpu_kv_blocks(config, model, draft_model=None) -> int:
     """KV blocks that fit in ``gpu_memory_utilization`` of the GPU after weights and
-    activations (:func:`refengine.model_runner.gpu_kv_pool_blocks`; a block costs the
+    activations (:func:`refengine.core.model_runner.gpu_kv_pool_blocks`; a block costs the
     target's and the draft's bytes).
 
     The activation peak is measured, as vLLM's ``profile_run`` does: one forward pass of
@@ -270,7 +271,7 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs, setup_runtime: bool = False) -> "LLMEngine":
         """Build an engine from an :class:`EngineArgs` (as the CLI does). ``setup_runtime``:
-        on the CPU, call :func:`refengine.runtime.setup_cpu_runtime` first (``LLM`` and the
+        on the CPU, call :func:`refengine.cpu.setup_cpu_runtime` first (``LLM`` and the
         CLI do; a plain ``LLMEngine(...)`` changes nothing process-wide but its thread counts)."""
         engine = cls.__new__(cls)
         engine._init(args, setup_runtime)
@@ -282,14 +283,14 @@ class LLMEngine:
         if setup_runtime and config.device == "cpu":
             setup_cpu_runtime()  # before the backends start numba's threads
         # The small files next, so a broken one fails before the weights are read.
-        self.tokenizer = _load_tokenizer(model_dir, model_config.vocab_size)
+        self.tokenizer = load_tokenizer(model_dir, model_config.vocab_size)
         self.eos_token_ids = _eos_token_ids(model_dir, model_config, self.tokenizer)
         dequantize = args.dtype != "auto" or config.device != "cpu"
         spec_cfg = config.speculative_config
         draft_model = None
         mc = model_config
         if config.tensor_parallel_size > 1:  # worker processes hold the model's shares (refengine/parallel/)
-            from refengine.parallel.executor import TensorParallelRunner
+            from refengine.core.executor import TensorParallelRunner
 
             self.model = self.kv_cache = None
             self.runner = TensorParallelRunner(args, config, dequantize)

@@ -1,7 +1,7 @@
 """Layer operations as CPU kernels compiled by numba (:class:`NumbaOps`, the CPU default).
 
 The float32 matrix product, RMSNorm, RoPE, SiLU-and-mul and GELU(tanh)-and-mul, on float32
-NumPy arrays. The NumPy versions in :mod:`refengine.layers` (through
+NumPy arrays. The NumPy versions in :mod:`refengine.ops.layers` (through
 :class:`refengine.ops.numpy_ops.NumpyOps`) are the reference; every kernel here is tested
 against them (``tests/test_cpu_kernels.py``). Products with quantized weights go to their
 format's kernels (:mod:`refengine.quant`). docs/cpu_runtime.md is the guide.
@@ -12,7 +12,7 @@ format's kernels (:mod:`refengine.quant`). docs/cpu_runtime.md is the guide.
   weight row while memory-bound (one sequential stream), by four weight rows from
   :data:`DOT_4X4_MIN_ROWS` rows (sixteen sums per eight loads). With batch invariance (the
   engine's default) it serves every row count; without, ``linear`` hands products of
-  :data:`BLAS_MIN_ROWS` rows or more to BLAS (:mod:`refengine.runtime.blas`), which reads
+  :data:`BLAS_MIN_ROWS` rows or more to BLAS (:mod:`refengine.cpu.blas`), which reads
   the same arrays as transposed views.
 * **RMSNorm, RoPE, SiLU-and-mul, GELU-and-mul**: one compiled loop per call (NumPy would
   dispatch several ufuncs, each making a temporary). On the calling thread at decode sizes
@@ -45,15 +45,15 @@ from typing import Callable
 import numpy as np
 from numba import carray, njit, prange
 
+from refengine.cpu import blas
 from refengine.cpu.capture import Recordable
+from refengine.cpu.numba_support import (ParallelKernel, get_num_threads, parallel_kernel, prefetch,
+                                         register_kernels, stack_f32, x_block_rows)
 from refengine.quant import StackedWeight, is_quantized, reference_linear
-from refengine.runtime import blas
-from refengine.runtime.numba_support import (ParallelKernel, get_num_threads, parallel_kernel, prefetch,
-                                             register_kernels, stack_f32, x_block_rows)
 
 
 #: From this many rows ``linear`` hands the product to BLAS, and the step gives BLAS the
-#: threads (:func:`refengine.runtime.threads.adapt_threads`); never with batch invariance.
+#: threads (:func:`refengine.cpu.threads.adapt_threads`); never with batch invariance.
 #: Below it :func:`_matmul_dot`'s 4 x 4 tile beats OpenBLAS's GEMM, whose packing pays off
 #: only on big products; around it the two are level (``refengine bench forward`` re-measures it).
 BLAS_MIN_ROWS = 160
@@ -62,7 +62,7 @@ BLAS_MIN_ROWS = 160
 #: kernels --sections linear`` compares the two.
 DOT_4X4_MIN_ROWS = 5
 
-_F32 = np.dtype(np.float32)  # compared by identity first: a dtype compared with a scalar type converts it each time
+F32 = np.dtype(np.float32)  # compared by identity first: a dtype compared with a scalar type converts it each time
 
 #: From this many rows RMSNorm, RoPE and SiLU-and-mul run over row blocks in parallel; below,
 #: on the calling thread (a parallel launch, waking sleeping threads, costs more than a
@@ -74,9 +74,9 @@ _DOT = {"contract", "reassoc"}  # FMA + reassociation of sums (vectorised reduct
 _FMA = {"contract"}
 
 
-_LOG2E = np.float32(1.4426950408889634)
-_LN2_HI = np.float32(0.693359375)  # ln 2 split in two so k * _LN2_HI is exact (Cody & Waite 1980)
-_LN2_LO = np.float32(-2.12194440e-4)
+LOG2E = np.float32(1.4426950408889634)
+LN2_HI = np.float32(0.693359375)  # ln 2 split in two so k * LN2_HI is exact (Cody & Waite 1980)
+LN2_LO = np.float32(-2.12194440e-4)
 
 
 @njit(cache=True, fastmath={"contract"})
@@ -103,8 +103,8 @@ def exp_affine(x, a, b, out, scratch):  # pragma: no cover - compiled
             y = np.float32(-87.0)
         if y > np.float32(88.75):
             y = np.float32(88.75)  # k = 128: the exponent bits below make inf
-        k = np.floor(y * _LOG2E + np.float32(0.5))
-        r = y - k * _LN2_HI - k * _LN2_LO
+        k = np.floor(y * LOG2E + np.float32(0.5))
+        r = y - k * LN2_HI - k * LN2_LO
         p = np.float32(1.0 / 720.0)
         p = p * r + np.float32(1.0 / 120.0)
         p = p * r + np.float32(1.0 / 24.0)
@@ -205,7 +205,7 @@ def _dot_rows_4x4(x, wt, out, j0, j1):  # pragma: no cover - compiled
     A last ``(j1 - j0) % 4`` weight rows go through :func:`_dot_rows_4x1`.
 
     The input rows are taken in blocks of about
-    :data:`~refengine.runtime.numba_support.X_BLOCK_BYTES` (a multiple of four
+    :data:`~refengine.cpu.numba_support.X_BLOCK_BYTES` (a multiple of four
     rows), each block over all the task's weight rows before the next: a long prefill chunk
     is megabytes, and streaming all of it from the outer caches for every four weight rows
     made the tile wait on memory. A block stays in L1 while four weight rows pass it, the
@@ -347,7 +347,7 @@ def _gelu_tanh_and_mul(x, out, t0, t1):  # pragma: no cover - compiled
 
 # The elementwise layers over blocks of ``per`` rows (NumbaOps._over_rows picks the twin and ``per``).
 @parallel_kernel()
-def _rms_norm_blocks(x, weight, eps, out, per):  # pragma: no cover - compiled
+def rms_norm_blocks(x, weight, eps, out, per):  # pragma: no cover - compiled
     for c in prange((x.shape[0] + per - 1) // per):
         _rms_norm(x, weight, eps, out, c * per, min(x.shape[0], (c + 1) * per))
 
@@ -363,19 +363,19 @@ def _in_range(positions, n):  # pragma: no cover - compiled
 
 
 @parallel_kernel()
-def _rope_blocks(x, positions, cos, sin, per):  # pragma: no cover - compiled
+def rope_blocks(x, positions, cos, sin, per):  # pragma: no cover - compiled
     for c in prange((x.shape[0] + per - 1) // per):
         _rope_inplace(x, positions, cos, sin, c * per, min(x.shape[0], (c + 1) * per))
 
 
 @parallel_kernel()
-def _silu_and_mul_blocks(x, out, per):  # pragma: no cover - compiled
+def silu_and_mul_blocks(x, out, per):  # pragma: no cover - compiled
     for c in prange((x.shape[0] + per - 1) // per):
         _silu_and_mul(x, out, c * per, min(x.shape[0], (c + 1) * per))
 
 
 @parallel_kernel()
-def _gelu_tanh_and_mul_blocks(x, out, per):  # pragma: no cover - compiled
+def gelu_tanh_and_mul_blocks(x, out, per):  # pragma: no cover - compiled
     for c in prange((x.shape[0] + per - 1) // per):
         _gelu_tanh_and_mul(x, out, c * per, min(x.shape[0], (c + 1) * per))
 
@@ -408,7 +408,7 @@ def _into(out: np.ndarray, product: Callable, *args) -> None:
 
 
 def _blas_product(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """``x @ w`` by :func:`refengine.runtime.blas.matmul` in ``w``'s dtype -> float32."""
+    """``x @ w`` by :func:`refengine.cpu.blas.matmul` in ``w``'s dtype -> float32."""
     return blas.matmul(x.astype(w.dtype, copy=False), w).astype(np.float32, copy=False)
 
 
@@ -433,7 +433,7 @@ class NumbaOps(Recordable):
     weights are one contiguous row, the layout a dot-product kernel streams. ``linear`` runs
     :func:`_matmul_dot` below :data:`BLAS_MIN_ROWS` rows and BLAS (``x @ w``, which reads
     the transposed view as fast) from there, or for any other weight layout or dtype, by
-    :func:`refengine.runtime.blas.matmul` (row blocks over refengine's own threads, the BLAS
+    :func:`refengine.cpu.blas.matmul` (row blocks over refengine's own threads, the BLAS
     library on one thread: ``spreads_blas``).
 
     ``batch_invariant=True``: every float32 product runs :func:`_matmul_dot` whatever the
@@ -444,14 +444,14 @@ class NumbaOps(Recordable):
 
     ``activation_dtype="q8_0"``: products with GGUF Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 weights round
     their input to ggml's Q8_0 blocks and multiply in integers at every row count
-    (:mod:`refengine.quant.numba_q8`; batch-invariant too); other weights as above.
+    (:mod:`refengine.cpu.q8_products`; batch-invariant too); other weights as above.
 
     Every kernel runs through :meth:`Recordable._launch`, so a forward can be recorded and
     replayed (:mod:`refengine.cpu.capture`).
     """
 
     name = "numba"
-    #: Large products are split over refengine's threads (:mod:`refengine.runtime.blas`): the
+    #: Large products are split over refengine's threads (:mod:`refengine.cpu.blas`): the
     #: engine keeps the BLAS library's own pool on one thread (``configure_threads(library_blas=False)``).
     spreads_blas = True
 
@@ -518,7 +518,7 @@ class NumbaOps(Recordable):
         """``out[...] = x @ w`` as a call of no arguments with the buffers ``x [T, in]`` and
         ``out [T, out]`` (C-contiguous float32) bound, for the numba threads of now. The
         product: a GGUF weight's one-row product with Q8_0 activations
-        (:meth:`refengine.quant.numba_q8.RowProduct.bind`); the float32 dot kernel below
+        (:meth:`refengine.cpu.q8_products.RowProduct.bind`); the float32 dot kernel below
         :attr:`blas_min_rows` rows; a quantized weight's own kernel (:meth:`quantized_linear`);
         else BLAS.
 
@@ -528,7 +528,7 @@ class NumbaOps(Recordable):
         rows = x.shape[0]
         n_in, n_out = (w.shape[1], w.shape[0]) if is_quantized(w) else w.shape  # float weights are [in, out]
         if (x.ndim != 2 or x.shape[1] != n_in or out.shape != (rows, n_out)
-                or x.dtype is not _F32 or out.dtype is not _F32
+                or x.dtype is not F32 or out.dtype is not F32
                 or not (x.flags.c_contiguous and out.flags.c_contiguous)):
             raise ValueError(f"bind_linear takes C-contiguous float32 x [T, in] and out [T, out], "
                              f"got x {x.dtype} {x.shape} and out {out.dtype} {out.shape} for a weight {w.shape}")
@@ -558,7 +558,7 @@ class NumbaOps(Recordable):
         """RMSNorm over the last axis of ``x [..., d]`` float32 (any leading shape)."""
         x2 = self._contiguous(x).reshape(-1, x.shape[-1])
         out = np.empty_like(x2)
-        self._over_rows(_rms_norm_blocks, x2.shape[0], x2, np.ascontiguousarray(weight, dtype=np.float32),
+        self._over_rows(rms_norm_blocks, x2.shape[0], x2, np.ascontiguousarray(weight, dtype=np.float32),
                         float(eps), out)
         return out.reshape(x.shape)
 
@@ -571,21 +571,21 @@ class NumbaOps(Recordable):
         """
         self._launch(_check_positions, positions, rope.cos.shape[0])
         for x in (q, k):
-            self._over_rows(_rope_blocks, x.shape[0], x, positions, rope.cos, rope.sin)
+            self._over_rows(rope_blocks, x.shape[0], x, positions, rope.cos, rope.sin)
         return q, k
 
     def silu_and_mul(self, x: np.ndarray) -> np.ndarray:
         """``silu(x[:, :I]) * x[:, I:]`` -> ``[T, I]`` float32."""
         x = self._contiguous(x)
         out = np.empty((x.shape[0], x.shape[1] // 2), dtype=np.float32)
-        self._over_rows(_silu_and_mul_blocks, x.shape[0], x, out)
+        self._over_rows(silu_and_mul_blocks, x.shape[0], x, out)
         return out
 
     def gelu_tanh_and_mul(self, x: np.ndarray) -> np.ndarray:
         """``gelu_tanh(x[:, :I]) * x[:, I:]`` -> ``[T, I]`` float32."""
         x = self._contiguous(x)
         out = np.empty((x.shape[0], x.shape[1] // 2), dtype=np.float32)
-        self._over_rows(_gelu_tanh_and_mul_blocks, x.shape[0], x, out)
+        self._over_rows(gelu_tanh_and_mul_blocks, x.shape[0], x, out)
         return out
 
     def capture_decode(self, model, kv_cache, max_model_len: int | None = None):

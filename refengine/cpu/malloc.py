@@ -25,11 +25,9 @@ used 2 MB page wastes at most a quarter of what that array already holds.
 from __future__ import annotations
 
 import ctypes
-import mmap
 import os
 import platform
 
-import numpy as np
 
 #: Allocations up to this size come from the heap (glibc's maximum on 64-bit systems).
 MMAP_THRESHOLD = 32 << 20
@@ -59,33 +57,3 @@ def keep_freed_memory() -> bool:
     return _applied
 
 
-#: Transparent huge page size on x86-64 and arm64 Linux.
-HUGE_PAGE = 2 << 20
-#: The first bytes of a :func:`huge_page_zeros` array, kept in 4 KB pages (module docstring).
-SMALL_PAGE_PREFIX = 4 * HUGE_PAGE
-
-
-def huge_page_zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
-    """``np.zeros(shape, dtype)`` in an anonymous mapping aligned to :data:`HUGE_PAGE`, advised
-    ``MADV_HUGEPAGE`` past its first :data:`SMALL_PAGE_PREFIX` bytes: the kernel backs that
-    part with 2 MB pages as it is first touched (still lazily: untouched memory costs
-    nothing), the prefix with 4 KB pages. Falls back to ``np.zeros`` where ``madvise``
-    or ``MADV_HUGEPAGE`` does not exist. The array keeps the mapping alive.
-
-    Raises:
-        OSError: the mapping cannot be made (address space or overcommit limits), as ``mmap``.
-    """
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return np.zeros(shape, dtype=dtype)
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    raw = np.frombuffer(region, dtype=np.uint8)
-    start = -raw.ctypes.data % HUGE_PAGE
-    advised = start + SMALL_PAGE_PREFIX  # the array's first bytes stay in 4 KB pages
-    if advised < start + nbytes:
-        try:
-            region.madvise(mmap.MADV_HUGEPAGE, advised, start + nbytes - advised)
-        except OSError:  # THP disabled, or an old kernel
-            pass
-    return raw[start:start + nbytes].view(dtype).reshape(shape)

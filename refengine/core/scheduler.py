@@ -42,8 +42,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from refengine.config import SchedulerConfig
-from refengine.kv_cache import BlockManager
-from refengine.sequence import Sequence, SequenceStatus
+from refengine.core.block_manager import BlockManager
+from refengine.core.sequence import Sequence, SequenceStatus
 from refengine.stop import StopChecker, StopDecision
 
 

@@ -20,12 +20,12 @@ Two paths, picked by the number of rows ``T``:
   :meth:`refengine.quant.int4.Int4Weight.dequantize` does (``float32(q - z) * s``, one
   rounding) and then accumulates, so both of its paths multiply by the same float32
   weights. Tasks own blocks of weight rows (a multiple of four, about 16 per thread), as
-  :func:`refengine.ops.numba_ops._matmul_dot`.
+  :func:`refengine.cpu.layer_ops._matmul_dot`.
 * **Many rows (prefill), dequantized tiles on BLAS** (``batch_invariant=False`` only): from
   :data:`INT8_BLAS_MIN_ROWS` / :data:`INT4_BLAS_MIN_ROWS` rows, tiles of :data:`TILE_BYTES`
   of weight rows are dequantized to float32 and multiplied by ``x @ tile.T``. int8: each of
   refengine's BLAS threads dequantizes and multiplies its own tiles (:func:`int8_linear`);
-  int4: tiles dequantized in parallel, then :func:`refengine.runtime.blas.matmul`.
+  int4: tiles dequantized in parallel, then :func:`refengine.cpu.blas.matmul`.
 
 Numerics: the dot kernels sum every output in one fixed order whatever the number of rows
 or the threads (lanes of columns, folded in a fixed tree, then the tail, as
@@ -41,10 +41,10 @@ import sys
 import numpy as np
 from numba import carray, njit, prange
 
-from refengine.ops.numba_ops import LANES, _U
-from refengine.quant.numba_gguf import f8_add, f8_load, f8_sum
-from refengine.runtime import blas
-from refengine.runtime.numba_support import get_num_threads, parallel_kernel, register_kernels, stack_f32, x_block_rows
+from refengine.cpu import blas
+from refengine.cpu.layer_ops import LANES, _U
+from refengine.cpu.numba_support import get_num_threads, parallel_kernel, register_kernels, stack_f32, x_block_rows
+from refengine.cpu.simd import f8_add, f8_load, f8_sum
 
 _FMA = {"contract"}
 
@@ -94,7 +94,7 @@ def _zero32(acc):  # pragma: no cover - compiled
 @njit(fastmath=_FMA, inline="always")
 def _fold32(acc):  # pragma: no cover - compiled
     """The sum of the 32 partial sums in a fixed tree: the halves added lane-wise, then the
-    tree of :func:`~refengine.ops.numba_ops._fold`, in vector registers (:func:`f8_sum` sums
+    tree of :func:`~refengine.cpu.layer_ops._fold`, in vector registers (:func:`f8_sum` sums
     eight lanes in that tree): LLVM compiled the loops over the stack array into ~30 scalar
     adds and extracts per output."""
     lo = f8_add(f8_load(acc, _U(0)), f8_load(acc, _U(16)))
@@ -166,7 +166,7 @@ def _int8_rows_4x2(x, q, scales, out, j0, j1):  # pragma: no cover - compiled
 
     Blocked as a GEMM: blocks of :data:`W_BLOCK_BYTES` of weight rows are converted to
     float32 once each (not once per four input rows), and every block of about
-    :data:`~refengine.runtime.numba_support.X_BLOCK_BYTES` of input rows passes over the
+    :data:`~refengine.cpu.numba_support.X_BLOCK_BYTES` of input rows passes over the
     block: the weight block in L2, the input block in L1 with the two weight rows that pass
     it. With AVX-512, per 32 columns: 16 FMAs on 12 loads, all float32 (no
     conversions in the loop), the partial sums in 16 of its 32 registers (AVX2 code, with
@@ -252,12 +252,12 @@ def int8_linear(x: np.ndarray, q: np.ndarray, scales: np.ndarray, blas_min_rows:
     ``blas_min_rows`` rows, dequantized tiles on BLAS from there.
 
     The tile path (from ``blas_min_rows`` rows): the weight rows cut into tiles
-    (:func:`refengine.runtime.blas.balanced_tile_rows`), dealt round-robin to refengine's BLAS threads
-    (:func:`refengine.runtime.blas.get_threads`, the calling thread one of them); each
+    (:func:`refengine.cpu.blas.balanced_tile_rows`), dealt round-robin to refengine's BLAS threads
+    (:func:`refengine.cpu.blas.get_threads`, the calling thread one of them); each
     thread dequantizes its tile into its own buffer (:func:`_int8_dequant_rows`, no GIL)
     and multiplies all of ``x`` by it with single-threaded BLAS straight into its columns
     of the output. Every weight is dequantized once per call, as
-    :func:`refengine.quant.numba_gguf.tiled_blas_linear` does for GGUF blocks. The result
+    :func:`refengine.cpu.gguf_products.tiled_blas_linear` does for GGUF blocks. The result
     is ``x @ w'.T`` up to BLAS's float32 rounding, which depends on the number of rows
     (OpenBLAS's blocking): batch-independent rows are the dot kernels' property.
 

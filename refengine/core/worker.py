@@ -1,6 +1,6 @@
-"""One tensor-parallel worker process: ``mpiexec -n N python -m refengine.parallel.worker HOST:PORT AUTHKEY``.
+"""One tensor-parallel worker process: ``mpiexec -n N python -m refengine.core.worker HOST:PORT AUTHKEY``.
 
-Started by :class:`refengine.parallel.executor.TensorParallelRunner`, never by hand: it
+Started by :class:`refengine.core.executor.TensorParallelRunner`, never by hand: it
 connects back to the driver, says its rank, receives its set-up, loads its share of the
 model and runs steps until told to stop (:func:`worker_main`).
 """
@@ -12,7 +12,7 @@ import sys
 import traceback
 from multiprocessing.connection import Client
 
-from refengine.model_runner import ModelRunner, warm_up_cpu_kernels
+from refengine.core.model_runner import ModelRunner, warm_up_cpu_kernels
 from refengine.parallel.tensor_parallel import TensorParallelShard, plan_partitions
 
 
@@ -34,7 +34,7 @@ def worker_main(conn, rank: int) -> None:
         world_size = config.tensor_parallel_size
         if cpus is not None:
             os.sched_setaffinity(0, cpus)
-        from refengine.engine import build_model, make_kv_cache, measure_gpu_kv_blocks
+        from refengine.core.engine import build_model, make_kv_cache, measure_gpu_kv_blocks
 
         partitions = plan_partitions(config.model_config, world_size)
         partition, widths = partitions[rank], [len(p.vocab) for p in partitions]
@@ -46,7 +46,7 @@ def worker_main(conn, rank: int) -> None:
             cupy.cuda.Device(rank).use()
             comm = NcclCommunicator(rank, world_size, nccl_id, widths)
         else:
-            from refengine.runtime import setup_cpu_runtime
+            from refengine.cpu import setup_cpu_runtime
 
             setup_cpu_runtime()  # this process's own thread pools, malloc, environment
             from refengine.parallel.communicator import MpiCommunicator

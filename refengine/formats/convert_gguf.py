@@ -1,8 +1,8 @@
 """Turn a GGUF file (``llama`` or ``gemma3`` architecture) into a Hugging Face style model directory.
 
 refengine runs a GGUF file directly, its tensors as stored (``--model x.gguf``,
-:mod:`refengine.gguf_file`). This module writes what ``transformers`` (and
-:mod:`refengine.loader`) expect instead, for golden checks against HF and for reading:
+:mod:`refengine.formats.gguf_file`). This module writes what ``transformers`` (and
+:mod:`refengine.formats.loader`) expect instead, for golden checks against HF and for reading:
 
 - ``model.safetensors``: every weight dequantized to float32 (the ``gguf`` package's
   ``dequantize``, bit-exact with ggml), under HF names (``LlamaForCausalLM``'s or
@@ -14,7 +14,7 @@ refengine runs a GGUF file directly, its tensors as stored (``--model x.gguf``,
   a byte-level BPE from its merges, or Gemma's SentencePiece BPE with merges rebuilt from
   the vocabulary) and ``tokenizer_config.json`` (special tokens and the chat template).
 
-How the names, shapes and the q/k permutation map: :mod:`refengine.gguf_file`.
+How the names, shapes and the q/k permutation map: :mod:`refengine.formats.gguf_file`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import json
 import os
 from pathlib import Path
 
-from refengine.gguf_file import GGUFFile, build_tokenizer, tokenizer_config, unpermute_rotary
+from refengine.formats.gguf_file import GGUFFile, build_tokenizer, tokenizer_config, unpermute_rotary
 
 __all__ = ["convert_gguf", "build_tokenizer", "unpermute_rotary"]
 

@@ -14,9 +14,9 @@ import weakref
 import numpy as np
 
 from refengine.attention import paged_metadata
-from refengine.kv_cache import KVCache
-from refengine.sequence import Sequence
-from refengine.runtime.threads import adapt_threads, max_threads, use_threads
+from refengine.attention.kv_cache import KVCache
+from refengine.core.sequence import Sequence
+from refengine.cpu.threads import adapt_threads, max_threads, use_threads
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def prompt_logprob_rows(scheduled: list[tuple[Sequence, int]]) -> list[tuple[Seq
 
 def is_blas_step(model, num_rows: int, longest_chunk: int = 0) -> bool:
     """Whether a CPU step of ``num_rows`` flat-batch rows, the longest sequence's chunk
-    ``longest_chunk`` rows, has BLAS products (:func:`refengine.runtime.threads.adapt_threads`
+    ``longest_chunk`` rows, has BLAS products (:func:`refengine.cpu.threads.adapt_threads`
     sizes the pools by it): its layer products go to BLAS from the layer ops'
     ``blas_min_rows`` on (always for ops that have none: NumPy) unless every layer matrix
     has a compiled kernel at every row count (:func:`layer_products_use_blas`), or the
@@ -113,7 +113,7 @@ def layer_products_use_blas(model) -> bool:
     when its layer ops take every decoder-layer matrix and the ``lm_head`` through a
     compiled kernel at every row count, which is the case of GGUF blocks with
     ``activation_dtype="q8_0"`` where each matrix's type has a Q8_0-activation kernel
-    (:mod:`refengine.quant.numba_q8`). Such a step must keep numba's threads: its products
+    (:mod:`refengine.cpu.q8_products`). Such a step must keep numba's threads: its products
     run there, not in BLAS. Computed once per model."""
     try:
         known = _products_use_blas.get(model)
@@ -123,8 +123,8 @@ def layer_products_use_blas(model) -> bool:
         return known
     uses = True
     if getattr(model.ops, "activation_dtype", "auto") == "q8_0" and getattr(model, "layers", None):
+        from refengine.cpu.q8_products import Q8_TYPES
         from refengine.quant import StackedWeight, is_quantized
-        from refengine.quant.numba_q8 import Q8_TYPES
 
         def matrices(value):
             for part in value.parts if isinstance(value, StackedWeight) else [value]:
@@ -224,9 +224,9 @@ class ModelRunner:
     def run_model(self, ids: np.ndarray, positions: np.ndarray, meta, rows: np.ndarray) -> np.ndarray:
         """One forward pass over a flat batch (:func:`build_batch`'s arrays, all host NumPy):
         ``logits [len(rows), vocab]`` float32 NumPy of the batch rows ``rows``. A
-        tensor-parallel worker (:mod:`refengine.parallel.executor`) runs the same call."""
+        tensor-parallel worker (:mod:`refengine.core.executor`) runs the same call."""
         xp = self.xp
-        if xp is np:  # CPU threads: one pool per step, fewer while other processes hold cores (refengine/runtime/threads.py)
+        if xp is np:  # CPU threads: one pool per step, fewer while other processes hold cores (refengine/cpu/threads.py)
             longest = int(np.diff(meta.query_start_loc).max(initial=0))
             adapt_threads(blas_step=is_blas_step(self.model, ids.shape[0], longest),
                           library_blas=not getattr(self.model.ops, "spreads_blas", False))
@@ -247,15 +247,15 @@ def warm_up_cpu_kernels(model, kv_cache: KVCache, max_rows: int, max_model_len: 
     The passes: with numba on one thread (the serial twins, which run when other processes
     hold the other cores) a prefill chunk of up to ``model.ops.blas_min_rows`` rows, a
     decode row and a 2-row chunk; then the same with numba at the engine's most threads
-    (:func:`refengine.runtime.threads.max_threads`: the parallel kernels), plus an
+    (:func:`refengine.cpu.threads.max_threads`: the parallel kernels), plus an
     ``ELEMENTWISE_PARALLEL_MIN_ROWS``-row chunk (parallel elementwise layers). The thread
     counts are set outright, not adapted to the load, so the set of variants compiled is
     the same on a busy machine as on a quiet one. ``max_rows`` (the token budget) and
     ``max_model_len`` bound the passes; the tokens are id 0. Writes K/V into the pool's
     first blocks, which no sequence holds yet.
     """
-    from refengine.ops.numba_ops import ELEMENTWISE_PARALLEL_MIN_ROWS
-    from refengine.runtime import numba_support
+    from refengine.cpu import numba_support
+    from refengine.cpu.layer_ops import ELEMENTWISE_PARALLEL_MIN_ROWS
 
     context = min(300, max_model_len - 1)
     needed = -(-(context + 1) // kv_cache.block_size)

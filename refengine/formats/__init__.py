@@ -1,0 +1,1 @@
+"""File formats: the GGUF reader, safetensors and config loading, GGUF conversion."""
