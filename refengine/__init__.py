@@ -5,6 +5,7 @@ Start at :class:`refengine.core.engine.LLM` (offline generation) or
 changes nothing process-wide; :func:`refengine.cpu.setup_cpu_runtime` does, explicitly.
 """
 
+import refengine.cpu.backends  # noqa: F401  the CPU wing registers its backends (nothing process-wide)
 from refengine.beam_search import BeamSearchParams
 from refengine.sampling_params import SamplingParams
 

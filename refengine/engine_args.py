@@ -14,6 +14,7 @@ Every invalid value or combination is a ``ValueError`` that names the values and
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import math
 import os
@@ -435,12 +436,9 @@ def resolve_batch_invariant(batch_invariant: bool | None, backend: str) -> bool:
 
 def default_cpu_backend() -> str:
     """``"numba"`` (compiled CPU kernels: faster than NumPy at decode and prefill, measured by
-    ``refengine bench kernels --sections step``), or ``"numpy"`` where numba is not importable."""
-    try:
-        import numba  # noqa: F401
-    except ImportError:
-        return "numpy"
-    return "numba"
+    ``refengine bench kernels --sections step``), or ``"numpy"`` where numba is not installed
+    (looked up, not imported: numba loads with the first kernel)."""
+    return "numba" if importlib.util.find_spec("numba") is not None else "numpy"
 
 
 def _draft_model_config(spec: SpeculativeConfig | None, target: ModelConfig) -> ModelConfig | None:

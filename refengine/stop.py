@@ -27,8 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from refengine.core.sequence import Sequence
 from refengine.detokenizer import IncrementalDetokenizer
+
+# ``Sequence`` (:mod:`refengine.core.sequence`) appears in annotations only, as a name: the core loop
+# imports this module, never the other way round.
 
 
 @dataclass(frozen=True)

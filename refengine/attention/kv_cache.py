@@ -3,6 +3,16 @@
 :mod:`refengine.attention`), in the model's dtype or quantized (float16, int8 with a scale per
 token and KV head, fp8 with a scale per layer); on the CPU the pool lies in huge pages.
 
+:func:`huge_page_zeros` allocates the CPU pool in transparent huge pages (2 MB) where the
+kernel grants them only on request (``/sys/kernel/mm/transparent_hugepage/enabled`` set to
+``madvise``, a common distribution default): decode attention reads each sequence's blocks
+scattered over the pool, and with 4 KB pages nearly every block costs TLB misses. Each
+array's first :data:`SMALL_PAGE_PREFIX` bytes stay in 4 KB pages, though: the pool is one
+array per layer for keys and one for values, a short run touches only the first blocks of
+each, and in 2 MB pages the first touch would make a whole 2 MB resident per array (120 MB
+for SmolLM2's 30 layers where a 640-token run writes 30 MB). Past the prefix, a partly
+used 2 MB page wastes at most a quarter of what that array already holds.
+
 Which blocks a sequence holds is the block manager's business (:mod:`refengine.core.block_manager`).
 """
 

@@ -6,9 +6,26 @@ so choosing among them lives here, not in the package's ``__init__``.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from refengine.attention import AttentionBackend
 
 ATTENTION_BACKENDS = ("numpy", "numba", "cuda", "cuda-emulated")
+
+#: Backends that live outside this package, by name: ``"numba"``, which the CPU wing
+#: (:mod:`refengine.cpu`) registers as it is imported (``import refengine`` does).
+_REGISTERED: dict[str, Callable[..., AttentionBackend]] = {}
+
+
+def register_attention_backend(name: str, factory: Callable[..., AttentionBackend]) -> None:
+    """Make ``get_attention_backend(name, batch_invariant=...)`` call ``factory(batch_invariant=...)``.
+
+    Raises:
+        ValueError: ``name`` is not one of :data:`ATTENTION_BACKENDS`.
+    """
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend={name!r} is not one of {ATTENTION_BACKENDS}")
+    _REGISTERED[name] = factory
 
 
 def get_attention_backend(name: str, *, batch_invariant: bool = False) -> AttentionBackend:
@@ -23,10 +40,8 @@ def get_attention_backend(name: str, *, batch_invariant: bool = False) -> Attent
         from refengine.attention.numpy_ref import NumpyAttention
 
         return NumpyAttention()
-    if name == "numba":
-        from refengine.cpu.attention import NumbaAttention
-
-        return NumbaAttention(batch_invariant=batch_invariant)
+    if name in _REGISTERED:
+        return _REGISTERED[name](batch_invariant=batch_invariant)
     if name == "cuda":
         from refengine.attention.cuda import CudaAttention
 

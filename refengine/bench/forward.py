@@ -32,7 +32,7 @@ from refengine.attention import paged_metadata
 from refengine.bench.breakdown import PartTimer
 from refengine.bench.machine import measure_bandwidth, measure_compute
 from refengine.bench.report import format_table
-from refengine.core.model_runner import is_blas_step
+from refengine.cpu.engine_hooks import is_blas_step
 from refengine.cpu.threads import adapt_threads
 
 #: Parts of a pass, in the table's order (a forward pass has no sampler).

@@ -37,12 +37,9 @@ from refengine.attention.selector import get_attention_backend
 from refengine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from refengine.config import read_generation_config
 from refengine.core.block_manager import BlockManager
-from refengine.core.model_runner import (ModelRunner, activation_peak, gpu_kv_pool_blocks, layer_products_use_blas,
-                                         warm_up_cpu_kernels)
+from refengine.core.model_runner import ModelRunner, activation_peak, gpu_kv_pool_blocks
 from refengine.core.scheduler import Scheduler
 from refengine.core.sequence import CompletionOutput, Logprob, RequestOutput, Sequence, SequenceStatus
-from refengine.cpu import setup_cpu_runtime
-from refengine.cpu.threads import configure_threads
 from refengine.detokenizer import IncrementalDetokenizer
 from refengine.engine_args import EngineArgs
 from refengine.formats.gguf_file import close_gguf_files, is_gguf, open_gguf
@@ -138,9 +135,10 @@ def _prompt_list(prompts) -> list:
     return list(prompts)
 
 
-def build_model(config, dequantize_gguf: bool, partition=None):
+def build_model(config, dequantize_gguf: bool, partition=None, *, setup_runtime: bool = False):
     """The model of ``config`` on its device, with its attention backend and layer ops (the
-    model's ``attention``, ``ops`` and ``xp``); on the CPU the thread pools are sized first.
+    model's ``attention``, ``ops`` and ``xp``), prepared for the engine's steps
+    (:meth:`refengine.ops.LayerOps.prepare_model`: on the CPU, the thread pools).
 
     Args:
         config: the resolved :class:`refengine.config.EngineConfig`.
@@ -148,39 +146,26 @@ def build_model(config, dequantize_gguf: bool, partition=None):
             dtype, or a GPU) rather than kept as stored.
         partition: one tensor-parallel worker's share (:class:`refengine.parallel.Partition`),
             None for the whole model.
+        setup_runtime: make the layer ops' process-wide settings first
+            (:meth:`refengine.ops.LayerOps.setup_runtime`), as ``LLM`` and the CLI ask.
     Raises:
         FileNotFoundError, ValueError: from :func:`refengine.models.load_model`.
     """
     xp = np
     if config.device == "cuda":
         import cupy as xp
-    attention = get_attention_backend(config.attention_backend, batch_invariant=config.batch_invariant)
     # CUDA ops share the attention backend's compiled module
     ops = get_layer_ops(config.layer_ops, xp, batch_invariant=config.batch_invariant,
                         activation_dtype=config.activation_dtype)
-    if config.device == "cpu":  # thread pools sized to this process's cores (refengine/cpu/threads.py)
-        configure_threads(config.num_threads, library_blas=not getattr(ops, "spreads_blas", False))
+    if setup_runtime:
+        ops.setup_runtime()  # before the backends start any thread
+    attention = get_attention_backend(config.attention_backend, batch_invariant=config.batch_invariant)
     model = load_model(config.model_dir, config.model_config, attention, ops, xp=xp, dtype=config.dtype,
                        dequantize_gguf=dequantize_gguf, quantization=config.quantization,
                        max_model_len=config.max_model_len, partition=partition)
     close_gguf_files()  # the blocks are copied out: the file's memory map is no longer needed
-    keep_interleaved_only(config, model)
-    if config.device == "cpu" and hasattr(attention, "use_blas_prefill") and not layer_products_use_blas(model):
-        # Every product runs in numba's kernels (Q8_0 activations): a chunk's BLAS attention
-        # would make its step a BLAS step, and numba's threads would sit out the products
-        # (refengine/cpu/threads.py); the compiled prefill kernel keeps them.
-        attention.use_blas_prefill = False
+    ops.prepare_model(model, config)
     return model
-
-
-def keep_interleaved_only(config, model) -> None:
-    """With Q8_0 activations on the CPU, ``model``'s products of the 32-weight block types read
-    only their interleaved copies (:func:`refengine.cpu.q8_products.interleave_model`): made
-    now, over the loaded planes, and kept alone (one copy of each matrix in memory)."""
-    if config.device == "cpu" and config.activation_dtype == "q8_0":
-        from refengine.cpu.q8_products import interleave_model
-
-        interleave_model(model)
 
 
 def make_kv_cache(config, model_config, xp=np) -> KVCache:
@@ -271,8 +256,8 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs, setup_runtime: bool = False) -> "LLMEngine":
         """Build an engine from an :class:`EngineArgs` (as the CLI does). ``setup_runtime``:
-        on the CPU, call :func:`refengine.cpu.setup_cpu_runtime` first (``LLM`` and the
-        CLI do; a plain ``LLMEngine(...)`` changes nothing process-wide but its thread counts)."""
+        make the layer ops' process-wide settings first (:meth:`refengine.ops.LayerOps.setup_runtime`;
+        ``LLM`` and the CLI do; a plain ``LLMEngine(...)`` changes nothing process-wide but its thread counts)."""
         engine = cls.__new__(cls)
         engine._init(args, setup_runtime)
         return engine
@@ -280,8 +265,6 @@ class LLMEngine:
     def _init(self, args: EngineArgs, setup_runtime: bool = False) -> None:
         model_dir, model_config = args.model_config()
         config = args.create_engine_config(model_dir, model_config)  # every check before allocating
-        if setup_runtime and config.device == "cpu":
-            setup_cpu_runtime()  # before the backends start numba's threads
         # The small files next, so a broken one fails before the weights are read.
         self.tokenizer = load_tokenizer(model_dir, model_config.vocab_size)
         self.eos_token_ids = _eos_token_ids(model_dir, model_config, self.tokenizer)
@@ -296,20 +279,20 @@ class LLMEngine:
             self.runner = TensorParallelRunner(args, config, dequantize)
             config = self.runner.config  # on a GPU: the pool every worker has room for
         else:
-            self.model = build_model(config, dequantize)
+            self.model = build_model(config, dequantize, setup_runtime=setup_runtime)
             xp, attention, ops = self.model.xp, self.model.attention, self.model.ops
             if spec_cfg is not None and spec_cfg.method == "draft_model":  # loaded before a GPU pool is measured
                 draft_model = load_model(Path(spec_cfg.model), config.draft_model_config, attention, ops, xp=xp,
                                          dtype=config.dtype, max_model_len=config.max_model_len)
-                keep_interleaved_only(config, draft_model)
+                ops.prepare_model(draft_model, config, draft=True)
             if config.num_kv_blocks is None:  # on a GPU the pool is what the weights and activations leave
                 num_blocks = measure_gpu_kv_blocks(config, self.model, draft_model)
                 config = args.create_engine_config(model_dir, model_config, num_gpu_blocks=num_blocks)
             self.kv_cache = make_kv_cache(config, mc, xp)
             self.runner = ModelRunner(self.model, self.kv_cache, capture_decode=not config.enforce_eager,
                                       max_model_len=config.max_model_len)
-            if config.layer_ops == "numba":  # compile (or load) every CPU kernel now, not during the first requests
-                warm_up_cpu_kernels(self.model, self.kv_cache, config.max_num_batched_tokens, config.max_model_len)
+            # compile (or load) every kernel now, not during the first requests
+            ops.warm_up(self.model, self.kv_cache, config.max_num_batched_tokens, config.max_model_len)
         self.config = config
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)

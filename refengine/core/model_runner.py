@@ -7,18 +7,11 @@ says which rows belong to which sequence and where their K/V go in the paged cac
 
 from __future__ import annotations
 
-import logging
-import time
-import weakref
-
 import numpy as np
 
 from refengine.attention import paged_metadata
 from refengine.attention.kv_cache import KVCache
 from refengine.core.sequence import Sequence
-from refengine.cpu.threads import adapt_threads, max_threads, use_threads
-
-logger = logging.getLogger(__name__)
 
 
 def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int,
@@ -94,54 +87,6 @@ def prompt_logprob_rows(scheduled: list[tuple[Sequence, int]]) -> list[tuple[Seq
     return out
 
 
-def is_blas_step(model, num_rows: int, longest_chunk: int = 0) -> bool:
-    """Whether a CPU step of ``num_rows`` flat-batch rows, the longest sequence's chunk
-    ``longest_chunk`` rows, has BLAS products (:func:`refengine.cpu.threads.adapt_threads`
-    sizes the pools by it): its layer products go to BLAS from the layer ops'
-    ``blas_min_rows`` on (always for ops that have none: NumPy) unless every layer matrix
-    has a compiled kernel at every row count (:func:`layer_products_use_blas`), or the
-    attention backend computes that chunk with BLAS products (its ``blas_prefill_min_rows``)."""
-    return ((num_rows >= getattr(model.ops, "blas_min_rows", 0) and layer_products_use_blas(model))
-            or longest_chunk >= getattr(model.attention, "blas_prefill_min_rows", float("inf")))
-
-
-_products_use_blas: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def layer_products_use_blas(model) -> bool:
-    """Whether some product of ``model`` can go to BLAS at a large row count: False only
-    when its layer ops take every decoder-layer matrix and the ``lm_head`` through a
-    compiled kernel at every row count, which is the case of GGUF blocks with
-    ``activation_dtype="q8_0"`` where each matrix's type has a Q8_0-activation kernel
-    (:mod:`refengine.cpu.q8_products`). Such a step must keep numba's threads: its products
-    run there, not in BLAS. Computed once per model."""
-    try:
-        known = _products_use_blas.get(model)
-    except TypeError:  # a model that takes no weak reference: computed each time
-        known = None
-    if known is not None:
-        return known
-    uses = True
-    if getattr(model.ops, "activation_dtype", "auto") == "q8_0" and getattr(model, "layers", None):
-        from refengine.cpu.q8_products import Q8_TYPES
-        from refengine.quant import StackedWeight, is_quantized
-
-        def matrices(value):
-            for part in value.parts if isinstance(value, StackedWeight) else [value]:
-                if is_quantized(part) or getattr(part, "ndim", 0) == 2:
-                    yield part
-
-        values = [value for layer in model.layers for value in vars(layer).values()]
-        values.append(getattr(model, "lm_head", None))
-        uses = not all(is_quantized(w) and getattr(w, "format", None) in Q8_TYPES
-                       for value in values if value is not None for w in matrices(value))
-    try:
-        _products_use_blas[model] = uses
-    except TypeError:
-        pass
-    return uses
-
-
 def activation_peak(held_before: int, held_after: int, scratch_bytes: int) -> int:
     """Bytes a GPU profile pass needed beyond its scratch KV cache, at least 0: what the
     memory pool held after the pass (``held_after``) less what it held before and less the
@@ -183,11 +128,12 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.xp = model.xp
         self.block_size = kv_cache.block_size
-        #: Batch-1 decode steps replayed from a recording of the model's forward
-        #: (:mod:`refengine.cpu.capture`) up to ``max_model_len`` tokens, None where the layer ops
-        #: record none or ``capture_decode`` is off (every step runs the forward).
+        #: Batch-1 decode steps replayed from a recording of the model's own forward
+        #: (:meth:`LayerOps.capture_decode`, :mod:`refengine.cpu.capture`) up to ``max_model_len``
+        #: tokens, None where the layer ops record nothing or ``capture_decode`` is off (every step
+        #: runs the forward).
         self.decode_capture = None
-        if capture_decode and getattr(model.ops, "name", None) == "numba":  # (numba imported only then)
+        if capture_decode:
             self.decode_capture = model.ops.capture_decode(model, kv_cache, max_model_len)
 
     def execute(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False,
@@ -226,63 +172,10 @@ class ModelRunner:
         ``logits [len(rows), vocab]`` float32 NumPy of the batch rows ``rows``. A
         tensor-parallel worker (:mod:`refengine.core.executor`) runs the same call."""
         xp = self.xp
-        if xp is np:  # CPU threads: one pool per step, fewer while other processes hold cores (refengine/cpu/threads.py)
-            longest = int(np.diff(meta.query_start_loc).max(initial=0))
-            adapt_threads(blas_step=is_blas_step(self.model, ids.shape[0], longest),
-                          library_blas=not getattr(self.model.ops, "spreads_blas", False))
+        self.model.ops.begin_step(self.model, ids.shape[0], int(np.diff(meta.query_start_loc).max(initial=0)))
         capture = self.decode_capture
         if (capture is not None and ids.shape[0] == 1 and rows.shape == (1,) and rows[0] == 0
                 and meta.seq_lens[0] <= capture.max_model_len):
             return capture(ids, positions, meta)
         logits = self.model.forward(xp.asarray(ids), positions, self.kv_cache, meta, xp.asarray(rows))
         return logits if xp is np else xp.asnumpy(logits)
-
-
-def warm_up_cpu_kernels(model, kv_cache: KVCache, max_rows: int, max_model_len: int) -> None:
-    """Run every compiled CPU kernel variant a step can use once, on the first blocks of the
-    (still empty) pool, so numba compiles them now, or loads them from its cache, rather
-    than in the middle of the first requests. On a cache miss (the first run after
-    installing or changing a kernel) says once how long compiling took.
-
-    The passes: with numba on one thread (the serial twins, which run when other processes
-    hold the other cores) a prefill chunk of up to ``model.ops.blas_min_rows`` rows, a
-    decode row and a 2-row chunk; then the same with numba at the engine's most threads
-    (:func:`refengine.cpu.threads.max_threads`: the parallel kernels), plus an
-    ``ELEMENTWISE_PARALLEL_MIN_ROWS``-row chunk (parallel elementwise layers). The thread
-    counts are set outright, not adapted to the load, so the set of variants compiled is
-    the same on a busy machine as on a quiet one. ``max_rows`` (the token budget) and
-    ``max_model_len`` bound the passes; the tokens are id 0. Writes K/V into the pool's
-    first blocks, which no sequence holds yet.
-    """
-    from refengine.cpu import numba_support
-    from refengine.cpu.layer_ops import ELEMENTWISE_PARALLEL_MIN_ROWS
-
-    context = min(300, max_model_len - 1)
-    needed = -(-(context + 1) // kv_cache.block_size)
-    if context < 2 or needed > kv_cache.num_blocks:
-        return
-    block_table = np.arange(needed, dtype=np.int32)[None, :]
-    t0 = time.perf_counter()
-    misses_before = numba_support.kernel_cache_misses()
-
-    def run(q_len: int, seq_len: int) -> None:
-        meta = paged_metadata(np.array([q_len]), np.array([seq_len]), block_table, kv_cache.block_size)
-        positions = np.arange(seq_len - q_len, seq_len, dtype=np.int64)
-        model.forward(np.zeros(q_len, dtype=np.int64), positions, kv_cache, meta, np.array([q_len - 1]))
-
-    prefill = min(max(model.ops.blas_min_rows, 2), max_rows, context)
-    cores = max_threads()
-    for numba_threads in sorted({1, cores}):
-        use_threads(1, numba_threads)
-        run(prefill, prefill)
-        run(1, context + 1)
-        run(2, context)
-    chunk = ELEMENTWISE_PARALLEL_MIN_ROWS  # parallel elementwise layers, in a numba step
-    if cores > 1 and chunk <= min(max_rows, context):
-        run(chunk, context)
-    adapt_threads()
-    misses = numba_support.kernel_cache_misses() - misses_before
-    if misses:
-        logger.warning("compiled %d numba CPU kernels in %.1f s on first use; numba caches them (%s), so later "
-                       "runs load them in about a second", misses, time.perf_counter() - t0,
-                       numba_support.kernel_cache_dirs())

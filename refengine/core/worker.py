@@ -12,7 +12,7 @@ import sys
 import traceback
 from multiprocessing.connection import Client
 
-from refengine.core.model_runner import ModelRunner, warm_up_cpu_kernels
+from refengine.core.model_runner import ModelRunner
 from refengine.parallel.tensor_parallel import TensorParallelShard, plan_partitions
 
 
@@ -46,21 +46,19 @@ def worker_main(conn, rank: int) -> None:
             cupy.cuda.Device(rank).use()
             comm = NcclCommunicator(rank, world_size, nccl_id, widths)
         else:
-            from refengine.cpu import setup_cpu_runtime
-
-            setup_cpu_runtime()  # this process's own thread pools, malloc, environment
             from refengine.parallel.communicator import MpiCommunicator
 
             comm = MpiCommunicator(widths)
-        model = build_model(config, dequantize_gguf, partition)
+        # on the CPU, this process's own process-wide settings (LayerOps.setup_runtime) first
+        model = build_model(config, dequantize_gguf, partition, setup_runtime=config.device == "cpu")
         model.tp = TensorParallelShard(partition, comm)
         if config.num_kv_blocks is None:
             conn.send(("blocks", measure_gpu_kv_blocks(config, model)))
             config = conn.recv()
         kv_cache = make_kv_cache(config, model.config, model.xp)
         runner = ModelRunner(model, kv_cache)
-        if config.layer_ops == "numba":  # every worker runs the same passes: their collectives pair up
-            warm_up_cpu_kernels(model, kv_cache, config.max_num_batched_tokens, config.max_model_len)
+        # every worker runs the same warm-up passes: their collectives pair up
+        model.ops.warm_up(model, kv_cache, config.max_num_batched_tokens, config.max_model_len)
         formats = {name: getattr(getattr(model.layers[0], name), "format", "float")  # as stored, or float
                    for name in ("qkv", "o", "gate_up", "down")}
         conn.send(("ready", {"rank": rank, "pid": os.getpid(), "cpus": cpus, "q_heads": partition.q_heads,

@@ -1,4 +1,12 @@
-"""The CPU runtime: :func:`setup_cpu_runtime` makes the process-wide settings once, explicitly.
+"""The CPU wing: everything compiled with numba, and the CPU runtime's process-wide settings.
+
+The engine reaches it only through the interfaces the model calls: the numba layer ops
+(:class:`~refengine.cpu.layer_ops.NumbaOps`, a :class:`refengine.ops.LayerOps` whose hooks run
+:mod:`~refengine.cpu.engine_hooks`) and the numba attention
+(:class:`~refengine.cpu.attention.NumbaAttention`), which :mod:`~refengine.cpu.backends`
+registers by name. The products of the weight formats: :mod:`~refengine.cpu.gguf_products`,
+:mod:`~refengine.cpu.q8_products`, :mod:`~refengine.cpu.int_products`, over the vector helpers
+of :mod:`~refengine.cpu.simd`. The captured decode step: :mod:`~refengine.cpu.capture`.
 
 Importing refengine changes nothing in the process: no environment variable, no thread
 pool, no allocator setting. :func:`setup_cpu_runtime` makes the settings that make the CPU
@@ -8,11 +16,11 @@ the same either way, only the speed differs). It works whatever the process impo
 before it (NumPy, torch): every setting is made at run time, none through a variable that a
 library reads only as it loads.
 
-Modules (nothing here imports the rest of refengine):
+The runtime modules (they import nothing else of refengine):
 
 * :mod:`~refengine.cpu.threads`: how many threads BLAS and numba use, per step;
   numba's threading layer and its idle threads' wait.
-* :mod:`~refengine.cpu.malloc`: glibc malloc thresholds; the KV pool in huge pages.
+* :mod:`~refengine.cpu.malloc`: glibc malloc thresholds.
 * :mod:`~refengine.cpu.numba_support`: parallel/serial kernel pairs, LLVM intrinsics,
   the kernel registry that the warm-up counts compiles with.
 * :mod:`~refengine.cpu.blas`: large matrix products as one-thread BLAS calls over

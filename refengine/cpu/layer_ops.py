@@ -45,8 +45,8 @@ from typing import Callable
 import numpy as np
 from numba import carray, njit, prange
 
-from refengine.cpu import blas
-from refengine.cpu.capture import Recordable
+from refengine.cpu import blas, engine_hooks, setup_cpu_runtime
+from refengine.cpu.capture import DecodeCapture, Recordable
 from refengine.cpu.numba_support import (ParallelKernel, get_num_threads, parallel_kernel, prefetch,
                                          register_kernels, stack_f32, x_block_rows)
 from refengine.quant import StackedWeight, is_quantized, reference_linear
@@ -454,6 +454,8 @@ class NumbaOps(Recordable):
     #: Large products are split over refengine's threads (:mod:`refengine.cpu.blas`): the
     #: engine keeps the BLAS library's own pool on one thread (``configure_threads(library_blas=False)``).
     spreads_blas = True
+    #: From this many rows the elementwise layers run their parallel kernels (the warm-up compiles them).
+    elementwise_parallel_min_rows = ELEMENTWISE_PARALLEL_MIN_ROWS
 
     def __init__(self, blas_min_rows: int = BLAS_MIN_ROWS, *, batch_invariant: bool = False,
                  activation_dtype: str = "auto"):
@@ -478,6 +480,25 @@ class NumbaOps(Recordable):
         out = np.empty((ids.shape[0], table.shape[1]), dtype=np.float32)
         self._launch(_select_rows if is_quantized(table) else _take_rows, table, ids, out)
         return out
+
+    def setup_runtime(self) -> None:
+        """:func:`refengine.cpu.setup_cpu_runtime` (:meth:`refengine.ops.LayerOps.setup_runtime`)."""
+        setup_cpu_runtime()
+
+    def prepare_model(self, model, config, *, draft: bool = False) -> None:
+        """Thread pools, Q8_0 interleaving, the BLAS prefill switch
+        (:func:`refengine.cpu.engine_hooks.prepare_model`; :meth:`refengine.ops.LayerOps.prepare_model`)."""
+        engine_hooks.prepare_model(model, config.num_threads, draft=draft)
+
+    def begin_step(self, model, num_rows: int, longest_chunk: int) -> None:
+        """This step's thread pools (:func:`refengine.cpu.engine_hooks.begin_step`;
+        :meth:`refengine.ops.LayerOps.begin_step`)."""
+        engine_hooks.begin_step(model, num_rows, longest_chunk)
+
+    def warm_up(self, model, kv_cache, max_rows: int, max_model_len: int) -> None:
+        """Every kernel variant compiled or loaded now (:func:`refengine.cpu.engine_hooks.warm_up`;
+        :meth:`refengine.ops.LayerOps.warm_up`)."""
+        engine_hooks.warm_up(model, kv_cache, max_rows, max_model_len)
 
     def weight(self, matrix: np.ndarray) -> np.ndarray:
         """``matrix [out, in]`` -> ``[in, out]``-shaped: the transposed view of its C-contiguous rows."""
@@ -590,9 +611,7 @@ class NumbaOps(Recordable):
 
     def capture_decode(self, model, kv_cache, max_model_len: int | None = None):
         """A :class:`refengine.cpu.capture.DecodeCapture` of ``model``'s batch-1 decode steps,
-        or None where they must run the forward."""
-        from refengine.cpu.capture import DecodeCapture
-
+        or None where they must run the forward (:meth:`refengine.ops.LayerOps.capture_decode`)."""
         return DecodeCapture.for_model(model, kv_cache, max_model_len)
 
 

@@ -10,16 +10,6 @@ them, already mapped. vLLM's CPU backend recommends preloading tcmalloc for the 
 
 Only glibc has ``mallopt``; elsewhere, and when the user set glibc's own variables
 (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``GLIBC_TUNABLES``), nothing changes.
-
-:func:`huge_page_zeros` allocates the KV pool in transparent huge pages (2 MB) where the
-kernel grants them only on request (``/sys/kernel/mm/transparent_hugepage/enabled`` set to
-``madvise``, a common distribution default): decode attention reads each sequence's blocks
-scattered over the pool, and with 4 KB pages nearly every block costs TLB misses. Each
-array's first :data:`SMALL_PAGE_PREFIX` bytes stay in 4 KB pages, though: the pool is one
-array per layer for keys and one for values, a short run touches only the first blocks of
-each, and in 2 MB pages the first touch would make a whole 2 MB resident per array (120 MB
-for SmolLM2's 30 layers where a 640-token run writes 30 MB). Past the prefix, a partly
-used 2 MB page wastes at most a quarter of what that array already holds.
 """
 
 from __future__ import annotations

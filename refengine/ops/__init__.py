@@ -9,17 +9,34 @@ over :mod:`refengine.ops.layers`) is the reference every other one is tested aga
 Implementations:
 
 * ``"numpy"``: :class:`refengine.ops.numpy_ops.NumpyOps` (NumPy, or CuPy through ``xp``).
-* ``"numba"``: :class:`refengine.cpu.layer_ops.NumbaOps`, CPU kernels compiled by numba.
+* ``"numba"``: :class:`refengine.cpu.layer_ops.NumbaOps`, CPU kernels compiled by numba,
+  registered by the CPU wing (:func:`register_layer_ops`).
 * ``"cuda"``: :class:`refengine.ops.cuda.CudaLayerOps`, the kernels of ``cuda/layers.cu``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
 LAYER_OPS = ("numpy", "numba", "cuda")
+
+#: Layer ops that live outside this package, by name: ``"numba"``, which the CPU wing
+#: (:mod:`refengine.cpu`) registers as it is imported (``import refengine`` does).
+_REGISTERED: dict[str, Callable[..., "LayerOps"]] = {}
+
+
+def register_layer_ops(name: str, factory: Callable[..., "LayerOps"]) -> None:
+    """Make ``get_layer_ops(name, xp, kernels, batch_invariant=..., activation_dtype=...)``
+    call ``factory`` with those arguments. ``name`` must be one of :data:`LAYER_OPS`.
+
+    Raises:
+        ValueError: ``name`` is not one of :data:`LAYER_OPS`.
+    """
+    if name not in LAYER_OPS:
+        raise ValueError(f"layer ops {name!r} is not one of {LAYER_OPS}")
+    _REGISTERED[name] = factory
 
 
 class LayerOps(Protocol):
@@ -75,16 +92,14 @@ def get_layer_ops(name: str, xp=np, kernels: Any = None, *, batch_invariant: boo
     by default the current device's CuPy module, the one the CUDA attention backend uses.
 
     Raises:
-        ValueError: ``name`` is not known.
+        ValueError: ``name`` is not known, or not registered (``"numba"`` without :mod:`refengine.cpu`).
     """
     if name == "numpy":
         from refengine.ops.numpy_ops import NumpyOps
 
         return NumpyOps(xp)
-    if name == "numba":
-        from refengine.cpu.layer_ops import NumbaOps
-
-        return NumbaOps(batch_invariant=batch_invariant, activation_dtype=activation_dtype)
+    if name in _REGISTERED:
+        return _REGISTERED[name](xp, kernels, batch_invariant=batch_invariant, activation_dtype=activation_dtype)
     if name == "cuda":
         from refengine.ops.cuda import CudaLayerOps
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from refengine.kernels.build import KernelModule, cupy_kernels
 from refengine.kernels.plans import LAYER_THREADS, RMS_NORM_SHARED_BYTES, Launch, dtype_tag, quant_linear_launch
-from refengine.ops.numpy_ops import blas_weight, embedding_rows, linear_f32
+from refengine.ops.numpy_ops import NoStepHooks, blas_weight, embedding_rows, linear_f32
 from refengine.quant import QuantizedWeight, StackedWeight, is_quantized
 from refengine.quant.int4 import Int4Weight
 from refengine.quant.int8 import Int8Weight
@@ -57,7 +57,7 @@ class DeviceQuantized:
     perm: Any = None
 
 
-class CudaLayerOps:
+class CudaLayerOps(NoStepHooks):
     """RMSNorm, RoPE, SiLU-and-mul and GELU(tanh)-and-mul through the kernels of
     ``cuda/layers.cu``; the matrix product through cuBLAS (CuPy's ``@``, float32 accumulation),
     or, for a weight kept quantized (int8, int4: ``quantization="int8"``, AWQ, GPTQ), through

@@ -35,7 +35,28 @@ def blas_weight(matrix: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(matrix.T)
 
 
-class NumpyOps:
+class NoStepHooks:
+    """The engine hooks of :class:`refengine.ops.LayerOps` for ops with no process-wide or per-step
+    policy (NumPy, CUDA): each does nothing; :meth:`capture_decode` captures nothing."""
+
+    def setup_runtime(self) -> None:
+        """Nothing to set up."""
+
+    def prepare_model(self, model, config, *, draft: bool = False) -> None:
+        """Nothing to prepare."""
+
+    def begin_step(self, model, num_rows: int, longest_chunk: int) -> None:
+        """Nothing to size."""
+
+    def warm_up(self, model, kv_cache, max_rows: int, max_model_len: int) -> None:
+        """Nothing to compile."""
+
+    def capture_decode(self, model, kv_cache, max_model_len: int | None) -> None:
+        """No capture: every step runs the forward."""
+        return None
+
+
+class NumpyOps(NoStepHooks):
     """Layer operations in NumPy (or CuPy when ``xp`` is ``cupy``). float32 activations."""
 
     name = "numpy"

@@ -23,9 +23,37 @@ quantized product.
 
 from __future__ import annotations
 
-from typing import Sequence
+from types import ModuleType
+from typing import Callable, Sequence
 
 import numpy as np
+
+#: The compiled products of the weight formats, by family (``"gguf"``, ``"q8"``, ``"int"``):
+#: loaders of modules the CPU wing (:mod:`refengine.cpu`) registers as it is imported; a
+#: format's ``numba_linear`` reaches its kernels through :func:`compiled_products`.
+_PRODUCT_LOADERS: dict[str, Callable[[], ModuleType]] = {}
+_PRODUCTS: dict[str, ModuleType] = {}
+
+
+def register_compiled_products(family: str, load: Callable[[], ModuleType]) -> None:
+    """Make :func:`compiled_products` ``(family)`` return ``load()`` (called at its first use:
+    numba loads only then)."""
+    _PRODUCT_LOADERS[family] = load
+    _PRODUCTS.pop(family, None)
+
+
+def compiled_products(family: str) -> ModuleType:
+    """The module of compiled products registered for ``family``, loaded at the first call.
+
+    Raises:
+        LookupError: nothing registered for ``family`` (:mod:`refengine.cpu` not imported).
+    """
+    module = _PRODUCTS.get(family)
+    if module is None:
+        if family not in _PRODUCT_LOADERS:
+            raise LookupError(f"no compiled products registered for {family!r} (import refengine.cpu)")
+        module = _PRODUCTS[family] = _PRODUCT_LOADERS[family]()
+    return module
 
 #: Rows dequantized at a time by the NumPy twin: the whole model is never dequantized at once.
 REFERENCE_ROWS = 4096

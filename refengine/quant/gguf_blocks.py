@@ -23,13 +23,11 @@ Files are taken to be little-endian (GGUF's default; the big-endian variant is n
 
 from __future__ import annotations
 
-import importlib
-import sys
 from typing import Sequence
 
 import numpy as np
 
-from refengine.quant import QuantizedWeight
+from refengine.quant import QuantizedWeight, compiled_products
 
 #: Per type: (weights per block, bytes per block, fields). A field is (plane name, byte
 #: offset in the block, bytes in the block, plane dtype); the planes' order is the file's.
@@ -93,13 +91,6 @@ def k_scales_mins(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     high_sc = (s[..., 8:12] & np.uint8(0x0F)) | ((s[..., 0:4] >> np.uint8(6)) << np.uint8(4))
     high_m = (s[..., 8:12] >> np.uint8(4)) | ((s[..., 4:8] >> np.uint8(6)) << np.uint8(4))
     return np.concatenate([low[0], high_sc], axis=-1), np.concatenate([low[1], high_m], axis=-1)
-
-
-def _kernels(name: str):
-    """The module ``refengine.quant.<name>``, imported at the first product (numba loads only
-    then), from ``sys.modules`` after: a decode step asks over a hundred times."""
-    module = sys.modules.get("refengine.quant." + name)
-    return module if module is not None else importlib.import_module("refengine.quant." + name)
 
 
 class GGUFWeight(QuantizedWeight):
@@ -230,7 +221,7 @@ class GGUFWeight(QuantizedWeight):
         interleaved copy alone (:meth:`drop_planes`) rebuilds them on each access, from
         that copy (:func:`refengine.cpu.q8_products.row_major_planes`)."""
         if self._planes is None:
-            return _kernels("numba_q8").row_major_planes(self)
+            return compiled_products("q8").row_major_planes(self)
         return self._planes
 
     def drop_planes(self) -> None:
@@ -320,7 +311,7 @@ class GGUFWeight(QuantizedWeight):
         """Rows ``start:stop`` (Python slice semantics) as float32 ``[n, in_features]``."""
         rows = slice(start, stop)
         if self._planes is None:  # only the interleaved copy: just these rows rebuilt
-            return self._decode(_kernels("numba_q8").row_major_planes(self, np.arange(self.shape[0])[rows]))
+            return self._decode(compiled_products("q8").row_major_planes(self, np.arange(self.shape[0])[rows]))
         return self._decode({k: p[rows] for k, p in self.planes.items()})
 
     def select_rows(self, rows: np.ndarray) -> np.ndarray:
@@ -332,7 +323,7 @@ class GGUFWeight(QuantizedWeight):
         """
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
         if self._planes is None:
-            return self._decode(_kernels("numba_q8").row_major_planes(self, rows))
+            return self._decode(compiled_products("q8").row_major_planes(self, rows))
         return self._decode({k: p[rows] for k, p in self.planes.items()})
 
     def _decode(self, planes: dict[str, np.ndarray]) -> np.ndarray:
@@ -360,17 +351,17 @@ class GGUFWeight(QuantizedWeight):
                 not in :attr:`activation_dtypes`.
         """
         if activation_dtype == "q8_0":
-            return _kernels("numba_q8").linear(x, self, batch_invariant=batch_invariant)
+            return compiled_products("q8").linear(x, self, batch_invariant=batch_invariant)
         if activation_dtype != "auto":
             raise ValueError(f"activation_dtype={activation_dtype!r} is not one of {self.activation_dtypes}")
-        return _kernels("numba_gguf").linear(x, self, batch_invariant=batch_invariant)
+        return compiled_products("gguf").linear(x, self, batch_invariant=batch_invariant)
 
     def row_product(self, threads: int):
         """This weight's one-row product with Q8_0 activations on ``threads`` numba threads,
         every argument but the row bound (:class:`refengine.cpu.q8_products.RowProduct`:
         ``run(x [1, in_features])``, C-contiguous float32, unchecked), or None for a type
         without a Q8_0-activation kernel. A fresh one each call, owning its buffers."""
-        q8 = _kernels("numba_q8")
+        q8 = compiled_products("q8")
         return q8.RowProduct(self, threads) if self.format in q8.Q8_TYPES else None
 
     def __getstate__(self) -> dict:

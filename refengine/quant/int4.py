@@ -43,7 +43,7 @@ from typing import Sequence
 
 import numpy as np
 
-from refengine.quant import QuantizedWeight
+from refengine.quant import QuantizedWeight, compiled_products
 
 
 def pack_nibbles(q: np.ndarray) -> np.ndarray:
@@ -199,12 +199,11 @@ class Int4Weight(QuantizedWeight):
         kernels (:func:`refengine.cpu.int_products.int4_linear`): the dot kernels read ``x``
         gathered into :meth:`kernel_columns` order, the tile path (many rows) ``x[:, perm]``
         (one ``T x in`` gather per product). ``batch_invariant``: the dot kernels at every row count."""
-        from refengine.cpu.int_products import int4_linear, int4_uses_blas
-
-        tiles = not batch_invariant and int4_uses_blas(x.shape[0])
+        products = compiled_products("int")
+        tiles = not batch_invariant and products.int4_uses_blas(x.shape[0])
         if tiles:
             xs = x if self.perm is None else np.take(x, self.perm, axis=1)
         else:
             xs = np.take(x, self.kernel_columns(), axis=1)
-        return int4_linear(np.ascontiguousarray(xs, dtype=np.float32), self.packed, self.scales, self.zeros,
+        return products.int4_linear(np.ascontiguousarray(xs, dtype=np.float32), self.packed, self.scales, self.zeros,
                            self.group_size, tiles)

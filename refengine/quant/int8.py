@@ -29,7 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
-from refengine.quant import QuantizedWeight
+from refengine.quant import QuantizedWeight, compiled_products
 
 #: The largest magnitude of the grid: the symmetric int8 range [-127, 127].
 QMAX = 127
@@ -142,9 +142,8 @@ class Int8Weight(QuantizedWeight):
         """``x [T, in]`` (C-contiguous float32) ``@ w'.T`` -> float32 ``[T, out]`` by the numba
         kernels (:func:`refengine.cpu.int_products.int8_linear`); ``batch_invariant``: the dot
         kernel at every row count."""
-        from refengine.cpu.int_products import int8_linear
-
-        return int8_linear(x, self.q, self.scales, sys.maxsize if batch_invariant else None)
+        products = compiled_products("int")
+        return products.int8_linear(x, self.q, self.scales, sys.maxsize if batch_invariant else None)
 
 
 def quantize_weights(weights: dict) -> dict:

@@ -28,12 +28,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from refengine.core.sequence import Sequence
 from refengine.sampler import ACCEPT, RESIDUAL, SAMPLE, Sampler, log_softmax, sample_rows, sanitize_logits, top_logprobs
 from refengine.spec_decode.config import SpeculativeConfig
 from refengine.spec_decode.draft_model import DraftModelProposer, HistoryView, Proposal
 from refengine.spec_decode.ngram import propose_ngram
 from refengine.spec_decode.rejection import probs_from_logits, rejection_sample, verify_tokens
+
+# ``Sequence`` (:mod:`refengine.core.sequence`) appears in annotations only, as a name: the core loop
+# imports this module, never the other way round.
 
 
 @dataclass

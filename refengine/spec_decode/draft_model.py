@@ -39,11 +39,11 @@ import numpy as np
 
 from refengine.attention import paged_metadata
 from refengine.attention.kv_cache import KVCache
-from refengine.core.model_runner import is_blas_step
-from refengine.core.sequence import Sequence
-from refengine.cpu.threads import adapt_threads
 from refengine.sampler import DRAFT, Sampler
 from refengine.spec_decode.rejection import draw, probs_from_logits
+
+# ``Sequence`` (:mod:`refengine.core.sequence`) appears in annotations only, as a name: the core loop
+# imports this module, never the other way round.
 
 
 class HistoryView:
@@ -177,9 +177,7 @@ class DraftModelProposer:
         ids = np.fromiter((t for _, _, toks in chunks for t in toks), dtype=np.int64, count=int(q_lens.sum()))
         positions = np.concatenate([np.arange(start, start + len(t)) for _, start, t in chunks]).astype(np.int64)
         last_rows = np.cumsum(q_lens) - 1
-        if xp is np:  # this forward's own thread pools (refengine/cpu/threads.py)
-            adapt_threads(blas_step=is_blas_step(self.model, int(q_lens.sum()), int(q_lens.max())),
-                          library_blas=not getattr(self.model.ops, "spreads_blas", False))
+        self.model.ops.begin_step(self.model, int(q_lens.sum()), int(q_lens.max()))  # this forward's thread pools
         logits = self.model.forward(xp.asarray(ids), positions, self.kv_cache, meta, xp.asarray(last_rows))
         return logits if xp is np else xp.asnumpy(logits)
 
