@@ -697,8 +697,8 @@ def test_huge_page_zeros_is_an_aligned_writable_zero_array():
     """The KV pool's allocation: zeros, writable, C-contiguous, the requested shape and dtype,
     starting on a 2 MB boundary when it is big enough to hold a huge page; small arrays are
     plain ``np.zeros``. Whether the kernel grants huge pages is its business (THP mode)."""
+    from refengine.attention import kv_cache as malloc  # the KV pool's allocator
     from refengine.attention.kv_cache import KVCache
-    from refengine.cpu import malloc
 
     big = malloc.huge_page_zeros((300, 16, 3, 64), np.float32)  # 3.5 MB
     assert big.shape == (300, 16, 3, 64) and big.dtype == np.float32 and big.flags.c_contiguous
@@ -721,8 +721,8 @@ def test_warm_up_says_once_what_compiling_took(tiny_llama_dir, monkeypatch, capl
     import logging
 
     from refengine import LLM
-    from refengine.core.model_runner import warm_up_cpu_kernels
     from refengine.cpu import numba_support
+    from refengine.cpu.engine_hooks import warm_up as warm_up_cpu_kernels
 
     llm = LLM(str(tiny_llama_dir), max_model_len=128, log_stats=False)
     engine = llm.llm_engine

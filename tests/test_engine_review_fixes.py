@@ -86,7 +86,6 @@ def test_the_draft_catch_up_keeps_to_the_token_budget(tiny_llama_dir, monkeypatc
     so the output is the output without speculation. Each draft pass sizes the thread
     pools for its own batch (adapt_threads, as the target's runner does)."""
     from refengine import LLM
-    from refengine.spec_decode import draft_model
 
     prompts = [[(7 * i + j) % 200 + 3 for j in range(40)] for i in range(3)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -103,9 +102,24 @@ def test_the_draft_catch_up_keeps_to_the_token_budget(tiny_llama_dir, monkeypatc
         return forward(ids, *args, **kwargs)
 
     monkeypatch.setattr(draft.model, "forward", recording)
-    real_adapt = draft_model.adapt_threads
-    monkeypatch.setattr(draft_model, "adapt_threads",
-                        lambda **kw: pools.append(kw) or real_adapt(**kw))
+    from refengine.cpu import engine_hooks  # the draft's ops size its pools (LayerOps.begin_step)
+
+    real_adapt, real_once, in_draft = engine_hooks.adapt_threads, draft._forward_once, []
+
+    def draft_forward(chunks):
+        in_draft.append(True)
+        try:
+            return real_once(chunks)
+        finally:
+            in_draft.clear()
+
+    def adapt(**kw):  # the draft's forwards only, not the target's steps
+        if in_draft:
+            pools.append(kw)
+        return real_adapt(**kw)
+
+    monkeypatch.setattr(draft, "_forward_once", draft_forward)
+    monkeypatch.setattr(engine_hooks, "adapt_threads", adapt)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
     assert sum(rows) >= 3 * 40 and max(rows) <= 16

@@ -241,7 +241,7 @@ def test_q8_steps_keep_numba_threads():
     activations or a float matrix bring BLAS back."""
     import types
 
-    from refengine.core.model_runner import is_blas_step, layer_products_use_blas
+    from refengine.cpu.engine_hooks import is_blas_step, layer_products_use_blas
     from refengine.cpu.layer_ops import NumbaOps
 
     rng = np.random.default_rng(3)

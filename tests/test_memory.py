@@ -63,7 +63,7 @@ def test_kv_pool_first_pages_are_small_pages():
     """A short run writes only the first blocks of each layer's pool: in 4 KB pages that
     costs what it writes, in 2 MB pages a whole huge page per array (30 layers x K and V x
     2 MB for SmolLM2). Past :data:`SMALL_PAGE_PREFIX` the pool is advised huge pages."""
-    from refengine.cpu import malloc
+    from refengine.attention import kv_cache as malloc  # the KV pool's allocator
 
     a = malloc.huge_page_zeros((1024, 16, 3, 64), np.float32)  # 12 MB
     assert a.ctypes.data % malloc.HUGE_PAGE == 0 or not hasattr(mmap, "MADV_HUGEPAGE")
