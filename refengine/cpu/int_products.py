@@ -42,10 +42,11 @@ import numpy as np
 from numba import carray, njit, prange
 
 from refengine.cpu import blas
-from refengine.cpu.layer_ops import LANES, _U
+from refengine.cpu.layer_ops import LANES
 from refengine.cpu.numba_support import get_num_threads, parallel_kernel, register_kernels, stack_f32, x_block_rows
 from refengine.cpu.simd import f8_add, f8_load, f8_sum
 
+_U = np.uintp  # unsigned indices: numba adds no negative-index wraparound, so loads stay vector loads
 _FMA = {"contract"}
 
 #: From this many rows an int8 product dequantizes tiles and runs BLAS (with
