@@ -75,20 +75,8 @@ def find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
     return None
 
 
-#: Modules being replaced whose import edges the loop checks leave out until they are gone:
-#: ``ops/numba_decode.py`` (the hand-written batch-1 decode step, which imports the CPU wing's
-#: kernels and ``NumbaOps.capture_decode`` imports back) gives way to a capture in ``refengine/cpu/``.
-BEING_REPLACED = {"refengine.ops.numba_decode"}
-
-
-def without_replaced(graph: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-    """``graph`` without the modules of :data:`BEING_REPLACED` and the edges to them."""
-    return {m: {t: n for t, n in ts.items() if t not in BEING_REPLACED}
-            for m, ts in graph.items() if m not in BEING_REPLACED}
-
-
 def test_import_graph_has_no_cycle():
-    graph = without_replaced(import_graph())
+    graph = import_graph()
     assert len(graph) > 50 and "refengine.core.executor" in graph["refengine.core.engine"]  # a lazy import counts
     cycle = find_cycle(graph)
     where = [f"{a} -> {b} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:])] if cycle else []
@@ -134,7 +122,7 @@ def package_graph(graph: dict[str, dict[str, int]]) -> dict[str, dict[str, str]]
 def test_no_import_loop_between_packages():
     """No package imports a package that imports it back, directly or around a loop: the layers
     (core loop -> models -> ops / attention -> CPU wing -> quant) read top to bottom."""
-    packages = package_graph(without_replaced(import_graph()))
+    packages = package_graph(import_graph())
     assert {"refengine.core", "refengine.cpu", "refengine.ops", "refengine.attention"} <= set(packages)
     cycle = find_cycle(packages)
     where = [packages[a][b] for a, b in zip(cycle, cycle[1:])] if cycle else []
