@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import save_tiny_llama
+from tests.helpers import save_tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2_DIR = ROOT / "weights" / "SmolLM2-135M-Instruct"

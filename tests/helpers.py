@@ -1,5 +1,5 @@
-"""Helpers shared by the kernel, emulation and model tests (imported as ``helpers``:
-pytest puts ``tests/`` on ``sys.path``, as it is not a package).
+"""Helpers shared by the tests of every folder (``from tests.helpers import ...``: ``tests/``
+is a package, so same-named files in two folders do not clash).
 
 * :func:`make_case`: a random paged batch with NaN-guarded caches;
 * :func:`dense_reference`, :func:`numpy_twin`, :func:`run_and_check`: the references an

@@ -403,7 +403,7 @@ def load_benchmark_script(name: str):
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

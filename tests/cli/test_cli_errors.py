@@ -291,7 +291,7 @@ def test_log_level_before_or_after_the_command(tiny_llama_tok_dir, where):
     args = ["generate", "--model", str(tiny_llama_tok_dir), "--max-tokens", "2", "hi"]
     args = ["--log-level", "info", *args] if where == "before" else [*args, "--log-level", "info"]
     res = subprocess.run([sys.executable, "-m", "refengine.cli", *args], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parents[1])  # this checkout's refengine
+                         cwd=Path(__file__).resolve().parents[2])  # this checkout's refengine
     assert res.returncode == 0, res.stderr
     assert any(line.startswith("INFO ") and "request 0 finished" in line for line in res.stderr.splitlines())
 

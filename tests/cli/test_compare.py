@@ -23,7 +23,7 @@ from safetensors.numpy import load_file, save_file
 from refengine.cli import main
 from refengine.compare import TOLERANCES, Observation, PromptSpec, Reference, score, topk_rest_kl
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = "4"
 FAMILIES = ["llama", "qwen3", "gemma2", "gemma3", "olmo2", "phi3", "mistral", "qwen2"]
 
@@ -41,12 +41,12 @@ def build_family(family: str, path: Path) -> None:
     import torch
 
     if family in ("llama", "qwen3"):
-        from test_tiny_models import build
+        from tests.models.test_tiny_models import build
 
         heads, kv = (4, 2) if family == "llama" else (9, 3)
         build(family, heads, kv, False, None, torch.float32, path)
     else:
-        from test_tiny_families import build
+        from tests.models.test_tiny_families import build
 
         build(family, path)
 
@@ -177,7 +177,7 @@ def test_golden_round_trip_without_transformers(llama):
 def serve(model_dir: Path):
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
-    from test_server import ServerThread
+    from tests.server.test_server import ServerThread
 
     from refengine.engine import LLMEngine
     from refengine.server.api import create_app

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_tiny_families import build
+from tests.models.test_tiny_families import build
 
 from refengine import LLM, SamplingParams
 from refengine.ops.numba_ops import BLAS_MIN_ROWS
@@ -116,7 +116,7 @@ def test_cuda_decode_split_is_fixed_per_sequence_not_per_batch(dtype):
     sequence's own length: a short sequence's output is the same bits alone (one partition,
     written directly) and beside a long one (a grid several partitions deep, merged by the
     reduce kernel, which keeps a lone partition's output as it is)."""
-    from helpers import make_case
+    from tests.helpers import make_case
 
     from refengine.attention import paged_metadata
     from refengine.attention.cuda import EmulatedCudaAttention

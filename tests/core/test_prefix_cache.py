@@ -18,7 +18,7 @@ from refengine.kv_cache import BlockManager, hash_block_tokens
 from refengine.sampling_params import SamplingParams
 from refengine.scheduler import Scheduler
 from refengine.sequence import Sequence
-from helpers import plan, stub_step
+from tests.helpers import plan, stub_step
 
 BS = 4
 

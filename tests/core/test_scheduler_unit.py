@@ -13,7 +13,7 @@ from refengine.kv_cache import BlockManager
 from refengine.sampling_params import SamplingParams
 from refengine.scheduler import Scheduler
 from refengine.sequence import Sequence, SequenceStatus
-from helpers import plan, stub_step
+from tests.helpers import plan, stub_step
 
 
 def seq(name: str, prompt_len: int) -> Sequence:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import BLOCK_SIZE, dense_reference, make_case, numpy_twin
+from tests.helpers import BLOCK_SIZE, dense_reference, make_case, numpy_twin
 
 from refengine.attention.numpy_ref import K_TILE, NumpyAttention, flash_prefill
 

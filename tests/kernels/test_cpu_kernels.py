@@ -604,7 +604,7 @@ def test_wait_policy_is_set_only_while_numba_starts(first):
             "from refengine.runtime.threads import numba_threading_layer as t\n"
             "print(t(), seen[0], os.environ.get('GOMP_SPINCOUNT'))\n")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True)
     layer, at_start, after = out.stdout.split()
     from refengine.runtime.threads import GOMP_SPINCOUNT
@@ -812,7 +812,7 @@ def test_short_spin_follows_who_loaded_libgomp():
             "setup_cpu_runtime()\n"
             "print(threads.numba_threading_layer(), threads.short_spin())\n")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     got = {}
     for case in ("fresh", "first", "user-short"):
         case_env = dict(env, GOMP_SPINCOUNT="2000") if case == "user-short" else env

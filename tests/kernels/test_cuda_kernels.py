@@ -22,7 +22,7 @@ import re
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import (BF16, BLOCK_SIZE, TOLERANCE, decode_batch, dense_reference, fake_cupy, heads_for,
+from tests.helpers import (BF16, BLOCK_SIZE, TOLERANCE, decode_batch, dense_reference, fake_cupy, heads_for,
                      load_gpu_check, make_case, mixed_batch, run_and_check)
 
 from refengine.attention import AttentionMetadata, paged_metadata

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import BF16
+from tests.helpers import BF16
 
 from refengine.kernels.build import EmulatedKernels, cuda_source_dir, emulated_launch
 from refengine.kernels.plans import QUANT_GEMV_MAX_ROWS, quant_linear_launch
@@ -206,7 +206,7 @@ def _logit_tolerance(cfg) -> float:
 def _gpu_llm(path, monkeypatch, **kw):
     import sys
 
-    from test_emulated_model import fake_cupy_for_the_model
+    from tests.kernels.test_emulated_model import fake_cupy_for_the_model
 
     from refengine import LLM
 
@@ -242,7 +242,7 @@ def test_tiny_model_int8_on_cuda_matches_cpu(tiny_llama_dir, monkeypatch):
 
 @pytest.mark.parametrize("case", ["awq-g32", "gptq-v2-g64-act"])
 def test_tiny_awq_gptq_on_cuda_match_cpu(case, tmp_path, monkeypatch):
-    from test_quant_awq_gptq import CASES, build_quantized
+    from tests.quant.test_quant_awq_gptq import CASES, build_quantized
 
     from refengine import LLM
 
@@ -262,7 +262,7 @@ def test_gpu_check_quant_sections_run(monkeypatch):
     (small shapes; the emulator's timings mean nothing), so the GPU run is not their first."""
     import sys
 
-    from helpers import fake_cupy, load_gpu_check
+    from tests.helpers import fake_cupy, load_gpu_check
 
     gpu_check = load_gpu_check()
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import fake_cupy
+from tests.helpers import fake_cupy
 
 from refengine import LLM, SamplingParams
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import BLOCK_SIZE, TOLERANCE, dense_reference, make_case
+from tests.helpers import BLOCK_SIZE, TOLERANCE, dense_reference, make_case
 
 from refengine.attention.cuda import EmulatedCudaAttention
 from refengine.kernels.build import KERNEL_SOURCES, cuda_source_dir

@@ -18,7 +18,7 @@ from refengine.attention import AttentionMetadata
 from refengine.attention.numpy_ref import NumpyAttention
 from refengine.engine_args import EngineArgs
 from refengine.kv_cache import KVCache
-from test_kv_cache_int8 import BS, EDGES, GQA, make_int8_batch
+from tests.kernels.test_kv_cache_int8 import BS, EDGES, GQA, make_int8_batch
 
 numba_cpu = pytest.importorskip("refengine.attention.numba_cpu")
 

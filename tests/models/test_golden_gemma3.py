@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_logits_match
-from test_gguf_gemma3 import GEMMA3_CHAT_TEMPLATE
+from tests.helpers import assert_logits_match
+from tests.formats.test_gguf_gemma3 import GEMMA3_CHAT_TEMPLATE
 
 from refengine import LLM, SamplingParams
 

@@ -303,7 +303,7 @@ def test_good_optional_fields_are_accepted():
 def test_tiny_llama_matches_transformers(rope_parameters, tmp_path):
     """Prompt logits and a greedy continuation of a tiny random Llama: the attention factor
     reaches q and k (the scores scale by its square) on the engine's numpy path."""
-    from helpers import assert_logits_match, hf_greedy
+    from tests.helpers import assert_logits_match, hf_greedy
 
     from refengine import LLM, SamplingParams
 

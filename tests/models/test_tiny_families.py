@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import assert_logits_match, hf_greedy
+from tests.helpers import assert_logits_match, hf_greedy
 
 from refengine import LLM, SamplingParams
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
-from helpers import assert_logits_match, hf_greedy
+from tests.helpers import assert_logits_match, hf_greedy
 
 from refengine import LLM, SamplingParams
 

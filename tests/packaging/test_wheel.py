@@ -22,7 +22,7 @@ from refengine import LLM, SamplingParams, resources
 from refengine.kernels.build import EMULATION_SUPPORT, KERNEL_SOURCES, SELF_TEST_SOURCES
 from refengine.bench.workload import load_corpus
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [list(range(3, 40)), [5, 9, 17]]  # 37 and 3 tokens: block edges at 8
 ENGINE_KW = dict(block_size=8, max_num_batched_tokens=24, log_stats=False)  # chunked prefill mixed with decodes
 MAX_TOKENS = 8

@@ -21,7 +21,7 @@ from refengine.parallel.executor import cpu_shares
 from refengine.quant.gguf_blocks import GGUFWeight
 from refengine.quant.int8 import Int8Weight
 
-from helpers import save_tiny_llama
+from tests.helpers import save_tiny_llama
 
 HAVE_MPI = importlib.util.find_spec("mpi4py") is not None
 needs_mpi = pytest.mark.skipif(not HAVE_MPI, reason="mpi4py/mpich not installed (pip install 'refengine[distributed]')")
@@ -112,7 +112,7 @@ def test_gguf_columns_cut_on_block_bounds_are_the_dequantized_columns(qtype):
     from gguf import GGMLQuantizationType as T
     from gguf.quants import dequantize
 
-    from test_gguf_blocks import random_raw
+    from tests.quant.test_gguf_blocks import random_raw
 
     raw = random_raw(qtype, 7, 1024, np.random.default_rng(1))
     weight = GGUFWeight.from_raw(qtype, raw, (7, 1024))

@@ -22,7 +22,7 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 
 from refengine.quant.gguf_blocks import GGUFWeight  # noqa: E402
 from refengine.quant.numba_q8 import Q8_TYPES, q8_linear, quantize_q8_0  # noqa: E402
-from test_gguf_blocks import PRODUCT_TOL, bits, oracle, random_raw  # noqa: E402
+from tests.quant.test_gguf_blocks import PRODUCT_TOL, bits, oracle, random_raw  # noqa: E402
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
-from helpers import assert_logits_match, hf_greedy
+from tests.helpers import assert_logits_match, hf_greedy
 
 from refengine import LLM, SamplingParams
 from refengine.quant import StackedWeight, concat_rows, reference_linear

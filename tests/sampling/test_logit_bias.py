@@ -193,7 +193,7 @@ def server(tok_llm):
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
     httpx = pytest.importorskip("httpx")
-    from test_server import ServerThread
+    from tests.server.test_server import ServerThread
 
     from refengine.server.api import create_app
 

@@ -269,7 +269,7 @@ def server(smol):
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
     httpx = pytest.importorskip("httpx")
-    from test_server import ServerThread
+    from tests.server.test_server import ServerThread
 
     from refengine.server.api import create_app
 

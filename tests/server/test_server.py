@@ -29,7 +29,7 @@ from refengine.engine import LLM, LLMEngine  # noqa: E402
 from refengine.sampling_params import SamplingParams  # noqa: E402
 from refengine.server.api import ServerLimits, create_app  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 60.0  # seconds, any one HTTP call
 KEY = "sk-test-key"
 

@@ -26,7 +26,7 @@ from schemathesis.specs.openapi.checks import response_schema_conformance, statu
 
 from refengine.engine import LLMEngine  # noqa: E402
 from refengine.server.api import ServerLimits, create_app  # noqa: E402
-from test_server import KEY, ServerThread  # noqa: E402
+from tests.server.test_server import KEY, ServerThread  # noqa: E402
 
 EXAMPLES = int(os.environ.get("REFENGINE_FUZZ_EXAMPLES", "25"))
 MAX_TOKENS = 4  # generated requests' lengths are clamped to this: the fuzz is about the API, not the model

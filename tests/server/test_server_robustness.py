@@ -28,7 +28,7 @@ from refengine.sampling_params import RequestOutputKind, SamplingParams  # noqa:
 from refengine.sequence import Sequence  # noqa: E402
 from refengine.server.api import ServerLimits, create_app  # noqa: E402
 from refengine.server.engine_loop import AsyncEngine  # noqa: E402
-from test_server import KEY, TIMEOUT, ServerThread, metric, wait_until  # noqa: E402
+from tests.server.test_server import KEY, TIMEOUT, ServerThread, metric, wait_until  # noqa: E402
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 

@@ -26,8 +26,8 @@ from refengine.cli import main
 from refengine.engine import LLMEngine
 from refengine.engine_args import EngineArgs
 from refengine.stop import StopChecker
-from test_scheduler_invariance import GREEDY, prompts, tokenizer  # noqa: F401 (fixtures)
-from test_spec_decode_unit import chi2_sf
+from tests.core.test_scheduler_invariance import GREEDY, prompts, tokenizer  # noqa: F401 (fixtures)
+from tests.spec_decode.test_spec_decode_unit import chi2_sf
 
 ALPHA = 1e-3  # significance of each chi-square test
 
@@ -475,7 +475,7 @@ def test_cli_flag(tiny_llama_tok_dir):
 
 def test_bench_reports_the_acceptance(tiny_llama_tok_dir, tmp_path):
     from refengine.bench.scenarios import run_simple
-    from test_bench import bench_engine_kwargs, fake_ctx
+    from tests.bench.test_bench import bench_engine_kwargs, fake_ctx
 
     lines = []
     kwargs = bench_engine_kwargs(model=str(tiny_llama_tok_dir), speculative_config=ngram(3), log_stats=False)

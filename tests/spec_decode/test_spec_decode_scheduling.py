@@ -27,7 +27,7 @@ from refengine.sampling_params import SamplingParams
 from refengine.scheduler import Scheduler
 from refengine.sequence import Sequence
 from refengine.stop import StopChecker
-from test_spec_decode_unit import StubSpeculator, make_seq, prefill
+from tests.spec_decode.test_spec_decode_unit import StubSpeculator, make_seq, prefill
 
 
 def make_sched(k=3, num_blocks=100, block_size=4, budget=64, stop_checker=None, caching=False) -> Scheduler:
@@ -342,7 +342,7 @@ def _load_test_module():
     import pathlib
     import sys
 
-    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "load_test.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "load_test.py"
     spec = importlib.util.spec_from_file_location("load_test", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules["load_test"] = module  # dataclasses look their module up there

@@ -201,7 +201,7 @@ def test_spaces_kept_with_a_decoder_that_strips_the_leading_space():
 
 # --- the real SmolLM2 tokenizer -----------------------------------------------------------------
 
-TOKENIZER_JSON = Path(__file__).resolve().parents[1] / "weights" / "SmolLM2-135M-Instruct" / "tokenizer.json"
+TOKENIZER_JSON = Path(__file__).resolve().parents[2] / "weights" / "SmolLM2-135M-Instruct" / "tokenizer.json"
 
 
 class TokenizersAdapter:
