@@ -1,4 +1,4 @@
-"""The engine-side defects of the code review (issue 24), each pinned by a test.
+"""The scheduler's side of speculative decoding, on stub and tiny models.
 
 1. Speculative slots come after every running sequence's decode token: proposals never
    take a later sequence's budget or block, nor preempt it.
@@ -7,18 +7,10 @@
    activations and KV (the arithmetic, no GPU).
 3. A stop inside accepted speculative tokens: ``num_computed_tokens`` never passes the
    sequence's end and only full blocks are hashed into the prefix cache.
-4. Beam search asks for ``beam_width + number of EOS ids`` logprobs per beam (the same
-   beams as transformers' ``2 * beam_width`` candidates) and refuses up front a width
-   that needs more than ``max_logprobs``.
-5. The thread count honours cgroup CPU quotas (v2 ``cpu.max``, v1 ``cfs_quota_us``).
 """
 
 from __future__ import annotations
 
-import math
-from types import SimpleNamespace
-
-import numpy as np
 import pytest
 
 from refengine.config import SchedulerConfig
@@ -200,172 +192,3 @@ def test_num_computed_tokens_never_passes_the_end_in_a_real_run(tiny_llama_dir):
         parent = hash_block_tokens(parent, tokens[4 * i:4 * i + 4])
         full.append(parent)
     assert engine.block_manager.cached and set(engine.block_manager.cached) <= set(full)
-
-
-# --- 4. beam search within max_logprobs --------------------------------------------------------
-
-class FakeLLM:
-    """Enough of :class:`refengine.LLM` for :func:`refengine.beam_search.beam_search`: the
-    next-token log-probabilities of a token list are a fixed pseudo-random function of it
-    (vocabulary ``vocab``); ``generate`` refuses ``logprobs > max_logprobs`` as the engine does."""
-
-    def __init__(self, vocab=40, eos=(2,), max_logprobs=20, max_model_len=100):
-        self.vocab = vocab
-        self.llm_engine = SimpleNamespace(eos_token_ids=set(eos), tokenizer=None,
-                                          config=SimpleNamespace(max_model_len=max_model_len, max_logprobs=max_logprobs))
-        self.calls = 0
-
-    def logprobs(self, tokens: list[int]) -> np.ndarray:
-        rng = np.random.default_rng(abs(hash(tuple(tokens))) % 2**32)
-        x = rng.normal(0.0, 2.0, self.vocab)
-        return x - np.log(np.exp(x - x.max()).sum()) - x.max()
-
-    def generate(self, prompts, params, use_tqdm=False):
-        if params.logprobs > self.llm_engine.config.max_logprobs:
-            raise ValueError(f"logprobs={params.logprobs} is more than max_logprobs")
-        self.calls += 1
-        outs = []
-        for p in prompts:
-            lp = self.logprobs(p)
-            top = np.argsort(-lp, kind="stable")[:params.logprobs]
-            first = int(top[0])
-            d = {first: float(lp[first])} | {int(t): float(lp[t]) for t in top}
-            outs.append(SimpleNamespace(outputs=[SimpleNamespace(logprobs=[d])]))
-        return outs
-
-
-def reference_beams(llm: FakeLLM, prompt, width, max_tokens, eos, length_penalty=1.0):
-    """transformers' rule (``_beam_search``) over the full vocabulary: the top
-    ``max(2, 1 + len(eos)) * width`` of all beams' candidates, early_stopping=False."""
-    k = max(2, 1 + len(eos)) * width
-    live, finished = [(0.0, list(prompt))], []
-    for step in range(1, max_tokens + 1):
-        cands = [(cum + float(lp), toks, t) for cum, toks in live for t, lp in enumerate(llm.logprobs(toks))]
-        cands.sort(key=lambda c: -c[0])
-        live = []
-        for rank, (cum, toks, t) in enumerate(cands[:k]):
-            if step == max_tokens or t in eos:
-                if rank < width:
-                    finished.append((cum / step ** length_penalty, toks + [t]))
-            elif len(live) < width:
-                live.append((cum, toks + [t]))
-        finished = sorted(finished, key=lambda f: -f[0])[:width]
-        if step == max_tokens or not live:
-            break
-        if len(finished) == width and live[0][0] / step ** length_penalty <= finished[-1][0]:
-            break
-    return [toks for _, toks in finished]
-
-
-@pytest.mark.parametrize("width, eos", [(11, (2,)), (6, (2, 3, 4)), (19, (2,)), (3, ())])
-def test_beam_search_fits_max_logprobs_with_the_same_beams(width, eos):
-    """Width 11 with one EOS id (22 candidates before) and 6 with three (Llama 3: 24)
-    run within max_logprobs=20 and give transformers' beams over the full vocabulary."""
-    from refengine.beam_search import BeamSearchParams, beam_search
-
-    llm = FakeLLM(eos=eos)
-    for prompt in ([5, 6, 7], [9]):
-        [out] = beam_search(llm, [prompt], BeamSearchParams(beam_width=width, max_tokens=5, ignore_eos=not eos))
-        assert [b.tokens for b in out.sequences] == reference_beams(llm, prompt, width, 5, set(eos))
-
-
-@pytest.mark.parametrize("width, eos, needed", [(20, (2,), 21), (18, (2, 3, 4), 21)])
-def test_beam_search_refuses_a_width_beyond_max_logprobs_up_front(width, eos, needed):
-    from refengine.beam_search import BeamSearchParams, beam_search
-
-    llm = FakeLLM(eos=eos)
-    with pytest.raises(ValueError, match=rf"beam_width={width} needs logprobs={needed} .*max_logprobs=20"):
-        beam_search(llm, [[5, 6]], BeamSearchParams(beam_width=width, max_tokens=4))
-    assert llm.calls == 0  # refused before any step ran
-
-
-# --- 5. cgroup CPU quotas ----------------------------------------------------------------------
-
-def write_cgroup(root, files: dict[str, str]):
-    for name, text in files.items():
-        path = root / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-
-
-@pytest.mark.parametrize("proc, files, quota", [
-    ("0::/\n", {"cpu.max": "200000 100000\n"}, 2.0),  # cgroup v2, namespace root
-    ("0::/\n", {"cpu.max": "150000 100000\n"}, 1.5),
-    ("0::/\n", {"cpu.max": "max 100000\n"}, None),  # no limit
-    ("0::/job/step\n", {"job/cpu.max": "300000 100000\n", "job/step/cpu.max": "max 100000\n"}, 3.0),  # a parent's
-    ("0::/job\n", {"cpu.max": "100000 100000\n", "job/cpu.max": "400000 100000\n"}, 1.0),  # the tightest
-    ("4:cpu,cpuacct:/docker/abc\n1:memory:/docker/abc\n",
-     {"cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "50000\n", "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n"},
-     0.5),  # cgroup v1
-    ("4:cpu,cpuacct:/\n", {"cpu,cpuacct/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"},
-     None),
-    ("0::/\n", {}, None),  # no controller files
-])
-def test_cgroup_cpu_quota(tmp_path, proc, files, quota):
-    from refengine.runtime.threads import cgroup_cpu_quota
-
-    write_cgroup(tmp_path / "cg", files)
-    (tmp_path / "self_cgroup").write_text(proc)
-    got = cgroup_cpu_quota(str(tmp_path / "cg"), str(tmp_path / "self_cgroup"))
-    assert got == (None if quota is None else pytest.approx(quota))
-
-
-@pytest.mark.parametrize("affinity, quota, cores", [(64, 2.0, 2), (64, 1.5, 2), (64, 0.5, 1), (4, 8.0, 4),
-                                                    (64, None, 64)])
-def test_usable_cores_is_the_affinity_capped_by_the_quota(monkeypatch, affinity, quota, cores):
-    from refengine.runtime import threads
-
-    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: set(range(affinity)))
-    monkeypatch.setattr(threads, "cgroup_cpu_quota", lambda *a, **k: quota)
-    assert threads.usable_cores() == cores == min(affinity, math.ceil(quota) if quota else affinity)
-
-
-def test_a_two_cpu_container_starts_two_threads(monkeypatch, tmp_path):
-    """A container limited to 2 CPUs on a 64-core host: configure_threads sizes the pools to 2."""
-    from refengine.runtime import threads
-
-    write_cgroup(tmp_path / "cg", {"cpu.max": "200000 100000\n"})
-    (tmp_path / "self_cgroup").write_text("0::/\n")
-    monkeypatch.setattr(threads, "CGROUP_ROOT", str(tmp_path / "cg"))
-    monkeypatch.setattr(threads, "PROC_SELF_CGROUP", str(tmp_path / "self_cgroup"))
-    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: set(range(64)))
-    monkeypatch.setattr(threads, "_set_pools", lambda *a: None)
-    for name in ("_requested", "_adaptive", "_current", "_last_sample", "_library_blas"):
-        monkeypatch.setattr(threads, name, getattr(threads, name))  # restored after the test
-    assert threads.configure_threads(None) == 2 and threads.max_threads() == 2
-
-
-# --- 6. the load test's own helpers ------------------------------------------------------------
-
-def _load_test_module():
-    import importlib.util
-    import pathlib
-    import sys
-
-    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "load_test.py"
-    spec = importlib.util.spec_from_file_location("load_test", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["load_test"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_load_test_reads_metrics_and_memory():
-    import os
-
-    lt = _load_test_module()
-    text = ("# HELP refengine:kv_cache_usage_perc x\n# TYPE refengine:kv_cache_usage_perc gauge\n"
-            "refengine:kv_cache_usage_perc 0.25\nrefengine:num_requests_running_total 3.0\n"
-            'refengine:num_requests_running{model_name="m"} 2.0\n')
-    assert lt.metric_value(text, "refengine:kv_cache_usage_perc") == 0.25
-    assert lt.metric_value(text, "refengine:num_requests_running") == 2.0  # not the _total one
-    assert lt.metric_value(text, "refengine:num_requests_waiting") is None
-    with open(f"/proc/{os.getpid()}/status") as f:
-        own = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-    assert lt.tree_rss_bytes(os.getpid()) >= own > 0
-
-
-def test_load_test_refuses_bad_options():
-    lt = _load_test_module()
-    with pytest.raises(SystemExit):
-        lt.main(["--duration", "0"])
