@@ -18,7 +18,7 @@ Llama decoder layer to fixed buffers: products through :meth:`NumbaOps.bind_line
 kernels with ``functools.partial``. A step then copies the token's embedding, position,
 cache slot, block table and context length into place and calls each bound call in order.
 The kernels are those the forward runs, with the same arguments, so the logits are the same
-bits (``tests/test_numba_decode.py``). :meth:`DecodeCapture.for_model` says which models
+bits (``tests/kernels/test_numba_decode.py``). :meth:`DecodeCapture.for_model` says which models
 qualify: the Llama decoder layer as written (Llama, Mistral, Qwen2, SmolLM2), the numba
 layer ops and attention, one process, no sliding window or soft cap; any other step runs the
 forward.

@@ -1,7 +1,7 @@
 """Layer operations as CPU kernels compiled by numba: the third sibling of the NumPy twin.
 
 The NumPy versions in :mod:`refengine.layers` (through :class:`refengine.ops.numpy_ops.NumpyOps`)
-are the reference; every kernel here is tested against them (``tests/test_cpu_kernels.py``).
+are the reference; every kernel here is tested against them (``tests/kernels/test_cpu_kernels.py``).
 
 Why these kernels exist:
 

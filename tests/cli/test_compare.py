@@ -2,8 +2,8 @@
 golden file that catches one perturbed weight, the golden round trip without transformers
 installed, and ``--engine-url`` against ``refengine serve``.
 
-The tiny models are the random-weight builders of tests/test_tiny_families.py and
-tests/test_tiny_models.py with the character tokenizer of conftest's ``tiny_llama_tok_dir``
+The tiny models are the random-weight builders of tests/models/test_tiny_families.py and
+tests/models/test_tiny_models.py with the character tokenizer of conftest's ``tiny_llama_tok_dir``
 (CJK and emoji become ``<unk>``; the prompts still run).
 """
 
@@ -177,7 +177,7 @@ def test_golden_round_trip_without_transformers(llama):
 def serve(model_dir: Path):
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
-    from tests.server.test_server import ServerThread
+    from tests.helpers import ServerThread
 
     from refengine.engine import LLMEngine
     from refengine.server.api import create_app

@@ -1,7 +1,7 @@
 """Every public entry point through a table of bad values (issue 11): every EngineArgs option,
 every SamplingParams field, add_request's arguments. Each is a ValueError whose message
 names the field and what is allowed, raised before anything is allocated or queued.
-(The model directory's files: tests/test_bad_model_files.py; the CLI: tests/test_cli_errors.py.)"""
+(The model directory's files: tests/formats/test_bad_model_files.py; the CLI: tests/cli/test_cli_errors.py.)"""
 
 from __future__ import annotations
 

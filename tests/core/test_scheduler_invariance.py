@@ -3,7 +3,7 @@
 Every run here is compared token for token with transformers' greedy output for the
 same prompt alone: batch company, chunk size, block size, preemption and aborts of
 other requests must not change a single token. transformers loads the converted model
-directory (tests/test_convert.py checks that it equals transformers' own GGUF load).
+directory (tests/formats/test_convert.py checks that it equals transformers' own GGUF load).
 
 Every test runs with prefix caching off and on (the ``caching`` fixture): with it on, the
 module-wide engine also serves later tests from blocks cached by earlier ones.

@@ -2,7 +2,7 @@
 dense float64 reference of ``helpers.py`` (a query at ``p`` sees ``p - W < key <= p``).
 
 The other backends test themselves against the twin with the same batches
-(``test_cpu_kernels.py``, ``test_kernels.py``); the model-level checks (prefill against
+(``test_cpu_kernels.py``, ``test_cuda_kernels.py``); the model-level checks (prefill against
 token-by-token decode over three windows, chunk sizes around the window) live with the
 models that use windows (``test_tiny_models.py``).
 """

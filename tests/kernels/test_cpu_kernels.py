@@ -34,6 +34,7 @@ from refengine.layers import RotaryEmbedding  # noqa: E402
 from refengine.ops import get_layer_ops  # noqa: E402
 from refengine.ops.numba_ops import BLAS_MIN_ROWS, DOT_4X4_MIN_ROWS, NumbaOps, _matmul_dot  # noqa: E402
 from refengine.ops.numpy_ops import NumpyOps  # noqa: E402
+from tests.helpers import shuffled_block_tables  # noqa: E402
 
 U32 = 2.0 ** -24  # float32 unit roundoff
 
@@ -72,14 +73,7 @@ def make_batch(rng, seqs, num_heads, num_kv_heads, head_dim, block_size, spare_b
     (``int8``: int8 caches with scales, such slots garbage with a NaN scale)."""
     seq_lens = np.array([s for s, _ in seqs], np.int32)
     q_lens = np.array([q for _, q in seqs], np.int32)
-    blocks_per_seq = [-(-int(s) // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_seq) + spare_blocks
-    physical = rng.permutation(num_blocks)
-    block_tables = np.full((len(seqs), max(blocks_per_seq) + 1), -1, np.int32)  # + a padding column
-    start = 0
-    for i, n in enumerate(blocks_per_seq):
-        block_tables[i, :n] = physical[start:start + n]
-        start += n
+    block_tables, num_blocks = shuffled_block_tables(rng, seq_lens, block_size, spare_blocks)  # + a padding column
     shape = (num_blocks + 2, block_size, num_kv_heads, head_dim)
     k_buf, v_buf = np.full(shape, np.nan, np.float32), np.full(shape, np.nan, np.float32)
     k_cache, v_cache = k_buf[1:-1], v_buf[1:-1]

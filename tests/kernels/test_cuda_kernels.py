@@ -366,7 +366,7 @@ def test_paged_decode_new_head_dims(head_dim, dtype, group, partition_size):
 
 def test_head_dims_have_every_kernel():
     """Each supported head dim has every attention kernel in the emulated module (which
-    tests/test_nvrtc.py ties to the GPU module)."""
+    tests/kernels/test_nvrtc.py ties to the GPU module)."""
     production = set(build_emulation_library().refengine_emu_list_kernels().decode().split())
     for head_dim in plans.SUPPORTED_HEAD_DIMS:
         for tag in ("f32", "f16", "bf16"):

@@ -26,6 +26,7 @@ from refengine.attention.cuda import EmulatedCudaAttention
 from refengine.attention.numpy_ref import NumpyAttention, float_to_fp8, fp8_to_float
 from refengine.engine_args import EngineArgs
 from refengine.kv_cache import FP8Scale, KVCache, quantize_int8
+from tests.helpers import shuffled_block_tables
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
@@ -193,14 +194,7 @@ def make_batch(rng, seqs, num_heads, num_kv_heads, head_dim, block_size, kv_dtyp
     among them) and, for int8, a NaN scale."""
     q_lens = np.array([q for _, q in seqs], np.int32)
     seq_lens = np.array([s for s, _ in seqs], np.int32)
-    per_seq = [-(-int(s) // block_size) for s in seq_lens]
-    num_blocks = sum(per_seq) + spare_blocks
-    physical = rng.permutation(num_blocks)
-    block_tables = np.full((len(seqs), max(per_seq) + 1), -1, np.int32)
-    start = 0
-    for i, n in enumerate(per_seq):
-        block_tables[i, :n] = physical[start:start + n]
-        start += n
+    block_tables, num_blocks = shuffled_block_tables(rng, seq_lens, block_size, spare_blocks)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     store = np.int8 if kv_dtype == "int8" else np.uint8
     k_cache, v_cache = rng.integers(0, 256, (2, *shape), dtype=np.uint8).view(store)

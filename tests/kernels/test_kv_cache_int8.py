@@ -21,6 +21,7 @@ from refengine.attention import AttentionMetadata, paged_metadata
 from refengine.attention.numpy_ref import NumpyAttention
 from refengine.engine_args import EngineArgs
 from refengine.kv_cache import KVCache, dequantize_int8, quantize_int8
+from tests.helpers import shuffled_block_tables
 
 numba_cpu = pytest.importorskip("refengine.attention.numba_cpu")
 
@@ -100,14 +101,7 @@ def make_int8_batch(rng, seqs, num_heads, num_kv_heads, head_dim, block_size, sp
     every slot that holds no cached token has random int8 values and a NaN scale."""
     q_lens = np.array([q for _, q in seqs], np.int32)
     seq_lens = np.array([s for s, _ in seqs], np.int32)
-    per_seq = [-(-int(s) // block_size) for s in seq_lens]
-    num_blocks = sum(per_seq) + spare_blocks
-    physical = rng.permutation(num_blocks)
-    block_tables = np.full((len(seqs), max(per_seq) + 1), -1, np.int32)
-    start = 0
-    for i, n in enumerate(per_seq):
-        block_tables[i, :n] = physical[start:start + n]
-        start += n
+    block_tables, num_blocks = shuffled_block_tables(rng, seq_lens, block_size, spare_blocks)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache, v_cache = rng.integers(-128, 128, (2, *shape), dtype=np.int8)
     k_scale, v_scale = np.full((2, *shape[:3]), np.nan, np.float32)
@@ -248,7 +242,7 @@ def test_bad_kv_cache_dtype_is_refused(tiny_llama_dir):
             EngineArgs(str(tiny_llama_dir), kv_cache_dtype=value)
     with pytest.raises(ValueError, match="kv_cache_dtype=8 is invalid"):
         EngineArgs(str(tiny_llama_dir), kv_cache_dtype=8)
-    # fp8 is read by the CUDA kernels only (tests/test_cuda_kv_quant.py); int8 by every backend
+    # fp8 is read by the CUDA kernels only (tests/kernels/test_cuda_kv_quant.py); int8 by every backend
     ea = EngineArgs(str(tiny_llama_dir), kv_cache_dtype="fp8_e4m3", attention_backend="numba")
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8_e4m3' is not supported with "
                                          "attention_backend='numba': it runs on the cuda, cuda-emulated backends"):

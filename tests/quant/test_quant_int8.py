@@ -200,7 +200,7 @@ def test_bad_quantization_values(tiny_llama_dir, tmp_path):
 
 
 def test_quantization_is_accepted_on_cuda(tiny_llama_dir, monkeypatch):
-    """int8 runs on device="cuda" through cuda/quant_matmul.cu (tests/test_cuda_quant.py)."""
+    """int8 runs on device="cuda" through cuda/quant_matmul.cu (tests/kernels/test_cuda_quant.py)."""
     import refengine.engine_args as ea
 
     monkeypatch.setattr(ea, "resolve_device", lambda device: "cuda")
@@ -272,7 +272,7 @@ def test_load_weights_quantizes_each_tensor_as_read(tmp_path):
 def test_int8_of_the_gguf_is_int8_of_its_float32_directory(gguf_path, smollm2_dir):
     """``quantization="int8"`` of the GGUF file dequantizes each tensor from its blocks and
     quantizes it per channel. weights/SmolLM2-135M-Instruct is that file's float32
-    dequantization (``convert-gguf``; tests/test_convert.py), so the int8 weights must be
+    dequantization (``convert-gguf``; tests/formats/test_convert.py), so the int8 weights must be
     bit for bit those of the directory's int8 load. Given equal weights, the logits differ
     at most by the float32 summation order of the BLAS row blocks, which follow the thread
     count each step picks (adapted to the machine's load): hence 1e-4 of the largest

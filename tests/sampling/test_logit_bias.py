@@ -11,6 +11,7 @@ from refengine.engine import LLM
 from refengine.sampler import Sampler, TokenUniforms
 from refengine.sampling_params import SamplingParams
 from refengine.structured_output import banned_by_bad_words, bad_words_token_ids
+from tests.helpers import http_server
 
 
 class FakeSeq:
@@ -190,15 +191,7 @@ def test_engine_refuses_bad_words_without_a_tokenizer(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def server(tok_llm):
-    pytest.importorskip("fastapi")
-    pytest.importorskip("uvicorn")
-    httpx = pytest.importorskip("httpx")
-    from tests.server.test_server import ServerThread
-
-    from refengine.server.api import create_app
-
-    app = create_app(tok_llm.llm_engine, served_model_name="tiny")
-    with ServerThread(app) as url, httpx.Client(base_url=url, timeout=60) as h:
+    with http_server(tok_llm.llm_engine, "tiny", timeout=60) as h:
         yield h
 
 

@@ -251,7 +251,7 @@ def served(tiny_llama_tok_dir):
     on the same weights for the expected values."""
     pytest.importorskip("fastapi")
     pytest.importorskip("openai")
-    from tests.server.test_server import ServerThread, client
+    from tests.helpers import ServerThread, client
 
     from refengine.server.api import create_app
 

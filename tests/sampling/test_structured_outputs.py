@@ -18,6 +18,7 @@ from refengine.engine import LLM  # noqa: E402
 from refengine.sampler import Sampler, TokenUniforms  # noqa: E402
 from refengine.sampling_params import SamplingParams  # noqa: E402
 from refengine.structured_output import StructuredOutputsParams  # noqa: E402
+from tests.helpers import http_server  # noqa: E402
 
 
 class FakeSeq:
@@ -266,15 +267,7 @@ def test_character_tokenizer_and_n_completions(tiny_llama_tok_dir):
 
 @pytest.fixture(scope="module")
 def server(smol):
-    pytest.importorskip("fastapi")
-    pytest.importorskip("uvicorn")
-    httpx = pytest.importorskip("httpx")
-    from tests.server.test_server import ServerThread
-
-    from refengine.server.api import create_app
-
-    app = create_app(smol.llm_engine, served_model_name="smol")
-    with ServerThread(app) as url, httpx.Client(base_url=url, timeout=120) as h:
+    with http_server(smol.llm_engine, "smol", timeout=120) as h:
         yield h
 
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,56 +26,9 @@ httpx = pytest.importorskip("httpx")
 from refengine.engine import LLM, LLMEngine  # noqa: E402
 from refengine.sampling_params import SamplingParams  # noqa: E402
 from refengine.server.api import ServerLimits, create_app  # noqa: E402
+from tests.helpers import KEY, TIMEOUT, ServerThread, client, metric, wait_until  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-TIMEOUT = 60.0  # seconds, any one HTTP call
-KEY = "sk-test-key"
-
-
-class ServerThread:
-    """uvicorn serving ``app`` on 127.0.0.1:<ephemeral> in a thread; a context manager."""
-
-    def __init__(self, app):
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-        return self.url
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-        self.sock.close()
-        assert not self.thread.is_alive(), "the server did not stop"
-
-
-def wait_until(predicate, timeout: float = 20.0, interval: float = 0.005):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError("condition not reached in time")
-
-
-def metric(text: str, name: str, labels: str = "") -> float:
-    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
-
-
-def client(url: str, key: str = KEY) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=TIMEOUT)
-
-
 # --------------------------------------------------------------------------------------
 # SmolLM2: text and chat equal LLM.generate
 # --------------------------------------------------------------------------------------

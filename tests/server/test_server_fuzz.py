@@ -6,7 +6,7 @@ status (``response_schema_conformance``). The short form here (a few dozen examp
 operation, ``max_tokens`` kept small, the tiny random model with a character tokenizer)
 runs in the suite; the long form is the same test with more examples::
 
-    REFENGINE_FUZZ_EXAMPLES=1000 .venv/bin/python -m pytest -q tests/test_server_fuzz.py
+    REFENGINE_FUZZ_EXAMPLES=1000 .venv/bin/python -m pytest -q tests/server/test_server_fuzz.py
 
 or schemathesis' own runner against a running ``refengine serve`` (docs/serving.md).
 """
@@ -26,7 +26,7 @@ from schemathesis.specs.openapi.checks import response_schema_conformance, statu
 
 from refengine.engine import LLMEngine  # noqa: E402
 from refengine.server.api import ServerLimits, create_app  # noqa: E402
-from tests.server.test_server import KEY, ServerThread  # noqa: E402
+from tests.helpers import KEY, ServerThread  # noqa: E402
 
 EXAMPLES = int(os.environ.get("REFENGINE_FUZZ_EXAMPLES", "25"))
 MAX_TOKENS = 4  # generated requests' lengths are clamped to this: the fuzz is about the API, not the model

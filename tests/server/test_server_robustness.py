@@ -7,7 +7,7 @@
 - cache_salt in the prefix-cache hash; /openapi.json; /tokenize's message checks.
 
 The tiny random Llama (tests/conftest.py) keeps this fast; servers run in a thread
-(``ServerThread`` of tests/test_server.py).
+(``ServerThread`` of tests/helpers.py).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from refengine.sampling_params import RequestOutputKind, SamplingParams  # noqa:
 from refengine.sequence import Sequence  # noqa: E402
 from refengine.server.api import ServerLimits, create_app  # noqa: E402
 from refengine.server.engine_loop import AsyncEngine  # noqa: E402
-from tests.server.test_server import KEY, TIMEOUT, ServerThread, metric, wait_until  # noqa: E402
+from tests.helpers import KEY, TIMEOUT, ServerThread, metric, wait_until  # noqa: E402
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
