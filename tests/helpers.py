@@ -271,6 +271,19 @@ def stub_step(sched):
     return out
 
 
+class FakeSeq:
+    """The sequence fields the sampler reads."""
+
+    def __init__(self, params=None, prompt=(), output=(), uniforms=None, seed=0):
+        from refengine.sampler import TokenUniforms
+        from refengine.sampling_params import SamplingParams
+
+        self.sampling_params = params or SamplingParams()
+        self.prompt_token_ids = list(prompt)
+        self.output_token_ids = list(output)
+        self.uniforms = uniforms if uniforms is not None else TokenUniforms(seed)
+
+
 def plan(out) -> list[tuple[str, int]]:
     """``(request_id, num_new_tokens)`` of a ``SchedulerOutput``, for readable asserts."""
     return [(s.request_id, n) for s, n in out.scheduled]

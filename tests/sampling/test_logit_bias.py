@@ -4,22 +4,19 @@ words through a tokenizer) and the server's fields and 400s."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
 from refengine.engine import LLM
-from refengine.sampler import Sampler, TokenUniforms
+from refengine.sampler import Sampler
 from refengine.sampling_params import SamplingParams
 from refengine.structured_output import banned_by_bad_words, bad_words_token_ids
-from tests.helpers import http_server
+from tests.helpers import FakeSeq as SamplerSeq, http_server
 
 
-class FakeSeq:
-    def __init__(self, params, output=(), seed=0):
-        self.sampling_params = params
-        self.prompt_token_ids = [1]
-        self.output_token_ids = list(output)
-        self.uniforms = TokenUniforms(seed)
+FakeSeq = functools.partial(SamplerSeq, prompt=[1])  # the sequence fields the sampler reads, a one-token prompt
 
 
 class CharTokenizer:

@@ -20,18 +20,9 @@ from refengine.sampler import (
     sample_rows,
 )
 from refengine.sampling_params import SamplingParams
+from tests.helpers import FakeSeq
 
 NEG_INF = -np.inf
-
-
-class FakeSeq:
-    """The sequence fields the sampler reads."""
-
-    def __init__(self, params=None, prompt=(), output=(), uniforms=None, seed=0):
-        self.sampling_params = params or SamplingParams()
-        self.prompt_token_ids = list(prompt)
-        self.output_token_ids = list(output)
-        self.uniforms = uniforms if uniforms is not None else TokenUniforms(seed)
 
 
 class FixedUniform:

@@ -5,6 +5,7 @@ server's fields and 400s."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -15,18 +16,13 @@ pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
 from refengine.engine import LLM  # noqa: E402
-from refengine.sampler import Sampler, TokenUniforms  # noqa: E402
+from refengine.sampler import Sampler  # noqa: E402
 from refengine.sampling_params import SamplingParams  # noqa: E402
 from refengine.structured_output import StructuredOutputsParams  # noqa: E402
-from tests.helpers import http_server  # noqa: E402
+from tests.helpers import FakeSeq as SamplerSeq, http_server  # noqa: E402
 
 
-class FakeSeq:
-    def __init__(self, params, output=(), seed=0):
-        self.sampling_params = params
-        self.prompt_token_ids = [1]
-        self.output_token_ids = list(output)
-        self.uniforms = TokenUniforms(seed)
+FakeSeq = functools.partial(SamplerSeq, prompt=[1])  # the sequence fields the sampler reads, a one-token prompt
 
 
 class FixedGrammar:
