@@ -11,6 +11,8 @@ change the bits when BLAS is allowed.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from tests.models.test_tiny_families import build
@@ -55,10 +57,15 @@ def _bits(output, prompt_logprobs: bool) -> list:
     return got
 
 
+@functools.cache
 def _run(model_dir, *, crowd: bool, budget: int, threads: int, cached: bool, batch_invariant: bool | None = None):
     """The target's bits from one engine: alone or after/among the crowd, ``budget`` tokens
     a step; ``cached``: the target's prompt was served before, so its full blocks come
-    from the prefix cache (then no prompt logprobs, which never take cache hits)."""
+    from the prefix cache (then no prompt logprobs, which never take cache hits).
+
+    A run is deterministic and a crowd run serves 201 requests, so a configuration that two
+    tests use (``test_cold_and_cached_prefix_agree`` takes two of the first test's) runs
+    once (``functools.cache``)."""
     llm = LLM(model=str(model_dir), num_threads=threads, max_num_batched_tokens=budget, max_num_seqs=256,
               enable_prefix_caching=True, batch_invariant=batch_invariant)
     target = _target()
