@@ -7,6 +7,9 @@ came from the prefix cache or was computed, and on 1 or 2 threads. Checked on th
 Llama and on a tiny Gemma 3 (sliding windows shorter than the prompt, so key tiles start
 inside the context), with ``batch_invariant=False`` as the control that the crowd does
 change the bits when BLAS is allowed.
+
+The module takes a few minutes: 12 engine runs per model, 6 of them among a crowd of 200
+requests, which must be large enough for steps beyond ``BLAS_MIN_ROWS`` rows.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ environment's and the placeholder GGUF file is the default model's. The one comm
 needs an extra the environment lacks (``--compare-transformers`` needs torch) must end with
 a one-line error naming the extra. Finally the README's Python example runs from another
 directory.
+
+This takes minutes, and must: a new environment, a non-editable install, and a first run
+that compiles the numba kernels in that install, as a new user's does.
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@ from outside the checkout, the emulated CUDA kernels included.
 
 The wheel is built from a copy of the checkout's files (tracked and untracked-but-not-
 ignored, as a fresh clone would have them), so a stale ``build/`` cannot leak into it.
+
+This takes minutes, and must: building and installing a wheel, and an installed package
+compiles its numba kernels afresh (numba's cache is keyed by the source files' paths, so the
+checkout's compiled kernels do not carry over; that the installed copy runs is the point).
 """
 
 from __future__ import annotations
