@@ -364,7 +364,7 @@ def check_quant_matmul(cp, rng) -> list[tuple[str, bool, str]]:
     """The quantized-weight products (cuda/quant_matmul.cu, through ``CudaLayerOps.linear``:
     int8, int4 with an act-order permutation) on the GPU against the float64 product of the
     dequantized weights, within the float32 accumulation bound ``(K + 2) 2^-24 |x| @ |w'|.T``
-    (tests/test_cuda_quant.py derives it); the NumPy twin (``reference_linear``) is held to the same."""
+    (tests/kernels/test_cuda_quant.py derives it); the NumPy twin (``reference_linear``) is held to the same."""
     import ml_dtypes
 
     from refengine.ops.cuda import CudaLayerOps

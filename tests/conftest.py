@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import save_tiny_llama
+from tests.helpers import save_tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2_DIR = ROOT / "weights" / "SmolLM2-135M-Instruct"
@@ -76,7 +76,7 @@ def pytest_collection_modifyitems(config, items):
 def tiny_llama_dir(tmp_path_factory) -> Path:
     """A tiny random-weight LlamaForCausalLM saved by transformers (vocab 211, 3 layers, 4/2 heads, head_dim 32).
 
-    head_dim 32 is the smallest the CUDA kernels are compiled for (tests/test_emulated_model.py).
+    head_dim 32 is the smallest the CUDA kernels are compiled for (tests/kernels/test_emulated_model.py).
     """
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 

@@ -1,5 +1,5 @@
-"""Helpers shared by the kernel, emulation and model tests (imported as ``helpers``:
-pytest puts ``tests/`` on ``sys.path``, as it is not a package).
+"""Helpers shared by the tests of every folder (``from tests.helpers import ...``: ``tests/``
+is a package, so same-named files in two folders do not clash).
 
 * :func:`make_case`: a random paged batch with NaN-guarded caches;
 * :func:`dense_reference`, :func:`numpy_twin`, :func:`run_and_check`: the references an
@@ -8,6 +8,9 @@ pytest puts ``tests/`` on ``sys.path``, as it is not a package).
 * :func:`load_gpu_check`: ``benchmarks/gpu_check.py`` as a module;
 * :func:`assert_logits_match`, :func:`hf_greedy`: a model's logits and greedy tokens
   against a transformers model (float32, eager) on the same ids.
+* :class:`ServerThread`, :func:`http_server`, :func:`client`, :func:`wait_until`,
+  :func:`metric`: a server over loopback HTTP in this process, and what its tests read back;
+* :func:`shuffled_block_tables`: a paged batch's block tables over shuffled physical blocks.
 
 Tolerances: float32 storage differs from the float64 reference only by float32
 accumulation and exp rounding over at most a few hundred keys: rtol=atol=2e-5 is
@@ -23,6 +26,11 @@ twin runs in float32 on the upcast inputs and gets the same tolerances.
 
 from __future__ import annotations
 
+import contextlib
+import re
+import socket
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,21 +63,28 @@ class Case:
     scale: float
 
 
+def shuffled_block_tables(rng, seq_lens, block_size: int, spare_blocks: int) -> tuple[np.ndarray, int]:
+    """Block tables for sequences of ``seq_lens`` tokens over ``sum(blocks) + spare_blocks``
+    physical blocks handed out in a random order (``rng.permutation``, drawn first), with one
+    column of pure padding (-1); returns ``(block_tables, num_blocks)``."""
+    blocks_per_seq = [-(-int(s) // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    physical = rng.permutation(num_blocks)
+    block_tables = np.full((len(seq_lens), max(blocks_per_seq) + 1), -1, np.int32)
+    start = 0
+    for i, n in enumerate(blocks_per_seq):
+        block_tables[i, :n] = physical[start:start + n]
+        start += n
+    return block_tables, num_blocks
+
+
 def make_case(rng, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, spare_blocks=3) -> Case:
     """Build a batch. ``seqs`` is a list of ``(seq_len, q_len)``; the first
     ``seq_len - q_len`` tokens of each are already in the cache, the rest are new."""
     dtype = np.dtype(dtype)
     seq_lens = np.array([s for s, _ in seqs], np.int32)
     q_lens = np.array([q for _, q in seqs], np.int32)
-    blocks_per_seq = [-(-int(s) // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_seq) + spare_blocks
-    physical = rng.permutation(num_blocks)
-    max_blocks = max(blocks_per_seq) + 1  # one column of pure padding
-    block_tables = np.full((len(seqs), max_blocks), -1, np.int32)
-    start = 0
-    for i, n in enumerate(blocks_per_seq):
-        block_tables[i, :n] = physical[start:start + n]
-        start += n
+    block_tables, num_blocks = shuffled_block_tables(rng, seq_lens, block_size, spare_blocks)
 
     # Guard blocks before and after the cache: out-of-range reads see NaN.
     shape = (num_blocks + 2, block_size, num_kv_heads, head_dim)
@@ -174,7 +189,7 @@ def fake_cupy():
     arrays are NumPy arrays (a subclass with ``.data.ptr``), RawModule kernels launch on
     the CPU emulator (built from exactly the kernel files the module's code concatenates),
     events read the wall clock. Only NVRTC compilation is not covered here
-    (tests/test_nvrtc.py compiles the same modules with the real NVRTC)."""
+    (tests/kernels/test_nvrtc.py compiles the same modules with the real NVRTC)."""
     import time
     import types
 
@@ -256,6 +271,19 @@ def stub_step(sched):
     return out
 
 
+class FakeSeq:
+    """The sequence fields the sampler reads."""
+
+    def __init__(self, params=None, prompt=(), output=(), uniforms=None, seed=0):
+        from refengine.sampler import TokenUniforms
+        from refengine.sampling_params import SamplingParams
+
+        self.sampling_params = params or SamplingParams()
+        self.prompt_token_ids = list(prompt)
+        self.output_token_ids = list(output)
+        self.uniforms = uniforms if uniforms is not None else TokenUniforms(seed)
+
+
 def plan(out) -> list[tuple[str, int]]:
     """``(request_id, num_new_tokens)`` of a ``SchedulerOutput``, for readable asserts."""
     return [(s.request_id, n) for s, n in out.scheduled]
@@ -294,3 +322,74 @@ def save_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
                   bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
     tf.LlamaForCausalLM(tf.LlamaConfig(**{**fields, **overrides})).save_pretrained(path, safe_serialization=True)
     return path
+
+
+# --- servers over loopback HTTP ------------------------------------------------------------
+
+TIMEOUT = 60.0  # seconds, any one HTTP call
+KEY = "sk-test-key"
+
+
+class ServerThread:
+    """uvicorn serving ``app`` on 127.0.0.1:<ephemeral> in a thread; a context manager."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        return self.url
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()
+        assert not self.thread.is_alive(), "the server did not stop"
+
+
+def wait_until(predicate, timeout: float = 20.0, interval: float = 0.005):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError("condition not reached in time")
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def client(url: str, key: str = KEY):
+    """An ``openai`` client of the server at ``url`` (no retries, :data:`TIMEOUT`)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=TIMEOUT)
+
+
+@contextlib.contextmanager
+def http_server(engine, served_model_name: str, timeout: float = TIMEOUT):
+    """``engine`` served as ``served_model_name`` (:class:`ServerThread`); yields an
+    ``httpx.Client`` on it. Skips the test without the server's packages."""
+    import pytest
+
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    httpx = pytest.importorskip("httpx")
+    from refengine.server.api import create_app
+
+    app = create_app(engine, served_model_name=served_model_name)
+    with ServerThread(app) as url, httpx.Client(base_url=url, timeout=timeout) as h:
+        yield h

@@ -3,7 +3,7 @@
 The float32 matrix product, RMSNorm, RoPE, SiLU-and-mul and GELU(tanh)-and-mul, on float32
 NumPy arrays. The NumPy versions in :mod:`refengine.ops.layers` (through
 :class:`refengine.ops.numpy_ops.NumpyOps`) are the reference; every kernel here is tested
-against them (``tests/test_cpu_kernels.py``). Products with quantized weights go to their
+against them (``tests/kernels/test_cpu_kernels.py``). Products with quantized weights go to their
 format's kernels (:mod:`refengine.quant`). docs/cpu_runtime.md is the guide.
 
 * **The small-row matrix product** :func:`_matmul_dot`: ``x [T, in]`` times weights kept in

@@ -35,7 +35,7 @@ the stored bytes are reordered, not requantized.
 
 Gemma 3 (``general.architecture == "gemma3"``, read into HF's ``Gemma3ForCausalLM``
 layout). Three differences from llama, each checked tensor for tensor against
-``transformers``' own GGUF load (``tests/test_gguf_gemma3.py``):
+``transformers``' own GGUF load (``tests/formats/test_gguf_gemma3.py``):
 
 - No q/k permutation. llama.cpp runs Gemma with NeoX-style rotary (the two halves of a
   head, as HF's ``rotate_half``), and its converter (``Gemma3Model`` in
@@ -524,7 +524,7 @@ def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
     ``general.alignment`` (default 32) and gives each tensor's bytes as a view of the map
     (:class:`GGUFTensor`). Nothing of the data section is read. This replaces
     ``gguf.GGUFReader``, which builds numpy views for every string of every array (17 s
-    for Gemma 3's 262,144-token vocabulary); ``tests/test_gguf_reader.py`` checks the two
+    for Gemma 3's 262,144-token vocabulary); ``tests/formats/test_gguf_reader.py`` checks the two
     agree on every key, type, value and tensor.
 
     Args:

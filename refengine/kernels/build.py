@@ -83,7 +83,7 @@ def nvrtc_program(cuda_include: os.PathLike | str | None,
     ``common.cuh``, whose ``#pragma once`` keeps the helpers single). NVRTC has no
     ``cuda_fp16.h`` / ``cuda_bf16.h`` of its own: ``cuda_include`` is the CUDA include
     directory that holds them (CuPy's ``get_cuda_path()/include``; with pip wheels,
-    ``nvidia/cu13/include`` from ``nvidia-cuda-runtime``). ``tests/test_nvrtc.py`` compiles
+    ``nvidia/cu13/include`` from ``nvidia-cuda-runtime``). ``tests/kernels/test_nvrtc.py`` compiles
     exactly this for sm_90; CuPy adds ``-arch`` and its own flags (``cupy/cuda/compiler.py``).
 
     Args:

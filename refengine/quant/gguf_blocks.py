@@ -9,7 +9,7 @@ those bytes, split by field into planes (:class:`GGUFWeight` documents the layou
 :meth:`GGUFWeight.dequantize` decodes them in NumPy, one formula per type written from its
 definition in ggml (``ggml/src/ggml-quants.c``, ``dequantize_row_*``; each function names
 the one it mirrors). ``gguf.quants.dequantize`` is its bit-exact oracle in the tests
-(``tests/test_gguf_blocks.py``): the formulas are evaluated in float32 in ggml's order, so
+(``tests/quant/test_gguf_blocks.py``): the formulas are evaluated in float32 in ggml's order, so
 every value is the same float.
 
 The products with activations are compiled: :mod:`refengine.cpu.gguf_products` (float32

@@ -1,0 +1,1 @@
+"""refengine's tests, in folders that mirror the package (docs/testing.md)."""

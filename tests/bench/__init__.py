@@ -1,0 +1,1 @@
+"""`refengine bench` and the benchmark scripts."""

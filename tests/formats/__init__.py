@@ -1,0 +1,1 @@
+"""File formats: the GGUF reader, GGUF models run as stored, GGUF conversion, broken model directories."""

@@ -1,0 +1,1 @@
+"""Kernels against their NumPy twins: numba (CPU) and CUDA (emulated), the KV cache dtypes."""

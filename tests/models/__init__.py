@@ -1,0 +1,1 @@
+"""Model families against transformers: tiny random-weight models, the real models, RoPE scaling."""

@@ -1,0 +1,1 @@
+"""The package as shipped: its import structure, the wheel, the README's commands."""

@@ -1,0 +1,78 @@
+"""The README's commands, in the README's order, in a fresh environment.
+
+A new virtual environment gets refengine installed from this checkout the way a user's
+``pip install`` would (a wheel, not editable, with the ``plot`` and ``serve`` extras that
+``make run`` installs, and without the test extras: no torch). Then every command of the
+README's Quick start block runs as written, except that ``.venv/bin/`` is the fresh
+environment's and the placeholder GGUF file is the default model's. The one command that
+needs an extra the environment lacks (``--compare-transformers`` needs torch) must end with
+a one-line error naming the extra. Finally the README's Python example runs from another
+directory.
+
+This takes minutes, and must: a new environment, a non-editable install, and a first run
+that compiles the numba kernels in that install, as a new user's does.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def quick_start_commands() -> list[str]:
+    """The lines of the README's first ``sh`` block after "Then, with the virtual environment's"."""
+    after = README.split("Then, with the virtual environment's", 1)[1]
+    block = re.search(r"```sh\n(.*?)```", after, re.S).group(1)
+    return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+
+
+def python_example() -> str:
+    return re.search(r"```python\n(.*?)```", README, re.S).group(1)
+
+
+@pytest.fixture(scope="module")
+def fresh_env(tmp_path_factory) -> Path:
+    venv = tmp_path_factory.mktemp("fresh") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run(pip + [f"{ROOT}[plot,serve]"], check=True, cwd=tmp_path_factory.getbasetemp())
+    return venv
+
+
+def test_readme_commands_in_order(fresh_env, smollm2_dir, gguf_path, tmp_path):
+    env = {**os.environ, "REFENGINE_MODEL": str(smollm2_dir), "REFENGINE_CACHE_DIR": str(tmp_path / "cache")}
+    commands = quick_start_commands()
+    assert [c.split()[1] for c in commands] == ["generate", "generate", "generate", "chat", "bench", "generate",
+                                                "eval", "convert-gguf"]
+    for command in commands:
+        command = command.replace("weights/SmolLM2-135M-Instruct.Q4_1.gguf", str(gguf_path))
+        argv = shlex.split(command.replace(".venv/bin/", f"{fresh_env}/bin/"))
+        if argv[1] == "convert-gguf":
+            argv[2:4] = [str(gguf_path), str(tmp_path / "converted")]
+        stdin = "Hi\n/exit\n" if argv[1] == "chat" else None
+        res = subprocess.run(argv, input=stdin, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+        out = res.stdout + res.stderr
+        assert "Traceback" not in out, (command, out)
+        if "--compare-transformers" in argv:  # torch is a test extra: the one-line message names it
+            errors = [line for line in out.splitlines() if line.startswith("Error:")]
+            assert res.returncode != 0 and len(errors) == 1 and "refengine[compare]" in errors[0], (command, out)
+        else:
+            assert res.returncode == 0, (command, out)
+    assert (tmp_path / "converted" / "model.safetensors").is_file()
+
+
+def test_readme_python_example_from_another_directory(fresh_env, smollm2_dir, tmp_path):
+    env = {**os.environ, "REFENGINE_MODEL": str(smollm2_dir), "REFENGINE_CACHE_DIR": str(tmp_path / "cache")}
+    res = subprocess.run([str(fresh_env / "bin" / "python"), "-c", python_example()], capture_output=True, text=True,
+                         cwd=tmp_path, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert "Paris" in res.stdout

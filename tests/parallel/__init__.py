@@ -1,0 +1,1 @@
+"""Tensor parallelism (MPI workers) and data parallelism (Ray Serve replicas)."""

@@ -1,0 +1,1 @@
+"""Sampling: the sampler, SamplingParams, logit bias, logprobs, structured outputs, beam search."""

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: the API, its limits and faults, schema fuzzing."""

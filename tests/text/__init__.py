@@ -1,0 +1,1 @@
+"""Text: the tokenizer, the incremental detokenizer, the stop rules."""
