@@ -551,7 +551,7 @@ class NumbaOps(Recordable):
         if (x.ndim != 2 or x.shape[1] != n_in or out.shape != (rows, n_out)
                 or x.dtype is not F32 or out.dtype is not F32
                 or not (x.flags.c_contiguous and out.flags.c_contiguous)):
-            raise ValueError(f"bind_linear takes C-contiguous float32 x [T, in] and out [T, out], "
+            raise ValueError(f"bind_linear takes C-contiguous float32 x [T, {n_in}] and out [T, {n_out}], "
                              f"got x {x.dtype} {x.shape} and out {out.dtype} {out.shape} for a weight {w.shape}")
         threads = get_num_threads()
         if is_quantized(w):

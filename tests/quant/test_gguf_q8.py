@@ -200,10 +200,9 @@ def test_layer_ops_bind_one_row_products(q8_weights, name):
     x = rng.standard_normal((3, 576)).astype(np.float32)
     want = bits(q8_linear(x, w))
     assert np.array_equal(bits(ops.linear(x, w)), want)  # three rows: not bound
-    assert id(w) not in ops._row_products
-    for i in range(3):  # bound at the first row, called directly after
+    for i in range(3):  # one row: the weight's bound RowProduct (kept on the weight per thread count)
         assert np.array_equal(bits(ops.linear(x[i:i + 1], w)), want[i:i + 1])
-        run = ops._row_products[id(w)]
+        run = w.row_product(numba.get_num_threads())
         assert isinstance(run, RowProduct) and run.weight is w
     assert np.array_equal(bits(ops.linear(x[1:2].astype(np.float64), w)), want[1:2])  # cast, checked path
     wide = np.zeros((1, 2 * 576), np.float32)
@@ -215,7 +214,7 @@ def test_layer_ops_bind_one_row_products(q8_weights, name):
         for threads in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
             numba.set_num_threads(threads)
             assert np.array_equal(bits(ops.linear(x[2:3], w)), want[2:3])
-            assert ops._row_products[id(w)].threads == threads
+            assert w.row_product(numba.get_num_threads()).threads == threads
     finally:
         numba.set_num_threads(before)
 
