@@ -1,8 +1,10 @@
-"""One tensor-parallel worker process: ``mpiexec -n N python -m refengine.core.worker HOST:PORT AUTHKEY``.
+"""One tensor-parallel worker process: ``mpiexec -n N python -m refengine.core.worker HOST:PORT KEY_FILE``.
 
-Started by :class:`refengine.core.executor.TensorParallelRunner`, never by hand: it
-connects back to the driver, says its rank, receives its set-up, loads its share of the
-model and runs steps until told to stop (:func:`worker_main`).
+Started by :class:`refengine.core.executor.TensorParallelRunner`, never by hand: it reads
+the key from ``KEY_FILE`` (a file only this user can read; the key itself is on no command
+line), connects back to the driver (each proves to the other that it holds the key), says its
+rank, receives its set-up, loads its share of the model and runs steps until told to stop
+(:func:`worker_main`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 import sys
 import traceback
 from multiprocessing.connection import Client
+from pathlib import Path
 
 from refengine.core.model_runner import ModelRunner
 from refengine.parallel.tensor_parallel import TensorParallelShard, plan_partitions
@@ -79,16 +82,14 @@ def worker_main(conn, rank: int) -> None:
             comm.close()
 
 
-
-
 def main(argv: list[str]) -> None:
     from mpi4py import MPI  # initializes MPI: this process's rank among mpiexec's
 
     rank = MPI.COMM_WORLD.Get_rank()
-    address, authkey = argv
+    address, key_file = argv
     host, port = address.rsplit(":", 1)
-    conn = Client((host, int(port)), authkey=bytes.fromhex(authkey))
-    conn.send(rank)
+    conn = Client((host, int(port)), authkey=Path(key_file).read_bytes())
+    conn.send_bytes(str(rank).encode())  # plain digits: the driver unpickles nothing before it knows us
     worker_main(conn, rank)
     conn.close()
 

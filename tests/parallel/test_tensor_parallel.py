@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
+import sys
+import time
+import types
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from refengine import LLM, SamplingParams
-from refengine.core.executor import cpu_shares
+from refengine.core import executor
+from refengine.core.executor import WorkerError, cpu_shares
 from refengine.engine_args import EngineArgs
 from refengine.models.hf_config import read_model_config
 from refengine.parallel import plan_partitions, shard_checkpoint
@@ -237,8 +243,6 @@ def test_a_worker_that_dies_is_reported_not_waited_for(tiny_llama_dir):
     import os
     import signal
 
-    from refengine.core.executor import WorkerError
-
     llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=32, tensor_parallel_size=2)
     try:
         os.kill(llm.llm_engine.runner.workers[1]["pid"], signal.SIGKILL)
@@ -246,6 +250,141 @@ def test_a_worker_that_dies_is_reported_not_waited_for(tiny_llama_dir):
             llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)
     finally:
         llm.llm_engine.shutdown()
+
+
+# --- start-up: nothing a neighbour on the machine can use --------------------------------
+
+KEY = b"a neighbour must never see this!"  # the driver's authkey in these tests (32 bytes)
+
+NEIGHBOUR_THEN_MPIEXEC = """#!{python}
+# Stands in for mpiexec: a neighbour's three connections reach the driver's port first, then
+# the real launcher starts the workers.
+import pickle, socket, struct, subprocess, sys
+from multiprocessing.connection import Client
+
+host, port = sys.argv[-2].rsplit(":", 1)
+address = (host, int(port))
+
+
+class Touch:
+    def __reduce__(self):  # loading this pickle creates a file
+        return open, ({touched!r}, "w")
+
+
+silent = socket.create_connection(address)  # connects, then says nothing
+stranger = socket.create_connection(address)  # no key: a pickle where the HMAC answer goes
+payload = pickle.dumps(Touch())
+stranger.sendall(struct.pack("!i", len(payload)) + payload)
+insider = Client(address, authkey={key!r})  # holds the key, and sends a pickle where the rank goes
+insider.send(Touch())
+sys.exit(subprocess.call([{mpiexec!r}, *sys.argv[1:]]))
+"""
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (from each ``/proc/PID/stat``'s parent field)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # ended meanwhile
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        found.append(todo.pop())
+        todo += children.get(found[-1], [])
+    return found
+
+
+class Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture(scope="module")
+def tp2_behind_a_neighbour(tiny_llama_dir, tmp_path_factory):
+    """The tiny model at TP = 2, started through :data:`NEIGHBOUR_THEN_MPIEXEC` with the key
+    :data:`KEY`: ``(llm, path the neighbour's pickle would create, the driver's warnings)``."""
+    if not HAVE_MPI:
+        pytest.skip("mpi4py/mpich not installed (pip install 'refengine[distributed]')")
+    tmp = tmp_path_factory.mktemp("neighbour")
+    touched, launcher = tmp / "unpickled", tmp / "mpiexec"
+    launcher.write_text(NEIGHBOUR_THEN_MPIEXEC.format(python=sys.executable, touched=str(touched), key=KEY,
+                                                      mpiexec=executor.mpiexec()))
+    launcher.chmod(0o755)
+    warnings = Warnings()
+    logging.getLogger(executor.__name__).addHandler(warnings)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(executor, "secrets", types.SimpleNamespace(token_bytes=lambda n: KEY))
+        mp.setattr(executor, "mpiexec", lambda: str(launcher))
+        mp.setattr(executor, "HANDSHAKE_TIMEOUT_S", 1)  # what the silent peer costs
+        try:
+            llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=32, tensor_parallel_size=2)
+        finally:
+            logging.getLogger(executor.__name__).removeHandler(warnings)
+    yield llm, touched, warnings.messages
+    llm.llm_engine.shutdown()
+
+
+def test_the_key_is_on_no_command_line_nor_in_any_environment(tp2_behind_a_neighbour):
+    """While the workers run, no process of the launch (launcher, mpiexec, MPICH's proxy, the
+    ranks) has the key on its command line (any local user can read ``/proc/PID/cmdline``)
+    or in its environment (MPICH sends the environment over its control socket); the key
+    file whose path the launch carries is gone."""
+    llm, _, _ = tp2_behind_a_neighbour
+    runner = llm.llm_engine.runner
+    pids = descendants(runner._launcher.pid)
+    assert {w["pid"] for w in runner.workers} <= set(pids)  # the ranks are among those read
+    for pid in pids:
+        for part in ("cmdline", "environ"):
+            text = Path(f"/proc/{pid}/{part}").read_bytes()
+            assert KEY not in text and KEY.hex().encode() not in text, (pid, part)
+    key_file = Path(f"/proc/{runner._launcher.pid}/cmdline").read_bytes().split(b"\0")[-2].decode()
+    assert "refengine-tp-key-" in key_file and not Path(key_file).exists()
+
+
+def test_peers_that_do_not_prove_the_key_are_dropped_and_nothing_is_unpickled(tp2_behind_a_neighbour):
+    """A silent peer, one that sends a pickle instead of the HMAC answer, and one that holds
+    the key but sends a pickle as its rank all reach the driver before the workers: each is
+    dropped (the last because the rank is read as bytes, never unpickled), the pickle's
+    ``open(path, "w")`` never runs, and the two real workers start."""
+    llm, touched, warnings = tp2_behind_a_neighbour
+    assert not touched.exists()
+    assert [w["rank"] for w in llm.llm_engine.runner.workers] == [0, 1]
+    assert len(warnings) == 3, warnings
+    assert "(TimeoutError: no answer in 1 s)" in warnings[0]
+    assert "(AuthenticationError: digest received was wrong)" in warnings[1]
+    assert "OSError: bad message length" in warnings[2]  # a pickle is longer than a rank's 8 digits
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("script, timeout_s, message", [
+    ("exit 3", 60, "mpiexec exited with code 3 before the tensor-parallel workers connected"),
+    ("exec sleep 60", 1, "tensor-parallel workers did not connect in 1 s"),
+])
+def test_a_launch_that_fails_or_never_connects_raises_worker_error(tiny_llama_dir, tmp_path, monkeypatch,
+                                                                   script, timeout_s, message):
+    """A launcher that exits at once (seen at once, not at the deadline), or one that runs but
+    starts no worker (``STARTUP_TIMEOUT_S`` applies): ``LLM(...)`` raises WorkerError within
+    seconds, not a hang; the launcher is gone and so is the key file."""
+    launcher = tmp_path / "mpiexec"
+    launcher.write_text(f'#!/bin/sh\necho $$ > "{tmp_path}/pid"\nprintf "%s\\n" "$@" > "{tmp_path}/args"\n{script}\n')
+    launcher.chmod(0o755)
+    monkeypatch.setattr(executor, "mpiexec", lambda: str(launcher))
+    monkeypatch.setattr(executor, "STARTUP_TIMEOUT_S", timeout_s)
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=message):
+        LLM(model=str(tiny_llama_dir), num_kv_blocks=32, tensor_parallel_size=2)
+    assert time.monotonic() - start < 10
+    assert not Path(f"/proc/{(tmp_path / 'pid').read_text().strip()}").exists()  # killed and reaped
+    key_file = (tmp_path / "args").read_text().split("\n")[-2]
+    assert "refengine-tp-key-" in key_file and not Path(key_file).exists()
 
 
 def test_nccl_communicator_on_a_gpu():
