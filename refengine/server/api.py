@@ -569,6 +569,12 @@ class OpenAIServing:
             events = self.events(stream, prompts, params.n, record, choice, chunk, head, req.include_usage)
             return EventStreamResponse(events, on_close=stream.close)
         finals = await self.collect(stream, request, record)
+        failed = [(tag, c) for tag, out in sorted(finals.items()) for c in out.outputs if c.finish_reason == "error"]
+        if failed:  # vLLM answers a non-streamed "error" with an error status too; streamed, the chunk says it
+            tag, c = failed[0]
+            raise APIError(400, f"choice {tag * params.n + c.index} could not go on after {len(c.token_ids)} tokens: "
+                                "the request's allowed_token_ids, bad_words, min_tokens and structured output together "
+                                "left no token to generate")
         parts = [ChoicePart(tag, tag * params.n + c.index, c, c.text, c.token_ids, c.logprobs,
                             prompt_logprobs=out.prompt_logprobs)
                  for tag, out in sorted(finals.items()) for c in out.outputs]
