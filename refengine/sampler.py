@@ -525,7 +525,16 @@ class Sampler:
         V = x.shape[1]
         if allowed.shape[1] < V:  # logits wider than the grammar's vocabulary: the rest refused
             allowed = np.pad(allowed, ((0, 0), (0, V - allowed.shape[1])))
-        masked = np.where(allowed[:, :V], x[rows], np.float32(-np.inf))
+        allowed = allowed[:, :V]
+        # A request's stop_token_ids end it only where its grammar may end (where the grammar
+        # allows EOS): masked before, allowed like EOS then. A stop id the grammar also takes
+        # mid-value (the id of '"' inside a JSON string) would otherwise end the output there.
+        eos = [t for t in self.eos_token_ids if t < V]
+        for j, i in enumerate(rows):
+            stop = [t for t in seqs[i].sampling_params.stop_token_ids if t < V]
+            if stop:
+                allowed[j, stop] = bool(eos) and bool(allowed[j, eos].any())
+        masked = np.where(allowed, x[rows], np.float32(-np.inf))
         x[rows] = masked
         return rows, masked
 
