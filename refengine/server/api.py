@@ -496,8 +496,12 @@ class OpenAIServing:
         return ChatLogprobs(content=content)
 
     def _top(self, token_id: int, logprob: float) -> dict:
+        """One chat logprob entry: ``token`` the token decoded alone (U+FFFD for part of a
+        character), ``bytes`` the token's own bytes (``Tokenizer.token_bytes``),
+        which laid end to end rebuild the text."""
         text = self.token_text(token_id)
-        return {"token": text, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(text.encode("utf-8"))}
+        raw = self.tokenizer.token_bytes(token_id) if self.tokenizer is not None else text.encode("utf-8")
+        return {"token": text, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(raw)}
 
     # --- running a request ----------------------------------------------------------------
     async def collect(self, stream: RequestStream, request: Request, record: AccessRecord) -> dict:
