@@ -299,6 +299,14 @@ ERROR_CASES = [
     ("oversized chunked body", None, lambda: (b"[7, 7, 7, 7]" for _ in range(8000)), "/v1/completions", 413, None,
      ["65536"]),
     ("unknown path", None, {"prompt": [1]}, "/v1/nothing", 404, None, []),
+    # OpenAI's and vLLM's 400s for a field that needs another
+    ("stream_options without stream", None, {"prompt": [1], "stream_options": {"include_usage": True}},
+     "/v1/completions", 400, "stream_options", ["stream_options", "stream: true"]),
+    ("stream_options with stream false", None, {"messages": [{"role": "user", "content": "hi"}], "stream": False,
+                                                "stream_options": {"include_usage": True}},
+     "/v1/chat/completions", 400, "stream_options", ["stream: true"]),
+    ("tool_choice without tools", None, {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "none"},
+     "/v1/chat/completions", 400, "tool_choice", ["tool_choice", "tools"]),
 ]
 
 
