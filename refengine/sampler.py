@@ -333,6 +333,52 @@ def top_logprobs(logprobs_row: np.ndarray, sampled: int, n: int) -> dict[int, fl
     return result
 
 
+#: Bytes of float32 logits :func:`prompt_logprobs_rows` processes at once: its scratch (the
+#: block's copy, log-softmax temporaries and top-k indices) is a few times this.
+PROMPT_LOGPROBS_BLOCK_BYTES = 4 * 2**20
+
+
+def prompt_logprobs_rows(logits: np.ndarray, token_ids: np.ndarray, k: int
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Each row's log-probability and rank of one token, and its top ``k``, from raw logits.
+
+    Args:
+        logits: ``[r, V]`` float32, raw (NaN counts as -inf); not modified.
+        token_ids: ``[r]`` ints in ``[0, V)``, row ``i``'s token.
+        k: how many most likely tokens per row (``0 <= k``; more than ``V`` means ``V``).
+    Returns:
+        ``(token_logprobs [r] float32, ranks [r] int64, top_ids [r, k] int64,
+        top_logprobs [r, k] float32)``: float32 log-softmax values; rank = how many tokens
+        are strictly more likely, plus one; the top ``k`` most likely first, ties to the
+        lower id (across ``np.argpartition``'s boundary either may be kept).
+
+    The rows go through in blocks of :data:`PROMPT_LOGPROBS_BLOCK_BYTES`: the memory on
+    top of ``logits`` is a few blocks and ``O(r * k)`` for the results, not several
+    ``[r, V]`` arrays (a 2,048-row prefill chunk of a 262k vocabulary is 2 GiB per
+    array). Each row's values are those of the whole array at once: every step is per row.
+    """
+    r, V = logits.shape
+    k = min(int(k), V)
+    token_ids = np.asarray(token_ids, dtype=np.int64)
+    token_lp = np.empty(r, dtype=np.float32)
+    ranks = np.empty(r, dtype=np.int64)
+    top_ids = np.empty((r, k), dtype=np.int64)
+    top_lp = np.empty((r, k), dtype=np.float32)
+    step = max(1, PROMPT_LOGPROBS_BLOCK_BYTES // (4 * max(V, 1)))
+    for start in range(0, r, step):
+        rows = slice(start, min(start + step, r))
+        lp = log_softmax(sanitize_logits(logits[rows]))
+        at = np.arange(lp.shape[0])
+        token_lp[rows] = lp[at, token_ids[rows]]
+        ranks[rows] = (lp > token_lp[rows, None]).sum(axis=-1) + 1
+        if k > 0:
+            top = np.argpartition(-lp, k - 1, axis=-1)[:, :k]
+            order = np.lexsort((top, -np.take_along_axis(lp, top, axis=-1)), axis=-1)  # most likely first
+            top_ids[rows] = np.take_along_axis(top, order, axis=-1)
+            top_lp[rows] = np.take_along_axis(lp, top_ids[rows], axis=-1)
+    return token_lp, ranks, top_ids, top_lp
+
+
 def position_uniform(seq: SequenceLike) -> float:
     """The uniform the sampler inverts for ``seq``'s next token (output position
     ``len(seq.output_token_ids)``, purpose SAMPLE)."""
