@@ -240,7 +240,7 @@ class EngineMetrics:
     ======================================================  =========  =================================
     ``refengine:prompt_tokens_total``                       counter    prefill tokens computed (incl. recompute)
     ``refengine:generation_tokens_total``                   counter    output tokens sampled
-    ``refengine:request_success_total{finished_reason}``    counter    finished requests, by stop/length/abort
+    ``refengine:request_success_total{finished_reason}``    counter    finished requests, by stop/length/abort/error
     ``refengine:num_preemptions_total``                     counter    preemptions (by recompute)
     ``refengine:prefix_cache_queries_total``                counter    tokens looked up in the prefix cache
     ``refengine:prefix_cache_hits_total``                   counter    of those, tokens found (not computed)
@@ -461,7 +461,7 @@ class EngineMetrics:
         Args:
             m: its metrics, with ``finished_time`` stamped (if not, nothing time-based
                 that needs it is observed).
-            finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` (the label value).
+            finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or ``"error"`` (the label value).
             request_id: used only to name the request's row in the Chrome trace.
         """
         self.request_success.labels(finished_reason=finish_reason).inc()

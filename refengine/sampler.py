@@ -42,8 +42,17 @@ allowed_token_ids outside the grammar), the grammar wins: the row keeps the gram
 mask alone.
 
 Robustness: NaN logits count as -inf, +inf as the largest float32; the most likely token
-always survives every filter, so a row is never left without candidates. A row that is
--inf everywhere (nothing to choose) yields token 0 rather than raising.
+always survives every filter, so the warpers never leave a row without candidates. A row
+that the masks leave -inf everywhere (e.g. a multi-token bad word banning the only allowed
+continuation) has nothing to choose: its token is :data:`NO_TOKEN`, never a token drawn
+from outside the masks, and the stop checker finishes that sequence with
+``finish_reason="error"`` (vLLM's finish reason for a request-level error).
+Where such a row can be foreseen from the request alone, :meth:`Sampler.check_sampling_params`
+refuses it up front (vLLM's check of ``allowed_token_ids`` against single-token ``bad_words``).
+
+Request ``stop_token_ids`` under a grammar: they end the output only where the grammar may
+end, so they are masked while it may not, and allowed (as EOS is) once it may (vLLM's
+structured-output manager masks them the same way).
 """
 
 from __future__ import annotations
@@ -57,6 +66,9 @@ from refengine.sampling_params import SamplingParams
 from refengine.structured_output import StructuredOutputManager, banned_by_bad_words, bad_words_token_ids
 
 _F32_MAX = np.finfo(np.float32).max
+
+#: The token of a row with no candidate (every logit -inf after the masks): not a token id.
+NO_TOKEN = -1
 
 
 # What a uniform is for: its own stream per purpose, so that the draws of one never shift
@@ -129,9 +141,10 @@ class SamplerOutput:
     """What the sampler returns for a batch of ``B`` rows.
 
     Attributes:
-        token_ids: ``[B]`` int64, the chosen token of each row.
+        token_ids: ``[B]`` int64, the chosen token of each row; :data:`NO_TOKEN` for a row
+            the masks left without any token.
         logprobs: None when no row asked for logprobs; otherwise a list of length ``B``
-            whose entry ``i`` is None (row ``i`` did not ask) or a ``{token_id: logprob}``
+            whose entry ``i`` is None (row ``i`` did not ask, or has no token) or a ``{token_id: logprob}``
             dict holding the sampled token first and then the ``params.logprobs`` most
             likely tokens (so ``logprobs`` or ``logprobs + 1`` entries), computed from the
             raw logits.
@@ -272,7 +285,7 @@ def sample_rows(logits: np.ndarray, uniforms: SequenceT[float] | np.ndarray) -> 
 
     Returns: ``[b]`` int64, row ``i``'s token the first whose CDF exceeds ``uniforms[i]``
     (token ids in increasing order). The chosen token always has a non-zero probability; a
-    row that is -inf everywhere gives its argmax (token 0).
+    row that is -inf everywhere gives :data:`NO_TOKEN`.
     """
     out = np.empty(logits.shape[0], dtype=np.int64)
     if logits.shape[0] == 0:
@@ -282,7 +295,7 @@ def sample_rows(logits: np.ndarray, uniforms: SequenceT[float] | np.ndarray) -> 
     weights = np.exp(logits - row_max)  # [b, V] unnormalised probabilities, the top is 1
     for i, u in enumerate(uniforms):
         if not ok[i]:
-            out[i] = int(np.argmax(logits[i]))
+            out[i] = NO_TOKEN
             continue
         # The CDF over the candidates only (weight > 0), in float64: after top-k/top-p
         # that is a handful of tokens instead of the whole vocabulary.
@@ -292,6 +305,15 @@ def sample_rows(logits: np.ndarray, uniforms: SequenceT[float] | np.ndarray) -> 
         # min() covers u * total rounding up to total.
         j = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), cand.size - 1)
         out[i] = cand[j]
+    return out
+
+
+def greedy_tokens(logits: np.ndarray) -> np.ndarray:
+    """``[b]`` int64, the argmax of each row of ``[b, V]`` processed logits (ties to the
+    lowest id); :data:`NO_TOKEN` for a row that is -inf everywhere."""
+    out = np.argmax(logits, axis=-1).astype(np.int64)
+    if out.size:
+        out[~np.isfinite(logits.max(axis=-1))] = NO_TOKEN
     return out
 
 
@@ -309,6 +331,52 @@ def top_logprobs(logprobs_row: np.ndarray, sampled: int, n: int) -> dict[int, fl
         for t in cand:
             result.setdefault(int(t), float(logprobs_row[t]))
     return result
+
+
+#: Bytes of float32 logits :func:`prompt_logprobs_rows` processes at once: its scratch (the
+#: block's copy, log-softmax temporaries and top-k indices) is a few times this.
+PROMPT_LOGPROBS_BLOCK_BYTES = 4 * 2**20
+
+
+def prompt_logprobs_rows(logits: np.ndarray, token_ids: np.ndarray, k: int
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Each row's log-probability and rank of one token, and its top ``k``, from raw logits.
+
+    Args:
+        logits: ``[r, V]`` float32, raw (NaN counts as -inf); not modified.
+        token_ids: ``[r]`` ints in ``[0, V)``, row ``i``'s token.
+        k: how many most likely tokens per row (``0 <= k``; more than ``V`` means ``V``).
+    Returns:
+        ``(token_logprobs [r] float32, ranks [r] int64, top_ids [r, k] int64,
+        top_logprobs [r, k] float32)``: float32 log-softmax values; rank = how many tokens
+        are strictly more likely, plus one; the top ``k`` most likely first, ties to the
+        lower id (across ``np.argpartition``'s boundary either may be kept).
+
+    The rows go through in blocks of :data:`PROMPT_LOGPROBS_BLOCK_BYTES`: the memory on
+    top of ``logits`` is a few blocks and ``O(r * k)`` for the results, not several
+    ``[r, V]`` arrays (a 2,048-row prefill chunk of a 262k vocabulary is 2 GiB per
+    array). Each row's values are those of the whole array at once: every step is per row.
+    """
+    r, V = logits.shape
+    k = min(int(k), V)
+    token_ids = np.asarray(token_ids, dtype=np.int64)
+    token_lp = np.empty(r, dtype=np.float32)
+    ranks = np.empty(r, dtype=np.int64)
+    top_ids = np.empty((r, k), dtype=np.int64)
+    top_lp = np.empty((r, k), dtype=np.float32)
+    step = max(1, PROMPT_LOGPROBS_BLOCK_BYTES // (4 * max(V, 1)))
+    for start in range(0, r, step):
+        rows = slice(start, min(start + step, r))
+        lp = log_softmax(sanitize_logits(logits[rows]))
+        at = np.arange(lp.shape[0])
+        token_lp[rows] = lp[at, token_ids[rows]]
+        ranks[rows] = (lp > token_lp[rows, None]).sum(axis=-1) + 1
+        if k > 0:
+            top = np.argpartition(-lp, k - 1, axis=-1)[:, :k]
+            order = np.lexsort((top, -np.take_along_axis(lp, top, axis=-1)), axis=-1)  # most likely first
+            top_ids[rows] = np.take_along_axis(top, order, axis=-1)
+            top_lp[rows] = np.take_along_axis(lp, top_ids[rows], axis=-1)
+    return token_lp, ranks, top_ids, top_lp
 
 
 def position_uniform(seq: SequenceLike) -> float:
@@ -340,7 +408,8 @@ class Sampler:
             the history are ignored by the penalties.
 
     Never raises on odd values (NaN/inf logits, top_k > V, top_p near 0 or 1, min_p 1,
-    tiny temperature); SamplingParams has already rejected out-of-range settings.
+    tiny temperature); SamplingParams has already rejected out-of-range settings. A row
+    the masks leave without any token gets :data:`NO_TOKEN`.
     """
 
     def __init__(self, eos_token_id: int | Iterable[int] | None = None, tokenizer=None,
@@ -366,7 +435,8 @@ class Sampler:
         Raises:
             ValueError: logit_bias or allowed_token_ids naming an id outside the vocabulary
                 ``[0, vocab_size)``; bad_words or structured outputs without a tokenizer;
-                a grammar llguidance refuses with this tokenizer (its message).
+                a grammar llguidance refuses with this tokenizer (its message); masks that
+                leave the first token nothing (:meth:`_check_first_token_allowed`).
         """
         V = self.vocab_size
         if V is not None:
@@ -386,6 +456,38 @@ class Sampler:
             self._bad_words(params)
         if params.structured_outputs is not None:
             self.structured.check(params.structured_outputs)
+        self._check_first_token_allowed(params)
+
+    def _check_first_token_allowed(self, params: SamplingParams) -> None:
+        """Refuse ``allowed_token_ids`` that the masks of the first step all ban: the
+        single-token ``bad_words`` (banned at every step) and, while ``min_tokens`` is not
+        reached, ``stop_token_ids`` and EOS (unless ``ignore_eos``). vLLM refuses the
+        ``bad_words`` case (``SamplingParams.update_from_tokenizer``). With a grammar the
+        grammar's own mask wins over these, so such a request still has tokens.
+
+        Raises:
+            ValueError: naming ``allowed_token_ids`` and the fields that ban each id.
+        """
+        if params.allowed_token_ids is None or params.structured_outputs is not None:
+            return
+        bans: dict[int, str] = {}
+        if params.min_tokens > 0:
+            for t in params.stop_token_ids:
+                bans.setdefault(t, "stop_token_ids (min_tokens)")
+            if not params.ignore_eos:
+                for t in self.eos_token_ids:
+                    bans.setdefault(t, "EOS (min_tokens)")
+        if params.bad_words is not None and self.tokenizer is not None:
+            for ids in self._bad_words(params):
+                if len(ids) == 1:
+                    bans[ids[0]] = "bad_words"
+        allowed = set(params.allowed_token_ids)
+        if allowed <= set(bans):
+            shown = params.allowed_token_ids
+            shown = shown if len(repr(shown)) <= 200 else f"<{len(shown)} entries>"
+            by = sorted({bans[t] for t in allowed})
+            raise ValueError(f"SamplingParams.allowed_token_ids={shown!r} is invalid: {' and '.join(by)} ban every "
+                             "allowed token, so no token could be generated")
 
     def _bad_words(self, params: SamplingParams) -> list[list[int]]:
         if params._bad_words_token_ids is None:
@@ -404,7 +506,7 @@ class Sampler:
         token_ids = np.empty(len(seqs), dtype=np.int64)
         greedy = np.array([p.greedy for p in params], dtype=bool)
         if greedy.any():
-            token_ids[greedy] = np.argmax(x[greedy], axis=-1)  # ties: lowest id
+            token_ids[greedy] = greedy_tokens(x[greedy])
         rows = np.flatnonzero(~greedy)
         if rows.size:
             token_ids[rows] = sample_rows(x[rows], [position_uniform(seqs[i]) for i in rows])
@@ -413,7 +515,8 @@ class Sampler:
         if want_lp:
             logprobs = [None] * len(seqs)
             for j, i in enumerate(want_lp):
-                logprobs[i] = top_logprobs(raw_lp[j], int(token_ids[i]), params[i].logprobs)
+                if token_ids[i] != NO_TOKEN:
+                    logprobs[i] = top_logprobs(raw_lp[j], int(token_ids[i]), params[i].logprobs)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
     @np.errstate(all="ignore")
@@ -468,7 +571,16 @@ class Sampler:
         V = x.shape[1]
         if allowed.shape[1] < V:  # logits wider than the grammar's vocabulary: the rest refused
             allowed = np.pad(allowed, ((0, 0), (0, V - allowed.shape[1])))
-        masked = np.where(allowed[:, :V], x[rows], np.float32(-np.inf))
+        allowed = allowed[:, :V]
+        # A request's stop_token_ids end it only where its grammar may end (where the grammar
+        # allows EOS): masked before, allowed like EOS then. A stop id the grammar also takes
+        # mid-value (the id of '"' inside a JSON string) would otherwise end the output there.
+        eos = [t for t in self.eos_token_ids if t < V]
+        for j, i in enumerate(rows):
+            stop = [t for t in seqs[i].sampling_params.stop_token_ids if t < V]
+            if stop:
+                allowed[j, stop] = bool(eos) and bool(allowed[j, eos].any())
+        masked = np.where(allowed, x[rows], np.float32(-np.inf))
         x[rows] = masked
         return rows, masked
 

@@ -3,6 +3,8 @@
 vLLM's semantics (``vllm/engine/output_processor/stop_checker.py``), checked in this order
 for the token just appended:
 
+0. No token (:data:`refengine.sampler.NO_TOKEN`: the request's masks left nothing to
+   sample): ``finish_reason="error"`` (vLLM's ``FinishReason.ERROR``), nothing appended.
 1. Fewer than ``min_tokens`` outputs: EOS, stop token ids and stop strings do not count
    (the sampler already bans EOS and stop ids then; a stop string must end in text added
    once ``min_tokens`` are out).
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from refengine.detokenizer import IncrementalDetokenizer
+from refengine.sampler import NO_TOKEN
 
 # ``Sequence`` (:mod:`refengine.core.sequence`) appears in annotations only, as a name: the core loop
 # imports this module, never the other way round.
@@ -35,8 +38,9 @@ from refengine.detokenizer import IncrementalDetokenizer
 
 @dataclass(frozen=True)
 class StopDecision:
-    """Why a sequence ended: ``finish_reason`` ("stop" or "length") and ``stop_reason``
-    (the stop string or token id that matched; None for EOS and length)."""
+    """Why a sequence ended: ``finish_reason`` ("stop", "length" or "error") and
+    ``stop_reason`` (the stop string or token id that matched; None for EOS, length and
+    error)."""
 
     finish_reason: str
     stop_reason: int | str | None = None
@@ -75,10 +79,15 @@ class StopChecker:
     def append_and_check(self, seq: Sequence, token: int) -> StopDecision | None:
         """Append ``token`` to ``seq`` (ids and text) and decide whether ``seq`` ends here.
 
+        ``token`` :data:`NO_TOKEN` appends nothing and ends ``seq`` with "error".
+
         Returns:
             The decision, or None when ``seq`` goes on. The caller finishes the sequence.
         """
         params, detok = seq.sampling_params, seq.detokenizer
+        if token == NO_TOKEN:
+            decision = StopDecision("error")
+            return self._flush(detok, seq, decision) if detok is not None else decision
         seq.output_token_ids.append(token)
         may_stop = seq.num_output_tokens >= params.min_tokens
         decision = None

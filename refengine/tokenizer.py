@@ -145,6 +145,52 @@ class Tokenizer:
             return self._tok.token_to_id(tokens)
         return [self._tok.token_to_id(t) for t in tokens]
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of one token: what OpenAI's chat ``logprobs`` give as ``bytes``, so
+        that the bytes of a text's tokens, laid end to end, are the text's UTF-8 even where a
+        character spans several tokens (an emoji is 3 byte-level tokens, each of which
+        decodes alone to U+FFFD).
+
+        - an added token (``<|im_end|>``): its content;
+        - byte-level BPE (a ``ByteLevel`` decoder): each character of the vocabulary string
+          mapped back to the byte it stands for (:func:`byte_level_decoder`);
+        - byte fallback (a ``ByteFallback`` decoder): ``<0xNN>`` is the byte ``NN``, other
+          pieces their string with ``▁`` as a space (a SentencePiece ``Replace`` or
+          ``Metaspace`` decoder);
+        - any other tokenizer: the token decoded alone.
+
+        Raises:
+            ValueError: ``token_id`` outside the vocabulary.
+        """
+        piece = self._id_to_token(int(token_id))
+        kinds = self._decoder_kinds
+        if int(token_id) in self._added_ids:
+            return piece.encode("utf-8")
+        if "ByteLevel" in kinds:
+            table = byte_level_decoder()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        elif "ByteFallback" in kinds:
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                return bytes([int(piece[3:5], 16)])
+            if {"Replace", "Metaspace"} & kinds:
+                piece = piece.replace(_SP_SPACE, " ")
+            return piece.encode("utf-8")
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    @functools.cached_property
+    def _decoder_kinds(self) -> frozenset[str]:
+        """The ``type`` of the ``tokenizer.json`` decoder and of each decoder in its ``Sequence``."""
+        decoder = self._tok.decoder
+        if decoder is None:
+            return frozenset()
+        spec = json.loads(decoder.__getstate__())
+        return frozenset([spec["type"], *(d["type"] for d in spec.get("decoders", ()))])
+
+    @functools.cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self._tok.get_added_tokens_decoder())
+
     def _id_to_token(self, i: int) -> str:
         token = self._tok.id_to_token(i)
         if token is None:
@@ -242,6 +288,24 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, special_tokens={self.special_tokens})"
+
+
+#: SentencePiece's word boundary (U+2581), which its decoders turn into a space.
+_SP_SPACE = "\u2581"
+
+
+@functools.cache
+def byte_level_decoder() -> dict[str, int]:
+    """Byte-level BPE's alphabet inverted: the printable character that stands for each
+    of the 256 bytes -> that byte. GPT-2's ``bytes_to_unicode`` (openai/gpt-2
+    ``src/encoder.py``), which the ``tokenizers`` ``ByteLevel`` pre-tokenizer and decoder
+    use: printable Latin-1 bytes stand for themselves, the other 68 for ``chr(256 + i)``
+    in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table.update({chr(256 + i): b for i, b in enumerate(others)})
+    return table
 
 
 def _chat_template(value, source: str) -> str | None:

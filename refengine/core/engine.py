@@ -46,7 +46,7 @@ from refengine.formats.gguf_file import close_gguf_files, is_gguf, open_gguf
 from refengine.metrics import EngineMetrics, RequestMetrics
 from refengine.models import load_model
 from refengine.ops import get_layer_ops
-from refengine.sampler import Sampler, log_softmax, sanitize_logits
+from refengine.sampler import Sampler, prompt_logprobs_rows
 from refengine.sampling_params import RequestOutputKind, SamplingParams
 from refengine.spec_decode import DraftModelProposer, SpecDecoder
 from refengine.stop import StopChecker
@@ -547,24 +547,17 @@ class LLMEngine:
         Reads only; raises AssertionError if the entries would leave a gap (a bug).
         """
         assert first <= len(seq.prompt_logprobs), "prompt logprobs would skip positions"
-        lp = log_softmax(sanitize_logits(logits))
-        r, vocab = lp.shape
+        r = logits.shape[0]
         actual = np.asarray(seq.prompt_token_ids[first:first + r], dtype=np.int64)
-        actual_lp = lp[np.arange(r), actual]
-        ranks = (lp > actual_lp[:, None]).sum(axis=-1) + 1
-        k = min(seq.sampling_params.prompt_logprobs, vocab)
-        top = np.empty((r, 0), dtype=np.int64)
-        if k > 0:
-            top = np.argpartition(-lp, k - 1, axis=-1)[:, :k]
-            order = np.lexsort((top, -np.take_along_axis(lp, top, axis=-1)), axis=-1)  # most likely first
-            top = np.take_along_axis(top, order, axis=-1)
+        # row blocks: a few MB of scratch, not several [r, vocab] arrays (one of them int64)
+        actual_lp, ranks, top, top_lp = prompt_logprobs_rows(logits, actual, seq.sampling_params.prompt_logprobs)
         text = self._token_text
         entries = []
         for i in range(r):
             entry = {int(actual[i]): Logprob(float(actual_lp[i]), int(ranks[i]), text(int(actual[i])))}
-            for rank, t in enumerate(top[i].tolist(), 1):
+            for rank, (t, lp) in enumerate(zip(top[i].tolist(), top_lp[i].tolist()), 1):
                 if t not in entry:
-                    entry[t] = Logprob(float(lp[i, t]), rank, text(t))
+                    entry[t] = Logprob(lp, rank, text(t))
             entries.append(entry)
         return entries
 

@@ -161,7 +161,8 @@ class CompletionOutput:
         index: which of the ``n`` completions.
         text: decoded text so far (stop string cut unless included).
         token_ids: generated token ids (EOS / stop id included, as vLLM does).
-        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or None while running.
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"``, ``"error"`` (the request's masks left
+            no token to sample: :data:`refengine.sampler.NO_TOKEN`) or None while running.
         stop_reason: the stop string or token id that matched (None for EOS or length).
         logprobs: per generated token, ``{token_id: logprob}`` for the sampled token and
             the top ``SamplingParams.logprobs`` tokens; None unless asked.

@@ -496,8 +496,12 @@ class OpenAIServing:
         return ChatLogprobs(content=content)
 
     def _top(self, token_id: int, logprob: float) -> dict:
+        """One chat logprob entry: ``token`` the token decoded alone (U+FFFD for part of a
+        character), ``bytes`` the token's own bytes (``Tokenizer.token_bytes``),
+        which laid end to end rebuild the text."""
         text = self.token_text(token_id)
-        return {"token": text, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(text.encode("utf-8"))}
+        raw = self.tokenizer.token_bytes(token_id) if self.tokenizer is not None else text.encode("utf-8")
+        return {"token": text, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(raw)}
 
     # --- running a request ----------------------------------------------------------------
     async def collect(self, stream: RequestStream, request: Request, record: AccessRecord) -> dict:
@@ -569,6 +573,12 @@ class OpenAIServing:
             events = self.events(stream, prompts, params.n, record, choice, chunk, head, req.include_usage)
             return EventStreamResponse(events, on_close=stream.close)
         finals = await self.collect(stream, request, record)
+        failed = [(tag, c) for tag, out in sorted(finals.items()) for c in out.outputs if c.finish_reason == "error"]
+        if failed:  # vLLM answers a non-streamed "error" with an error status too; streamed, the chunk says it
+            tag, c = failed[0]
+            raise APIError(400, f"choice {tag * params.n + c.index} could not go on after {len(c.token_ids)} tokens: "
+                                "the request's allowed_token_ids, bad_words, min_tokens and structured output together "
+                                "left no token to generate")
         parts = [ChoicePart(tag, tag * params.n + c.index, c, c.text, c.token_ids, c.logprobs,
                             prompt_logprobs=out.prompt_logprobs)
                  for tag, out in sorted(finals.items()) for c in out.outputs]

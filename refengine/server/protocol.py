@@ -11,7 +11,9 @@ tokens' log-probabilities, before the completion's), ``logit_bias`` and ``respon
 field means its default. The sampling fields are generated from ``SamplingParams``'
 declaration (each field's ``ApiField``: :func:`sampling_fields`). Unknown request fields are
 ignored, as OpenAI's clients send fields a server may not know; OpenAI fields whose meaning refengine does not implement
-(``suffix``, ``best_of`` > 1, ``tools``) are refused with 400 by :meth:`unsupported`.
+(``suffix``, ``best_of`` > 1, ``tools``), and fields that OpenAI and vLLM refuse without
+another (``stream_options`` without ``stream: true``, ``tool_choice`` without ``tools``), are
+refused with 400 by :meth:`unsupported`.
 """
 
 from __future__ import annotations
@@ -76,7 +78,11 @@ class _SamplingRequest(_SamplingFields):
     guided_grammar: str | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        """(field, message) for a field set to something refengine does not implement."""
+        """(field, message) for a field refengine refuses (400): set to something refengine
+        does not implement, or set where OpenAI and vLLM refuse it (``stream_options``
+        without ``stream: true``)."""
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "stream_options is only allowed with stream: true"
         return None
 
     def structured_outputs_fields(self) -> list[str]:
@@ -201,6 +207,9 @@ class ChatCompletionRequest(_SamplingRequest):
     def unsupported(self) -> tuple[str, str] | None:
         if self.tools:
             return "tools", "tools are not supported"
+        # OpenAI's and vLLM's rule (any value, "none" included): a choice among no tools is a mistake
+        if self.tool_choice is not None and not self.tools:
+            return "tool_choice", "tool_choice is only allowed when tools are given"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs=true"
         return super().unsupported()

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from refengine.sampler import ACCEPT, RESIDUAL, SAMPLE, Sampler, log_softmax, sample_rows, sanitize_logits, top_logprobs
+from refengine.sampler import (ACCEPT, NO_TOKEN, RESIDUAL, SAMPLE, Sampler, greedy_tokens, log_softmax, sample_rows,
+                               sanitize_logits, top_logprobs)
 from refengine.spec_decode.config import SpeculativeConfig
 from refengine.spec_decode.draft_model import DraftModelProposer, HistoryView, Proposal
 from refengine.spec_decode.ngram import propose_ngram
@@ -167,7 +168,8 @@ class SpecDecoder:
             logprobs = None
             if seq.sampling_params.logprobs is not None:
                 raw = log_softmax(sanitize_logits(logits[starts[i]:starts[i] + len(tokens)]))
-                logprobs = [top_logprobs(raw[j], t, seq.sampling_params.logprobs) for j, t in enumerate(tokens)]
+                logprobs = [None if t == NO_TOKEN else top_logprobs(raw[j], t, seq.sampling_params.logprobs)
+                            for j, t in enumerate(tokens)]
             sampled[i] = (seq, tokens, logprobs)
             num_rejected[seq] = len(prop.token_ids) - accepted
             stats.num_drafts += 1
@@ -182,16 +184,21 @@ class SpecDecoder:
     def _verify(seq: Sequence, x: np.ndarray, prop: Proposal) -> tuple[list[int], int]:
         """Verify one sequence's ``k`` proposals on its ``[k + 1, V]`` processed logits ``x``
         (refengine/spec_decode/rejection.py); position ``j`` is output position
-        ``seq.num_output_tokens + j``, whose uniforms are the sequence's own."""
+        ``seq.num_output_tokens + j``, whose uniforms are the sequence's own. A row the
+        masks left without any token gives :data:`NO_TOKEN` there (no proposal matches
+        it), which ends the sequence."""
         k, first = len(prop.token_ids), seq.num_output_tokens
         if seq.sampling_params.greedy:
-            return verify_tokens(np.argmax(x, axis=-1), prop.token_ids)
+            return verify_tokens(greedy_tokens(x), prop.token_ids)
         if prop.probs is None:  # deterministic proposals: the plain sampler's tokens, matched
             return verify_tokens(sample_rows(x, [seq.uniforms(first + j, SAMPLE) for j in range(k + 1)]),
                                  prop.token_ids)
-        tokens, accepted = rejection_sample(probs_from_logits(x[:k]), prop.token_ids, prop.probs,
-                                            [seq.uniforms(first + j, ACCEPT) for j in range(k)],
-                                            [seq.uniforms(first + j, RESIDUAL) for j in range(k)])
-        if accepted == k:  # the bonus token: what the plain sampler emits at that position
-            tokens.append(int(sample_rows(x[k:], [seq.uniforms(first + k, SAMPLE)])[0]))
+        # verify only up to the first row without a token: nothing can be accepted there
+        empty = np.flatnonzero(~np.isfinite(x[:k].max(axis=-1)))
+        e = int(empty[0]) if empty.size else k
+        tokens, accepted = rejection_sample(probs_from_logits(x[:e]), prop.token_ids[:e], prop.probs[:e],
+                                            [seq.uniforms(first + j, ACCEPT) for j in range(e)],
+                                            [seq.uniforms(first + j, RESIDUAL) for j in range(e)])
+        if accepted == e:  # the bonus token: what the plain sampler emits at that position
+            tokens.append(NO_TOKEN if e < k else int(sample_rows(x[k:], [seq.uniforms(first + k, SAMPLE)])[0]))
         return tokens, accepted

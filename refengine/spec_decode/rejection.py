@@ -40,7 +40,9 @@ import numpy as np
 def probs_from_logits(logits: np.ndarray) -> np.ndarray:
     """Row-wise softmax in float64 of ``[b, V]`` processed logits (-inf -> probability 0).
 
-    A row that is -inf everywhere gets all its mass on token 0 (as the sampler's argmax).
+    A row that is -inf everywhere gets all its mass on token 0, so it stays a distribution
+    (a draft's proposal from it is then judged by the target's row; the verifier never
+    reads a target row like it: ``SpecDecoder._verify`` stops before it).
     """
     x = np.asarray(logits, dtype=np.float64)
     top = x.max(axis=-1, keepdims=True)

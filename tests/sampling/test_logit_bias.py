@@ -5,12 +5,13 @@ words through a tokenizer) and the server's fields and 400s."""
 from __future__ import annotations
 
 import functools
+import json
 
 import numpy as np
 import pytest
 
 from refengine.core.engine import LLM
-from refengine.sampler import Sampler
+from refengine.sampler import NO_TOKEN, Sampler
 from refengine.sampling_params import SamplingParams
 from refengine.structured_output import banned_by_bad_words, bad_words_token_ids
 from tests.helpers import FakeSeq as SamplerSeq, http_server
@@ -145,6 +146,33 @@ def test_sampler_checks_ids_against_the_vocabulary():
         Sampler(vocab_size=27).check_sampling_params(SamplingParams(bad_words=["a"]))
 
 
+def test_sampler_refuses_allowed_ids_that_the_first_step_bans():
+    sampler = Sampler(eos_token_id=26, tokenizer=CharTokenizer())
+    with pytest.raises(ValueError) as e:  # "c" is one token: banned at every step
+        sampler.check_sampling_params(SamplingParams(allowed_token_ids=[2, 3], bad_words=["c", "d"]))
+    assert str(e.value) == ("SamplingParams.allowed_token_ids=[2, 3] is invalid: bad_words ban every allowed token, "
+                            "so no token could be generated")
+    with pytest.raises(ValueError, match=r"allowed_token_ids=\[26, 4\] is invalid: EOS \(min_tokens\) and "
+                                         r"stop_token_ids \(min_tokens\) ban every allowed token"):
+        sampler.check_sampling_params(SamplingParams(allowed_token_ids=[26, 4], stop_token_ids=[4], min_tokens=1))
+    # one allowed id left, a multi-token word (banned only after its prefix), or ignore_eos: accepted
+    sampler.check_sampling_params(SamplingParams(allowed_token_ids=[2, 3, 4], bad_words=["c", "d"]))
+    sampler.check_sampling_params(SamplingParams(allowed_token_ids=[0, 1], bad_words=["ab", "aa"]))
+    sampler.check_sampling_params(SamplingParams(allowed_token_ids=[26], min_tokens=1, ignore_eos=True))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_row_the_masks_leave_empty_gives_no_token(temperature):
+    # after "a", "ab" and "aa" ban both allowed tokens: nothing may follow (not token 0)
+    sampler = Sampler(tokenizer=CharTokenizer())
+    p = SamplingParams(temperature=temperature, allowed_token_ids=[0, 1], bad_words=["ab", "aa"], logprobs=2)
+    sampler.check_sampling_params(p)
+    x = np.zeros((2, 27), dtype=np.float32)
+    out = sampler(x, [FakeSeq(p, output=[0]), FakeSeq(p, output=[1])])
+    assert out.token_ids[0] == NO_TOKEN and out.logprobs[0] is None
+    assert out.token_ids[1] in (0, 1) and out.logprobs[1] is not None
+
+
 # --- the engine -------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -173,6 +201,18 @@ def test_engine_applies_them(tok_llm):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request("r", "hi", SamplingParams(allowed_token_ids=[engine.model_config.vocab_size]))
     assert not engine.has_unfinished_requests()
+
+
+def test_engine_ends_a_request_its_masks_leave_without_a_token(tok_llm):
+    tok = tok_llm.get_tokenizer()
+    a, b = tok.encode("ab")
+    p = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, allowed_token_ids=[a, b],
+                       bad_words=["ab", "aa"], logit_bias={a: 100.0}, logprobs=1)
+    out = tok_llm.generate(["hi"], p, use_tqdm=False)[0].outputs[0]
+    # "a", then both allowed tokens banned: finished "error", not token 0 until max_tokens
+    assert (out.finish_reason, out.stop_reason, out.token_ids, out.text) == ("error", None, [a], "a")
+    assert len(out.logprobs) == 1
+    assert not tok_llm.llm_engine.has_unfinished_requests()
 
 
 def test_engine_refuses_bad_words_without_a_tokenizer(tiny_llama_dir):
@@ -217,6 +257,8 @@ def test_server_applies_them(server, tok_llm):
     ({"allowed_token_ids": []}, "allowed_token_ids", ["non-empty"]),
     ({"allowed_token_ids": [3, 211]}, "allowed_token_ids", ["211", "outside the vocabulary"]),
     ({"bad_words": [""]}, "bad_words", ["non-empty strings"]),
+    # "a" is id 68 of the character tokenizer, and one token: banned everywhere
+    ({"allowed_token_ids": [68], "bad_words": ["a"]}, "allowed_token_ids", ["bad_words ban every allowed token"]),
 ])
 def test_server_400s(server, body, param, fragments):
     r = server.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, **body})
@@ -226,3 +268,15 @@ def test_server_400s(server, body, param, fragments):
     for fragment in fragments:
         assert fragment in error["message"], error["message"]
     assert server.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_server_reports_a_request_its_masks_leave_without_a_token(server, tok_llm):
+    a, b = tok_llm.get_tokenizer().encode("ab")
+    body = {"prompt": "hi", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "allowed_token_ids": [a, b],
+            "bad_words": ["ab", "aa"], "logit_bias": {str(a): 100}}
+    r = server.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert "choice 0 could not go on after 1 tokens" in r.json()["error"]["message"]
+    with server.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert [(c["choices"][0]["text"], c["choices"][0]["finish_reason"]) for c in chunks] == [("a", None), ("", "error")]

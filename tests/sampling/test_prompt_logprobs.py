@@ -85,6 +85,54 @@ def tiny_llm(tiny_llama_dir, **kw) -> LLM:
 # --------------------------------------------------------------------------------------
 
 
+# --- the arrays: row blocks, exactly the whole-array values --------------------------------
+
+def whole_array_prompt_logprobs(logits, token_ids, k):
+    """What the engine computed before row blocks: every step on the whole [r, V] array."""
+    from refengine.sampler import log_softmax, sanitize_logits
+
+    lp = log_softmax(sanitize_logits(logits))
+    r = lp.shape[0]
+    actual = lp[np.arange(r), token_ids]
+    ranks = (lp > actual[:, None]).sum(axis=-1) + 1
+    top = np.argpartition(-lp, k - 1, axis=-1)[:, :k]
+    order = np.lexsort((top, -np.take_along_axis(lp, top, axis=-1)), axis=-1)
+    top = np.take_along_axis(top, order, axis=-1)
+    return actual, ranks, top, np.take_along_axis(lp, top, axis=-1)
+
+
+def test_arrays_are_computed_in_row_blocks_with_bounded_memory(monkeypatch):
+    """Scratch memory (numpy's allocations, which tracemalloc sees) is a few row blocks,
+    not the ~4 [r, V] arrays (one int64) the whole-array computation took; every value,
+    rank and top id equals the whole-array computation's."""
+    import tracemalloc
+
+    import refengine.sampler as sampler
+
+    block = 256 * 1024
+    monkeypatch.setattr(sampler, "PROMPT_LOGPROBS_BLOCK_BYTES", block)
+    rng = np.random.default_rng(0)
+    r, V, k = 200, 8192, 5  # 6.25 MiB of logits
+    logits = (rng.standard_normal((r, V)) * 4).astype(np.float32)
+    logits[3, 7] = np.nan  # counts as -inf
+    logits[4, :] = np.float32(-np.inf)
+    logits[4, 9] = 0.0
+    token_ids = rng.integers(0, V, size=r)
+    tracemalloc.start()
+    try:
+        got = sampler.prompt_logprobs_rows(logits, token_ids, k)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    results = r * (4 + 8 + k * (8 + 4))
+    assert peak < 10 * block + results + 64 * 1024, peak  # measured about 7.5 blocks
+    assert peak < logits.nbytes / 2
+    want = whole_array_prompt_logprobs(logits, token_ids, k)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    assert got[1][4] == (1 if token_ids[4] == 9 else 2) and got[2][4, 0] == 9
+
+
 def test_tiny_matches_transformers(tiny_llama_dir, tiny_prompts, tiny_ref):
     llm = tiny_llm(tiny_llama_dir)
     params = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=4)

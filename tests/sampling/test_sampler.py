@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from refengine.sampler import (
+                               NO_TOKEN,
                                SAMPLE,
                                Sampler,
                                TokenUniforms,
@@ -274,7 +275,7 @@ def test_extreme_filters_leave_exactly_the_argmax(params):
                                     SamplingParams(min_p=1.0, top_p=1e-9), SamplingParams(repetition_penalty=1e-3)])
 @pytest.mark.parametrize("row", [
     [NEG_INF, NEG_INF, 3.0, NEG_INF],            # one finite candidate
-    [NEG_INF] * 4,                               # nothing finite: token 0, no error
+    [NEG_INF] * 4,                               # nothing finite: NO_TOKEN, no error
     [np.nan, 1.0, np.nan, 0.5],                  # NaN counts as -inf
     [1.0, np.inf, 2.0, 0.0],                     # +inf is the largest float32
     [3e38, -3e38, 3e38, 0.0],                    # extremes of float32 (tiny temperature overflows)
@@ -284,11 +285,11 @@ def test_odd_logits_never_raise(params, row):
     seq = FakeSeq(params, prompt=[0, 1, 2, 3], output=[2], seed=3)
     with np.errstate(all="raise"):  # no floating-point warning escapes either
         tok = int(Sampler()(logits, [seq]).token_ids[0])
-    finite = np.nan_to_num(logits[0], nan=-np.inf, posinf=3.4e38)
+    finite = np.nan_to_num(logits[0], nan=-np.inf, posinf=3.4e38, neginf=-np.inf)
     if np.isfinite(finite).any():
-        assert np.isfinite(finite[tok]), (row, tok)
+        assert tok >= 0 and np.isfinite(finite[tok]), (row, tok)
     else:
-        assert tok == 0
+        assert tok == NO_TOKEN  # never a token the logits exclude
 
 
 def test_tiny_temperature_is_near_greedy_without_overflow():

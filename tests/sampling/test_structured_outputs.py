@@ -131,6 +131,17 @@ def test_the_grammar_wins_over_masks_that_would_empty_its_row():
     assert sampler(x, [seq]).token_ids.tolist() == [7]
 
 
+def test_request_stop_ids_end_the_output_only_where_the_grammar_may_end():
+    x = np.array([[0.0, 0.0, 0.0, 9.0, 1.0, 8.0, 0.0, 0.0]], dtype=np.float32)
+    seq = FakeSeq(SamplingParams(temperature=0.0, stop_token_ids=[3, 5], structured_outputs=REGEX))
+    # mid-value: the grammar takes 3 (say '"' inside a JSON string) but may not end (no EOS 7)
+    assert sampler_with({3, 4})(x, [seq]).token_ids.tolist() == [4]
+    # the grammar may end: the stop ids may end it, as EOS may, even one it would not take
+    assert sampler_with({4, 7})(x, [seq]).token_ids.tolist() == [3]
+    x[0, 3] = -np.inf
+    assert sampler_with({4, 7})(x, [seq]).token_ids.tolist() == [5]
+
+
 # --- the real model ---------------------------------------------------------------------
 
 def bounded_int(lo, hi):
@@ -213,6 +224,25 @@ def test_json_object_regex_and_choice(smol):
             assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", text), text
         else:
             assert text in ("yes", "no", "maybe so")
+
+
+def test_a_stop_id_inside_a_value_does_not_end_it(smol):
+    """stop_token_ids = the id of '"': seed 3 once ended inside the object at its 37th
+    token with finish_reason "stop" (the grammar takes '"' mid-value); "stop" now means a
+    whole value."""
+    quote = smol.get_tokenizer().encode('"')
+    assert len(quote) == 1
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}  # more keys allowed: the model writes on
+    prompt = chat_prompt(smol, "A person as JSON.")
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=40, stop_token_ids=quote,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    c = smol.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert c.stop_reason is None, c.text
+    if c.finish_reason == "stop":
+        jsonschema.validate(json.loads(c.text), schema)
+    else:
+        assert c.finish_reason == "length" and len(c.token_ids) == 40
 
 
 def test_speculative_decoding_keeps_the_grammar(smollm2_dir, smol):

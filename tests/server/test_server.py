@@ -128,6 +128,7 @@ def test_chat_equals_llm_generate(smol, answers):
         assert [t.logprob for t in choice.logprobs.content] == \
             pytest.approx([lp[t] for t, lp in zip(ref.token_ids, ref.logprobs)], abs=1e-4)
         assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+        assert b"".join(bytes(t.bytes) for t in choice.logprobs.content).decode() == ref.text
     assert resp.usage.prompt_tokens == len(smol.chat_ids)
     assert resp.usage.completion_tokens == 2 * len(ref.token_ids)
 
@@ -138,6 +139,24 @@ def test_chat_equals_llm_generate(smol, answers):
     assert chunks[-1].choices == []
     assert chunks[-1].usage.prompt_tokens == len(smol.chat_ids)
     assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
+
+
+def test_chat_logprob_bytes_are_each_tokens_own(smollm2_dir):
+    """An emoji is three byte-level tokens, each decoding alone to U+FFFD: their ``bytes``
+    (not U+FFFD's [239, 191, 189] three times) rebuild the emoji, as OpenAI's do."""
+    from refengine.server.api import OpenAIServing
+    from refengine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(smollm2_dir)
+    engine = SimpleNamespace(tokenizer=tok, config=SimpleNamespace(max_model_len=512))
+    serving = OpenAIServing(SimpleNamespace(engine=engine), "smol", ServerLimits())
+    ids = tok.encode("😀")
+    assert len(ids) == 3
+    content = serving.chat_logprobs(ids, [{t: -0.5, 5: -1.0} for t in ids], top=2).content
+    assert [t.token for t in content] == ["\ufffd"] * 3  # each token's text alone
+    assert b"".join(bytes(t.bytes) for t in content) == "😀".encode()
+    assert [bytes(t.top_logprobs[0].bytes) for t in content] == [tok.token_bytes(t) for t in ids]
+    assert bytes(content[0].top_logprobs[1].bytes) == tok.decode([5], skip_special_tokens=False).encode()
 
 
 def test_models_health_tokenize(smol):
@@ -280,6 +299,14 @@ ERROR_CASES = [
     ("oversized chunked body", None, lambda: (b"[7, 7, 7, 7]" for _ in range(8000)), "/v1/completions", 413, None,
      ["65536"]),
     ("unknown path", None, {"prompt": [1]}, "/v1/nothing", 404, None, []),
+    # OpenAI's and vLLM's 400s for a field that needs another
+    ("stream_options without stream", None, {"prompt": [1], "stream_options": {"include_usage": True}},
+     "/v1/completions", 400, "stream_options", ["stream_options", "stream: true"]),
+    ("stream_options with stream false", None, {"messages": [{"role": "user", "content": "hi"}], "stream": False,
+                                                "stream_options": {"include_usage": True}},
+     "/v1/chat/completions", 400, "stream_options", ["stream: true"]),
+    ("tool_choice without tools", None, {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "none"},
+     "/v1/chat/completions", 400, "tool_choice", ["tool_choice", "tools"]),
 ]
 
 

@@ -17,6 +17,9 @@ from refengine.core.scheduler import Scheduler
 from refengine.core.sequence import Sequence
 from refengine.sampling_params import SamplingParams
 from refengine.spec_decode import SpeculativeConfig, propose_ngram, rejection_sample, verify_tokens
+from refengine.sampler import NO_TOKEN
+from refengine.spec_decode.decoder import SpecDecoder
+from refengine.spec_decode.draft_model import Proposal
 from refengine.spec_decode.rejection import draw
 from refengine.stop import StopChecker
 
@@ -290,3 +293,28 @@ def test_a_stop_inside_an_accepted_run_ends_the_sequence_there(params, tokens, e
     assert a.output_token_ids == emitted and (a.finish_reason, a.stop_reason) == reason
     assert a.logprobs == lps[:len(emitted) - 1]  # nothing after the stop is kept
     assert a.is_finished and sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
+def test_no_token_inside_an_accepted_run_ends_the_sequence_with_error():
+    """The verifier's NO_TOKEN (a row its masks left empty) appends nothing and no logprobs."""
+    sched = make_sched(k=3, stop_checker=StopChecker([2], 1000))
+    a = make_seq("a", 5)
+    prefill(sched, a)
+    out = sched.schedule()
+    sched.postprocess(out.scheduled, [(a, [40, NO_TOKEN], [{40: -0.5}, None])], num_rejected={a: 2})
+    assert a.output_token_ids == [7, 40] and (a.finish_reason, a.stop_reason) == ("error", None)
+    assert a.logprobs == [{40: -0.5}] and a.is_finished
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("greedy, draft_probs", [(True, False), (False, False), (False, True)])
+def test_verification_stops_at_a_row_without_a_token(greedy, draft_probs):
+    """Row 1 of 3 is -inf everywhere: proposal 1 is accepted (row 0 puts all its mass on
+    it), then NO_TOKEN, whatever was proposed after (token 0 would once have matched)."""
+    x = np.full((3, 4), -np.inf, dtype=np.float32)
+    x[0, 2] = x[2, 0] = 0.0
+    seq = Sequence("s", None, [1], SamplingParams(temperature=0.0 if greedy else 1.0, seed=0))
+    q = np.zeros((2, 4))
+    q[0, 2] = q[1, 0] = 1.0
+    tokens, accepted = SpecDecoder._verify(seq, x, Proposal([2, 0], q if draft_probs else None))
+    assert (tokens, accepted) == ([2, NO_TOKEN], 1)

@@ -223,3 +223,49 @@ def test_id_out_of_range(tok):
 def test_unknown_special_token_in_config(tok):
     with pytest.raises(ValueError, match="<nope>"):
         Tokenizer(tok._tok, {"eos_token": "<nope>"})
+
+
+# --- token_bytes: each token's own bytes ---------------------------------------------------
+
+def test_byte_level_decoder_is_the_byte_level_alphabet():
+    import tokenizers
+
+    from refengine.tokenizer import byte_level_decoder
+
+    table = byte_level_decoder()
+    assert set(table) == set(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    assert sorted(table.values()) == list(range(256))
+    assert (table["Ġ"], table["Ċ"], table["a"]) == (32, 10, 97)
+
+
+@pytest.mark.parametrize("text", NO_DIGIT_TEXTS + ["😀", "tab\tand\x00nul 123"])
+def test_token_bytes_rebuild_the_text_byte_level(tok, text):
+    ids = tok.encode(text)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+
+
+def test_token_bytes_of_an_emoji_split_over_tokens(tok):
+    ids = tok.encode("😀")
+    assert [tok.decode([i]) for i in ids] == ["\ufffd"] * 3  # alone, each is part of a character
+    assert [tok.token_bytes(i) for i in ids] == [b"\xf0\x9f", b"\x98", b"\x80"]
+    assert tok.token_bytes(tok.convert_tokens_to_ids("<|im_end|>")) == b"<|im_end|>"
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tok.token_bytes(tok.vocab_size)
+
+
+def test_token_bytes_sentencepiece_byte_fallback():
+    """Gemma's pipeline (refengine/formats/gguf_file.py ``_gemma_bpe``): ``<0xNN>`` byte
+    tokens are their byte, other pieces their text with ``▁`` as a space."""
+    import tokenizers
+    from tokenizers import decoders, models, normalizers
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "▁": 257, "a": 258, "▁a": 259, "é": 260}
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[("▁", "a")], unk_token="<unk>", fuse_unk=True,
+                                              byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    sp = Tokenizer(backend)
+    ids = sp.encode("a a 😀é")
+    assert ids == [258, 259, 257, 1 + 0xF0, 1 + 0x9F, 1 + 0x98, 1 + 0x80, 260]
+    assert [sp.token_bytes(i) for i in ids[:4]] == [b"a", b" a", b" ", b"\xf0"]
+    assert b"".join(sp.token_bytes(i) for i in ids) == "a a 😀é".encode()
