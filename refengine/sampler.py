@@ -430,24 +430,30 @@ class Sampler:
     def check_sampling_params(self, params: SamplingParams) -> None:
         """Whether this sampler can apply ``params`` (the engine's ``check_sampling_params``).
 
-        Fills ``params``' bad-words token sequences (kept on it for the steps).
+        Builds what the steps use, once per request, and keeps it on ``params``: the
+        bad-words token sequences, the allowed_token_ids mask, the logit_bias arrays, the
+        grammar's first matcher. Checking the same ``params`` again costs O(1) per field
+        (the engine checks a request when it is added too, on the server's event loop).
 
         Raises:
             ValueError: logit_bias or allowed_token_ids naming an id outside the vocabulary
-                ``[0, vocab_size)``; bad_words or structured outputs without a tokenizer;
-                a grammar llguidance refuses with this tokenizer (its message); masks that
-                leave the first token nothing (:meth:`_check_first_token_allowed`).
+                ``[0, vocab_size)``, or more allowed_token_ids than the vocabulary has;
+                bad_words or structured outputs without a tokenizer; a grammar llguidance
+                refuses with this tokenizer (its message); masks that leave the first token
+                nothing (:meth:`_check_first_token_allowed`).
         """
         V = self.vocab_size
-        if V is not None:
-            for name, ids in (("logit_bias", list(params.logit_bias or ())),
-                              ("allowed_token_ids", params.allowed_token_ids or [])):
-                bad = [t for t in ids if t >= V]
-                if bad:
-                    shown = getattr(params, name)
-                    shown = shown if len(repr(shown)) <= 200 else f"<{len(shown)} entries>"
-                    raise ValueError(f"SamplingParams.{name}={shown!r} is invalid: token id {bad[0]} is "
-                                     f"outside the vocabulary [0, {V})")
+        if V is not None:  # checked unless built for this vocabulary already
+            bias, ids, mask = params._logit_bias_arrays, params.allowed_token_ids, params._disallowed_token_mask
+            if params.logit_bias and (bias is None or bias[0] != V):
+                _check_in_vocabulary("logit_bias", params.logit_bias, list(params.logit_bias), V)
+                self._logit_bias(params, V)
+            if ids is not None and (mask is None or mask.shape[0] != V):
+                if len(ids) > V:
+                    raise ValueError(f"SamplingParams.allowed_token_ids=<{len(ids)} ids> is invalid: at most {V} ids "
+                                     "(the vocabulary's size)")
+                _check_in_vocabulary("allowed_token_ids", ids, ids, V)
+                self._disallowed(params, V)
         for name in ("bad_words", "structured_outputs"):
             if getattr(params, name) is not None and self.tokenizer is None:
                 raise ValueError(f"SamplingParams.{name}={getattr(params, name)!r} is invalid: it needs a "
@@ -493,6 +499,24 @@ class Sampler:
         if params._bad_words_token_ids is None:
             params._bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         return params._bad_words_token_ids
+
+    @staticmethod
+    def _disallowed(params: SamplingParams, V: int) -> np.ndarray:
+        """``params``' :func:`disallowed_token_mask` for logits ``V`` wide (built once)."""
+        mask = params._disallowed_token_mask
+        if mask is None or mask.shape[0] != V:
+            mask = params._disallowed_token_mask = disallowed_token_mask(params.allowed_token_ids, V)
+        return mask
+
+    @staticmethod
+    def _logit_bias(params: SamplingParams, V: int) -> tuple[np.ndarray, np.ndarray]:
+        """``params``' logit_bias as ``(ids, biases)`` arrays, ids below ``V`` (built once)."""
+        cached = params._logit_bias_arrays
+        if cached is None or cached[0] != V:
+            kept = [(t, b) for t, b in params.logit_bias.items() if t < V]
+            cached = params._logit_bias_arrays = (V, np.array([t for t, _ in kept], dtype=np.int64),
+                                                  np.array([b for _, b in kept], dtype=np.float32))
+        return cached[1], cached[2]
 
     @np.errstate(all="ignore")
     def __call__(self, logits: np.ndarray, seqs: SequenceT[SequenceLike]) -> SamplerOutput:
@@ -585,29 +609,24 @@ class Sampler:
         return rows, masked
 
     def _apply_token_masks(self, x: np.ndarray, seqs) -> np.ndarray:
-        """allowed_token_ids (others -inf) and bad_words (in place)."""
+        """allowed_token_ids (others -inf, the request's mask built once) and bad_words (in place)."""
         V = x.shape[1]
         for i, s in enumerate(seqs):
             p = s.sampling_params
             if p.allowed_token_ids is not None:
-                keep = np.zeros(V, dtype=bool)
-                keep[[t for t in p.allowed_token_ids if t < V]] = True
-                x[i, ~keep] = -np.inf
+                x[i, self._disallowed(p, V)] = -np.inf
             if p.bad_words is not None and self.tokenizer is not None:
                 banned = [t for t in banned_by_bad_words(self._bad_words(p), s.output_token_ids) if t < V]
                 x[i, banned] = -np.inf
         return x
 
-    @staticmethod
-    def _apply_logit_bias(x: np.ndarray, seqs) -> np.ndarray:
+    def _apply_logit_bias(self, x: np.ndarray, seqs) -> np.ndarray:
         """OpenAI's logit_bias: ``logit += bias`` for each listed token (in place)."""
         V = x.shape[1]
         for i, s in enumerate(seqs):
-            bias = s.sampling_params.logit_bias
-            if bias:
-                ids = np.fromiter((t for t in bias if t < V), dtype=np.int64)
-                vals = np.fromiter((b for t, b in bias.items() if t < V), dtype=np.float32)
-                x[i, ids] += vals
+            if s.sampling_params.logit_bias:
+                ids, biases = self._logit_bias(s.sampling_params, V)
+                x[i, ids] += biases
         return x
 
     def _ban_stop_tokens_before_min_tokens(self, x: np.ndarray, seqs) -> np.ndarray:
@@ -655,6 +674,24 @@ class Sampler:
         if mp_rows.size:
             x[mp_rows] = apply_min_p(x[mp_rows], min_p[mp_rows])
         return x
+
+
+def disallowed_token_mask(allowed_token_ids: list[int], vocab_size: int) -> np.ndarray:
+    """``[vocab_size]`` bool, True for every token ``allowed_token_ids`` leaves out (ids at or
+    past ``vocab_size`` are ignored): what a step sets to -inf."""
+    mask = np.ones(vocab_size, dtype=bool)
+    mask[np.array([t for t in allowed_token_ids if t < vocab_size], dtype=np.int64)] = False
+    return mask
+
+
+def _check_in_vocabulary(name: str, value, ids, vocab_size: int) -> None:
+    """Raise the error of the field ``name`` (its ``value``) when one of ``ids`` is not below
+    ``vocab_size`` (``max`` first: a list of any length costs one pass in C)."""
+    if ids and max(ids) >= vocab_size:
+        bad = next(t for t in ids if t >= vocab_size)
+        shown = repr(value) if len(value) <= 20 else f"<{len(value)} entries>"
+        raise ValueError(f"SamplingParams.{name}={shown} is invalid: token id {bad} is "
+                         f"outside the vocabulary [0, {vocab_size})")
 
 
 def _token_counts(histories: list[list[int]], vocab_size: int) -> np.ndarray:

@@ -299,14 +299,18 @@ class SamplingParams:
             but the masks below (OpenAI's field); ids >= 0 (the engine checks them against
             the vocabulary), biases in [-100, 100], at most 300 entries.
         allowed_token_ids: a non-empty list of ids; every other token's logit is -inf
-            (vLLM's field; the engine checks the ids against the vocabulary).
+            (vLLM's field; the engine checks the ids against the vocabulary and takes at
+            most as many ids as the vocabulary has).
         bad_words: a list of non-empty strings never to generate: the last token of each
             word's tokens (as written and after a space) is -inf while the output ends with
-            the tokens before it (vLLM's field; needs a tokenizer).
+            the tokens before it (vLLM's field; needs a tokenizer). The server takes at most
+            256 words of at most 256 characters (``ServerLimits.max_bad_words``).
         structured_outputs: a :class:`refengine.structured_output.StructuredOutputsParams`
             (JSON schema, regex, choice, grammar or any JSON object) the output must
             match; the request ends (EOS) when it is complete (vLLM's field, earlier
-            ``guided_decoding``). Needs llguidance and a tokenizer.
+            ``guided_decoding``). Needs llguidance and a tokenizer. The server takes at most
+            1000 choices and 65536 characters of schema, regex, grammar or choices
+            (``ServerLimits.max_structured_output_choices`` / ``_chars``).
 
     Raises:
         ValueError: a field of the wrong type (bools are not counts, NaN is not a number),
@@ -380,8 +384,12 @@ class SamplingParams:
     _stop: list[str] = field(init=False, repr=False, default_factory=list)
     # stop_token_ids as a set: the stop check runs per generated token
     _stop_token_id_set: frozenset = field(init=False, repr=False, compare=False, default=frozenset())
-    # bad_words as token sequences, filled by the engine's sampler with its tokenizer
+    # Built once per request by the engine's sampler (refengine/sampler.py), not every step:
+    # bad_words as token sequences (with its tokenizer), allowed_token_ids as a [V] bool
+    # mask of the tokens it leaves out, logit_bias as (V, ids, biases) arrays.
     _bad_words_token_ids: list[list[int]] | None = field(init=False, repr=False, compare=False, default=None)
+    _disallowed_token_mask: np.ndarray | None = field(init=False, repr=False, compare=False, default=None)
+    _logit_bias_arrays: tuple | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

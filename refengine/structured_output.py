@@ -96,6 +96,10 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     whitespace_pattern: str | None = None
     _grammar: str = field(init=False, repr=False, compare=False, default="")
+    # set by StructuredOutputManager.check: the manager that checked this grammar, and the
+    # matcher the check made, kept for the request's first sequence
+    _checked_by: Any = field(init=False, repr=False, compare=False, default=None)
+    _spare_matcher: Any = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
@@ -219,8 +223,10 @@ class StructuredOutputManager:
         vocab_size: the model's vocabulary (the logits' width; may exceed the tokenizer's).
         eos_token_ids: the ids that end a sequence; the grammar allows them where it may end.
 
-    The llguidance tokenizer is built on first use (about a second for a 49k vocabulary)
-    and kept; building is locked, as the server checks requests in its own thread.
+    The llguidance tokenizer is built on first use, or by :meth:`prepare`, and kept;
+    building is locked, as the server checks requests in worker threads. Building it holds
+    the GIL (llguidance's compiles and matchers release it), so the server builds it before
+    it serves.
     """
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
@@ -269,9 +275,25 @@ class StructuredOutputManager:
             raise params._bad(f"llguidance: {matcher.get_error().strip()}")
         return matcher
 
+    def prepare(self):
+        """:attr:`ll_tokenizer`, built now rather than at the first structured request.
+
+        Raises:
+            ValueError: llguidance is not installed.
+        """
+        _llguidance()
+        return self.ll_tokenizer
+
     def check(self, params: StructuredOutputsParams) -> None:
-        """Raise the ``ValueError`` of :meth:`new_matcher` now (before a request queues)."""
-        self.new_matcher(params)
+        """Raise the ``ValueError`` of :meth:`new_matcher` now (before a request queues).
+
+        The matcher made is kept on ``params`` for the request's first sequence, and
+        ``params`` checked once by this manager are not checked again: the engine checks a
+        request when it is added too, and the server adds requests on its event loop."""
+        if params._checked_by is self:
+            return
+        params._spare_matcher = self.new_matcher(params)
+        params._checked_by = self
 
     def forget(self, seq) -> None:
         """Drop ``seq``'s matcher (it is also dropped when the sequence is garbage)."""
@@ -280,6 +302,11 @@ class StructuredOutputManager:
     def _state(self, owner, params: StructuredOutputsParams) -> _GrammarState:
         state = self._states.get(owner)
         if state is None:
+            matcher = params._spare_matcher if params._checked_by is self else None
+            if matcher is not None:  # the check's matcher, fresh: the first sequence takes it
+                params._spare_matcher = None
+                self._states[owner] = state = _GrammarState(matcher)
+                return state
             try:
                 state = _GrammarState(self.new_matcher(params))
             except ValueError:  # checked at add_request; if it fails now, EOS only (see fill_bitmask)
@@ -358,20 +385,20 @@ class StructuredOutputManager:
 def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
     """The token sequences ``bad_words`` bans: each word as written and with one leading
     space (``" " + word.lstrip()``), the way it appears at the start of a text and inside
-    one (vLLM's ``SamplingParams.update_from_tokenizer``). Duplicates are kept once.
+    one (vLLM's ``SamplingParams.update_from_tokenizer``). Duplicates are kept once, in
+    order (a dict of tuples: linear in the number of words).
 
     Raises:
-        ValueError: a word that encodes to no tokens.
+        ValueError: a word that encodes to no tokens (the message names that word).
     """
-    out: list[list[int]] = []
+    out: dict[tuple[int, ...], None] = {}
     for word in words:
         for text in (word, " " + word.lstrip()):
-            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
             if not ids:
-                raise ValueError(f"SamplingParams.bad_words={words!r} is invalid: {word!r} encodes to no tokens")
-            if ids not in out:
-                out.append(ids)
-    return out
+                raise ValueError(f"SamplingParams.bad_words={[word]!r} is invalid: {word!r} encodes to no tokens")
+            out.setdefault(ids)
+    return [list(ids) for ids in out]
 
 
 def banned_by_bad_words(sequences: list[list[int]], history: list[int]) -> list[int]:

@@ -9,8 +9,9 @@ Errors are OpenAI's body ``{"error": {"message", "type", "param", "code"}}``:
 
 ====  =====================================================================================
 400   an invalid field, a prompt too long for ``max_model_len`` (the message gives both
-      numbers), an unsupported OpenAI field, malformed JSON, more ``stop`` strings or
-      ``stop_token_ids`` than :class:`ServerLimits` allows
+      numbers), an unsupported OpenAI field, malformed JSON, a list or text over its
+      bound (:class:`ServerLimits`: ``stop``, ``stop_token_ids``, ``bad_words``, structured
+      outputs; ``allowed_token_ids`` longer than the vocabulary)
 401   any route but ``/health`` (and ``/metrics`` with ``metrics_auth=False``) without the
       right ``Authorization: Bearer KEY``, when a key is set
 404   an unknown model name or path
@@ -23,7 +24,13 @@ Errors are OpenAI's body ``{"error": {"message", "type", "param", "code"}}``:
 
 Text is tokenized (and chat templates rendered) in a worker thread, after a size check
 (``ServerLimits.max_chars_per_token``): a multi-megabyte prompt neither blocks the event
-loop nor costs a tokenizer pass before it is refused.
+loop nor costs a tokenizer pass before it is refused. The same holds for every request
+check that touches the tokenizer, a grammar or a list: each list is bounded first (on the
+event loop, by its length), then ``SamplingParams`` are built and checked in a worker
+thread, where bad_words are tokenized and grammars compiled; what that builds (bad-word
+token sequences, the allowed_token_ids mask, the grammar's first matcher) is kept on the
+params, so the engine's own check when the request is added, on the event loop, is O(1).
+llguidance's tokenizer, whose build holds the GIL, is built before the server serves.
 
 A client that disconnects, streaming or not, has its request aborted; its KV blocks are
 free after at most the engine step that was running. Each request logs one access line
@@ -34,8 +41,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hmac
+import json
 import logging
 import re
 import time
@@ -86,6 +93,18 @@ class ServerLimits:
         max_tokenize_chars: the same bound for ``/tokenize``, whose text need not fit
             ``max_model_len`` (counting the tokens of a long text is what it is for;
             ``refengine bench serve`` tokenizes its 40 kB corpus there).
+        max_bad_words: most ``bad_words`` per request (vLLM has no bound; each word is
+            tokenized twice and matched against the output every step).
+        max_bad_word_chars: longest ``bad_words`` entry, characters.
+        max_structured_output_choices: most choices of ``guided_choice`` (or
+            ``structured_outputs.choice``): OpenAI's bound on a schema's enum values
+            (1000). Compiling a choice grammar grows faster than its size.
+        max_structured_output_chars: largest structured-output field (``response_format``,
+            ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``,
+            ``structured_outputs``), characters of its text (a schema or a list as JSON),
+            checked before it is compiled.
+
+    ``allowed_token_ids`` is bounded by the engine: at most the vocabulary's size.
     """
 
     max_body_bytes: int = 4 * 1024 * 1024
@@ -96,6 +115,10 @@ class ServerLimits:
     max_stop_token_ids: int = 256
     max_chars_per_token: int = 32
     max_tokenize_chars: int = 1024 * 1024
+    max_bad_words: int = 256
+    max_bad_word_chars: int = 256
+    max_structured_output_choices: int = 1000
+    max_structured_output_chars: int = 64 * 1024
 
 
 class APIError(Exception):
@@ -325,6 +348,7 @@ class OpenAIServing:
         if req.n is not None and req.n > self.limits.max_n:
             raise APIError(400, f"n={req.n} is above the server's limit of {self.limits.max_n}", param="n")
         self.check_stops(req.stop, req.stop_token_ids)
+        self.check_token_lists(req.bad_words, req.allowed_token_ids)
         if req.cache_salt is not None and not req.cache_salt:
             raise APIError(400, "cache_salt must be a non-empty string when given", param="cache_salt")
 
@@ -343,6 +367,43 @@ class OpenAIServing:
         if stop_token_ids is not None and len(stop_token_ids) > lim.max_stop_token_ids:
             raise APIError(400, f"{len(stop_token_ids)} stop_token_ids is above the server's limit of "
                                 f"{lim.max_stop_token_ids}", param="stop_token_ids")
+
+    def check_token_lists(self, bad_words, allowed_token_ids) -> None:
+        """The bounds on ``bad_words`` (:class:`ServerLimits`) and ``allowed_token_ids`` (the
+        vocabulary's size), by length: cheap enough for the event loop, and checked before
+        any word is tokenized or any id read."""
+        lim = self.limits
+        if bad_words is not None:
+            if len(bad_words) > lim.max_bad_words:
+                raise APIError(400, f"{len(bad_words)} bad_words is above the server's limit of {lim.max_bad_words}",
+                               param="bad_words")
+            long = [w for w in bad_words if len(w) > lim.max_bad_word_chars]
+            if long:
+                raise APIError(400, f"a bad word of {len(long[0])} characters is above the server's limit of "
+                                    f"{lim.max_bad_word_chars}", param="bad_words")
+        vocab = self.engine.model_config.vocab_size
+        if allowed_token_ids is not None and len(allowed_token_ids) > vocab:
+            raise APIError(400, f"{len(allowed_token_ids)} allowed_token_ids is above the vocabulary's size of {vocab}",
+                           param="allowed_token_ids")
+
+    def check_structured_outputs_size(self, req) -> None:
+        """The bounds on a structured output (:class:`ServerLimits`), before it is compiled:
+        the number of choices, then the field's size (a string's length; a schema's or a
+        list's JSON text, so run it off the event loop)."""
+        lim = self.limits
+        for name in req.structured_outputs_fields():
+            value = getattr(req, name)
+            choices = value if name == "guided_choice" else None
+            if name == "structured_outputs":  # a dict, vLLM's {"choice": [...], ...}
+                choices = value.get("choice")
+            if isinstance(choices, list) and len(choices) > lim.max_structured_output_choices:
+                raise APIError(400, f"{len(choices)} choices is above the server's limit of "
+                                    f"{lim.max_structured_output_choices}", param=name)
+            size, unit = (len(value), "") if isinstance(value, str) else \
+                (len(json.dumps(value, ensure_ascii=False)), " (as JSON)")
+            if size > lim.max_structured_output_chars:
+                raise APIError(400, f"{name} of {size} characters{unit} is above the server's limit of "
+                                    f"{lim.max_structured_output_chars}", param=name)
 
     @property
     def max_prompt_chars(self) -> int:
@@ -379,13 +440,11 @@ class OpenAIServing:
             if isinstance(p, str):
                 self.check_text_size(len(p), param)
 
-        def run():
+        def run():  # token-id prompts too: the engine reads every id of a list the body bounds
             return [self.engine.prompt_token_ids(p)[1] for p in prompts]
 
         try:
-            if any(isinstance(p, str) for p in prompts):
-                return await asyncio.to_thread(run)
-            return run()
+            return await asyncio.to_thread(run)
         except ValueError as e:
             raise bad_request(e, param) from None
 
@@ -411,19 +470,27 @@ class OpenAIServing:
             return requested
         return None if default is None else min(default, limit - longest)
 
-    def sampling_params(self, req, max_tokens, logprobs, renames: dict[str, str] | None = None) -> SamplingParams:
-        """``req``'s ``SamplingParams``, checked by ``SamplingParams`` and the engine
-        (``LLMEngine.check_sampling_params``); ``renames``: see :func:`bad_request`."""
-        try:
-            params = req.sampling_params(max_tokens, logprobs)
+    async def sampling_params(self, req, max_tokens, logprobs, renames: dict[str, str] | None = None,
+                              **overrides) -> SamplingParams:
+        """``req``'s ``SamplingParams`` (and ``overrides``, e.g. ``prompt_logprobs``), checked
+        by the structured-output bounds, ``SamplingParams`` and the engine
+        (``LLMEngine.check_sampling_params``) in a worker thread: bad_words are tokenized and
+        a grammar compiled there, and kept on the params for the engine's own check and
+        steps (so nothing may copy the params afterwards). ``renames``: see :func:`bad_request`."""
+        def build() -> SamplingParams:
+            self.check_structured_outputs_size(req)
+            # only what is new each step: a long output costs O(new tokens) per step, not O(length)
+            params = req.sampling_params(max_tokens, logprobs, output_kind=RequestOutputKind.DELTA, **overrides)
             self.engine.check_sampling_params(params)
+            return params
+
+        try:
+            return await asyncio.to_thread(build)
         except ValueError as e:
             fields = req.structured_outputs_fields()  # the grammar's errors name the field the request used
             if fields:
                 renames = {**(renames or {}), "structured_outputs": fields[0]}
             raise bad_request(e, renames=renames) from None
-        # only what is new each step: a long output costs O(new tokens) per step, not O(length)
-        return dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
 
     async def submit(self, request_id: str, prompts: list[list[int]], params, cache_salt: str | None = None
                      ) -> RequestStream:
@@ -639,9 +706,9 @@ class OpenAIServing:
         echo_only = bool(req.echo) and req.max_tokens == 0
         max_tokens = self.max_tokens(prompts, 1 if echo_only else req.max_tokens, "max_tokens" in req.model_fields_set,
                                      default=16, param="max_tokens")
-        params = self.sampling_params(req, max_tokens, req.logprobs)
-        if req.echo and req.logprobs is not None:  # the prompt's logprobs too, as many top ones (checked as logprobs)
-            params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
+        # with echo, the prompt's logprobs too, as many top ones (checked as logprobs)
+        params = await self.sampling_params(req, max_tokens, req.logprobs,
+                                            prompt_logprobs=req.logprobs if req.echo else None)
         echoed = [self.echo_text(p, ids) for p, ids in zip(prompt, prompts)] if req.echo else None
         request_id = f"cmpl-{uuid.uuid4().hex}"
 
@@ -686,8 +753,8 @@ class OpenAIServing:
             requested, param = req.max_tokens, "max_tokens"
         max_tokens = self.max_tokens([prompt], requested, requested is not None, default=None, param=param)
         top = req.top_logprobs or 0
-        params = self.sampling_params(req, max_tokens, top if req.logprobs else None,
-                                      renames={"logprobs": "top_logprobs"})  # the engine's logprobs is chat's top
+        params = await self.sampling_params(req, max_tokens, top if req.logprobs else None,
+                                            renames={"logprobs": "top_logprobs"})  # the engine's logprobs is chat's top
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
 
         def choice(part: ChoicePart, streamed: bool) -> ChatStreamChoice | ChatCompletionChoice:
@@ -734,14 +801,30 @@ class OpenAIServing:
             ids = await asyncio.to_thread(tok.encode, req.prompt, add_special_tokens=req.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids)
 
-    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+    async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        """Checked and decoded in a worker thread (the list is bounded by the body only)."""
         self.check_model(req.model)
         tok = self.require_tokenizer("detokenize")
         vocab = self.engine.model_config.vocab_size
-        bad = [t for t in req.tokens if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
-        return DetokenizeResponse(prompt=tok.decode(req.tokens))
+
+        def run() -> str:
+            bad = [t for t in req.tokens if not 0 <= t < vocab]
+            if bad:
+                raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
+            return tok.decode(req.tokens)
+
+        return DetokenizeResponse(prompt=await asyncio.to_thread(run))
+
+    def prepare(self) -> None:
+        """Build what the first structured-output request would otherwise build while the
+        others wait: llguidance's tokenizer (its build holds the GIL). Nothing without
+        llguidance or a tokenizer."""
+        structured = getattr(getattr(self.engine, "sampler", None), "structured", None)
+        if structured is not None:
+            try:
+                structured.prepare()
+            except ValueError as e:  # llguidance missing: structured requests get its 400
+                logger.info("structured outputs are unavailable: %s", e)
 
 
 # --------------------------------------------------------------------------------------
@@ -777,6 +860,7 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None,
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        await asyncio.to_thread(serving.prepare)
         engine_loop.start()
         try:
             yield
@@ -861,6 +945,6 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None,
 
     @app.post("/detokenize", responses=documented(DetokenizeResponse))
     async def detokenize(req: DetokenizeRequest):
-        return serving.detokenize(req)
+        return await serving.detokenize(req)
 
     return app

@@ -18,6 +18,10 @@ What one request must not do to the others:
   for DELTA outputs (``SamplingParams.output_kind``) and a stream merges the outputs its
   reader has not taken yet into one (:class:`RequestStream`), so its backlog is one
   output per prompt, at most ``max_model_len`` tokens per sequence.
+- Adds run on the event loop, between steps, and ``LLMEngine.add_request`` checks the
+  request again: for params the server has checked (in a worker thread) that is O(1) per
+  field, as the sampler keeps what its check built on the params (bad-word tokens, the
+  allowed_token_ids mask, the grammar's matcher), so nothing is tokenized or compiled here.
 - The loop is supervised: an unexpected error while adding or aborting a request fails
   only that request (:class:`EngineStepError`); a failed step fails the requests in it;
   ``max_consecutive_step_failures`` failed steps in a row, or an error escaping the loop,

@@ -7,7 +7,9 @@ extras (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_e
 ``guided_regex``, ``guided_choice``, ``guided_grammar``, ``structured_outputs``;
 ``stop_reason`` on choices); OpenAI's ``echo`` (the prompt's text, and with ``logprobs`` its
 tokens' log-probabilities, before the completion's), ``logit_bias`` and ``response_format`` (``text``,
-``json_object``, ``json_schema``) on both endpoints. ``null`` for an optional sampling
+``json_object``, ``json_schema``) on both endpoints. Every list field has a bound
+(``refengine.server.api.ServerLimits``; ``logit_bias``: 300 entries, OpenAI's;
+``allowed_token_ids``: the vocabulary's size). ``null`` for an optional sampling
 field means its default. The sampling fields are generated from ``SamplingParams``'
 declaration (each field's ``ApiField``: :func:`sampling_fields`). Unknown request fields are
 ignored, as OpenAI's clients send fields a server may not know; OpenAI fields whose meaning refengine does not implement
@@ -138,8 +140,10 @@ class _SamplingRequest(_SamplingFields):
         name = used[0].removeprefix("guided_")
         return StructuredOutputsParams(**{name: getattr(self, used[0])})
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The engine's ``SamplingParams`` for this request (unset fields: vLLM's defaults).
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, **overrides) -> SamplingParams:
+        """The engine's ``SamplingParams`` for this request (unset fields: vLLM's defaults;
+        ``overrides``: fields the server sets, e.g. ``output_kind``). A structured output is
+        compiled here: the server calls this off its event loop.
 
         Raises:
             ValueError: a value out of range (``SamplingParams``' message names the field).
@@ -147,7 +151,7 @@ class _SamplingRequest(_SamplingFields):
         given = {f.name: f.metadata["api"].read(getattr(self, f.name)) for f in dataclasses.fields(SamplingParams)
                  if f.metadata.get("api") and f.name not in PER_ENDPOINT_FIELDS}
         given["structured_outputs"] = self.structured_outputs_params()  # or response_format, guided_*
-        kwargs = {k: v for k, v in given.items() if v is not None}
+        kwargs = {k: v for k, v in {**given, **overrides}.items() if v is not None}
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
 
     @property

@@ -365,9 +365,18 @@ class OpenAIIngress:
         return app
 
     # --- routing keys ---------------------------------------------------------------------
+    @property
+    def head_chars(self) -> int:
+        """Characters of text that hold the routing key's tokens: 32 per token (as the
+        replicas' ``ServerLimits.max_chars_per_token``), one block to spare for the tokens
+        the cut changes."""
+        return 32 * (self.prefix_blocks + 1) * self.block_size
+
     def routing_key(self, path: str, body: bytes) -> str | None:
         """The prompt's :func:`prefix_routing_key` (None for a body the replica will refuse:
-        it answers the error)."""
+        it answers the error). Only a bounded head of the prompt (:attr:`head_chars`, or
+        :func:`chat_head` of the messages) is rendered and tokenized: the key needs its
+        first blocks, and the replica checks the whole. Call it off the event loop."""
         from refengine.server.protocol import ChatCompletionRequest
 
         try:
@@ -376,7 +385,7 @@ class OpenAIIngress:
                 chat = ChatCompletionRequest.model_validate(req)
                 if self.tokenizer is None:
                     return None
-                ids = self.tokenizer.apply_chat_template(chat.template_messages(),
+                ids = self.tokenizer.apply_chat_template(chat_head(chat.template_messages(), self.head_chars),
                                                          add_generation_prompt=chat.add_generation_prompt,
                                                          tokenize=True)
             else:
@@ -386,9 +395,7 @@ class OpenAIIngress:
                 if isinstance(prompt, str):
                     if self.tokenizer is None:
                         return None
-                    # the first blocks' tokens need only a bounded head of the text
-                    limit = 32 * (self.prefix_blocks + 1) * self.block_size
-                    ids = self.tokenizer.encode(prompt[:limit], add_special_tokens=True)
+                    ids = self.tokenizer.encode(prompt[:self.head_chars], add_special_tokens=True)
                 elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
                     ids = prompt
                 else:
@@ -493,6 +500,23 @@ class OpenAIIngress:
             if start["status"] == 200 and dict(start["headers"]).get(REPLICA_HEADER) == rid:
                 texts[rid] = b"".join(chunks).decode()
         return Response(merge_expositions(texts), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def chat_head(messages: list[dict], max_chars: int) -> list[dict]:
+    """The first ``max_chars`` characters of a chat's text (contents and names, in order):
+    whole messages while they fit, the next one cut, the rest dropped. Chats that agree on
+    that head render to the same first tokens, whatever follows."""
+    head, left = [], max_chars
+    for m in messages:
+        name = m.get("name", "")
+        if len(name) > left:
+            break
+        cut = {**m, "content": m["content"][:left - len(name)]}
+        head.append(cut)
+        left -= len(name) + len(cut["content"])
+        if left == 0:
+            break
+    return head
 
 
 def _error(status: int, message: str):

@@ -48,6 +48,38 @@ def test_merge_expositions():
     assert 'h_bucket{replica="r2",le="1.0"} 2.0' in merged
 
 
+def test_ingress_renders_only_the_head_of_a_chat_it_routes(tiny_llama_tok_dir, monkeypatch):
+    """The routing key needs the first blocks of the prompt: the ingress renders and
+    tokenizes a bounded head of the messages (32 characters per token, one block to spare),
+    whatever the chat's size, and the key is the full render's."""
+    from refengine.server.ray_serve import OpenAIIngress
+
+    ingress = OpenAIIngress(None, str(tiny_llama_tok_dir), block_size=BLOCK, vocab_size=211)
+    tok = ingress.tokenizer
+    rendered = []
+    render = tok.apply_chat_template
+
+    def spy(messages, **kw):
+        rendered.append(sum(len(m["content"]) + len(m.get("name", "")) for m in messages))
+        return render(messages, **kw)
+
+    monkeypatch.setattr(tok, "apply_chat_template", spy)
+    head = 32 * 5 * BLOCK
+
+    def key(messages):
+        return ingress.routing_key("/v1/chat/completions", json.dumps({"messages": messages}).encode())
+
+    short = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "x" * 100, "name": "bob"}]
+    assert key(short) == prefix_routing_key(render(short, add_generation_prompt=True, tokenize=True), BLOCK)
+    huge = short + [{"role": "user", "content": f"line {i} " * 50} for i in range(200)]  # 100 kB
+    rendered.clear()
+    k = key(huge)
+    assert rendered == [head]
+    assert k == prefix_routing_key(render(huge, add_generation_prompt=True, tokenize=True), BLOCK)
+    assert k == key(huge[:3] + [{"role": "user", "content": "another tail"}])
+    assert k != key([{"role": "system", "content": "Be brief!"}] + huge[1:])
+
+
 def test_build_app_reads_serve_run_arguments(smollm2_dir):
     from ray.serve import Application
 

@@ -280,3 +280,78 @@ def test_server_reports_a_request_its_masks_leave_without_a_token(server, tok_ll
     with server.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert [(c["choices"][0]["text"], c["choices"][0]["finish_reason"]) for c in chunks] == [("a", None), ("", "error")]
+
+
+# --- per-request costs: linear, built once ------------------------------------------------
+
+class CountingId(int):
+    """A token id that counts how often it is compared (a list scan compares the ids of
+    every pair of equally long sequences)."""
+
+    comparisons = 0
+
+    def __eq__(self, other):
+        CountingId.comparisons += 1
+        return int(self) == int(other)
+
+    __hash__ = int.__hash__
+
+
+class CountingTokenizer(CharTokenizer):
+    @staticmethod
+    def encode(text, add_special_tokens=False):
+        return [CountingId(t) for t in CharTokenizer.encode(text)]
+
+
+def test_bad_words_dedup_is_linear(monkeypatch):
+    """2,000 words: a few id comparisons per word (a list scan made millions); repeats are
+    still kept once, in order; the error names only the word."""
+    monkeypatch.setattr(CountingId, "comparisons", 0)
+    words = ["".join(chr(ord("a") + int(d)) for d in f"{i:04d}") for i in range(2000)] + ["ab", "ab", " ab"]
+    seqs = bad_words_token_ids(CountingTokenizer(), words)
+    assert CountingId.comparisons < 10 * len(words)
+    assert len(seqs) == 2 * 2000 + 2 and seqs[-2:] == [[0, 1], [26, 0, 1]]
+    assert all(type(s) is list for s in seqs)
+
+    class Empty(CharTokenizer):
+        @staticmethod
+        def encode(text, add_special_tokens=False):
+            return [] if text.strip() == "zz" else CharTokenizer.encode(text)
+
+    with pytest.raises(ValueError) as e:
+        bad_words_token_ids(Empty(), words[:1000] + ["zz"])
+    assert str(e.value) == "SamplingParams.bad_words=['zz'] is invalid: 'zz' encodes to no tokens"
+
+
+def test_allowed_token_ids_mask_is_built_once_per_request(monkeypatch):
+    """The sampler's check builds the [V] mask once; steps (and n rows sharing the params)
+    reuse it rather than turning the id list into an index every step."""
+    import refengine.sampler as sampler_module
+
+    built = []
+    token_mask = sampler_module.disallowed_token_mask
+    monkeypatch.setattr(sampler_module, "disallowed_token_mask",
+                        lambda ids, V: built.append(V) or token_mask(ids, V))
+    sampler = Sampler(tokenizer=CharTokenizer())
+    p = SamplingParams(temperature=0.0, allowed_token_ids=[4, 2, 2, 1], logit_bias={3: 5.0, 9: -1.0})
+    sampler.check_sampling_params(p)
+    mask = p._disallowed_token_mask
+    assert built == [27] and mask.shape == (27,) and np.flatnonzero(~mask).tolist() == [1, 2, 4]
+    bias = p._logit_bias_arrays
+    x = np.zeros((2, 27), dtype=np.float32)
+    x[:, 2] = 1.0
+    for step in range(3):
+        out = sampler(x, [FakeSeq(p, output=[4] * step), FakeSeq(p, output=[1] * step)])
+        assert out.token_ids.tolist() == [2, 2]
+    assert built == [27] and p._disallowed_token_mask is mask and p._logit_bias_arrays is bias
+    sampler.check_sampling_params(p)  # the engine checks again at add_request: nothing rebuilt
+    assert built == [27]
+    logits = Sampler().process_logits(np.zeros((1, 5), dtype=np.float32), [FakeSeq(p)])  # another width
+    assert np.isfinite(logits[0]).tolist() == [False, True, True, False, True] and built == [27, 5]
+
+
+def test_allowed_token_ids_longer_than_the_vocabulary_are_refused():
+    with pytest.raises(ValueError) as e:
+        Sampler(tokenizer=CharTokenizer()).check_sampling_params(SamplingParams(allowed_token_ids=[1] * 28))
+    assert str(e.value) == ("SamplingParams.allowed_token_ids=<28 ids> is invalid: at most 27 ids "
+                            "(the vocabulary's size)")

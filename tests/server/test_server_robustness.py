@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 
 import pytest
 
@@ -136,6 +137,18 @@ def tok_server(tiny_llama_tok_dir):
     ({"stop_token_ids": list(range(3, 260))}, "stop_token_ids", "257 stop_token_ids"),
     ({"cache_salt": 7}, "cache_salt", "string"),
     ({"cache_salt": ""}, "cache_salt", "non-empty"),
+    ({"bad_words": [f"w{i}" for i in range(257)]}, "bad_words", "257 bad_words is above the server's limit of 256"),
+    ({"bad_words": ["x" * 257]}, "bad_words", "a bad word of 257 characters is above the server's limit of 256"),
+    ({"allowed_token_ids": [5] * 212}, "allowed_token_ids",
+     "212 allowed_token_ids is above the vocabulary's size of 211"),
+    ({"guided_choice": ["a"] * 1001}, "guided_choice", "1001 choices is above the server's limit of 1000"),
+    ({"structured_outputs": {"choice": ["a"] * 1001}}, "structured_outputs", "1001 choices is above"),
+    ({"guided_regex": "a" * 65537}, "guided_regex",
+     "guided_regex of 65537 characters is above the server's limit of 65536"),
+    ({"guided_grammar": "start: " + "a" * 65536}, "guided_grammar", "of 65543 characters is above"),
+    ({"guided_json": {"enum": ["x" * 65536]}}, "guided_json", "of 65550 characters (as JSON) is above"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"enum": ["é" * 65536]}}}},
+     "response_format", "characters (as JSON) is above the server's limit of 65536"),
 ])
 def test_request_limits_answer_400(tok_server, body, param, fragment):
     h, *_ = tok_server
@@ -186,6 +199,84 @@ def test_text_is_size_checked_then_tokenized_off_the_event_loop(tok_server, monk
     assert r.status_code == 200, r.text
     assert len(threads) >= 4
     assert loop_thread not in threads
+
+
+def test_checks_that_touch_the_tokenizer_or_a_grammar_run_off_the_event_loop(tok_server, monkeypatch):
+    """bad_words are tokenized and a grammar compiled in a worker thread, once: the engine's
+    own check when the loop adds the request reuses them, and the request's one sequence
+    takes the matcher the check made. llguidance's tokenizer was built at startup."""
+    from refengine import sampler, structured_output
+
+    h, engine, app, loop_thread = tok_server
+    assert engine.sampler.structured._ll_tokenizer is not None  # built before serving
+    threads = {"encode": [], "bad_words": [], "compile": [], "matcher": []}
+
+    def spy(name, fn):
+        def call(*a, **k):
+            threads[name].append(threading.current_thread().name)
+            return fn(*a, **k)
+        return call
+
+    monkeypatch.setattr(engine.tokenizer, "encode", spy("encode", engine.tokenizer.encode))
+    monkeypatch.setattr(sampler, "bad_words_token_ids", spy("bad_words", sampler.bad_words_token_ids))
+    monkeypatch.setattr(structured_output.StructuredOutputsParams, "_compile",
+                        spy("compile", structured_output.StructuredOutputsParams._compile))
+    monkeypatch.setattr(engine.sampler.structured, "new_matcher",
+                        spy("matcher", engine.sampler.structured.new_matcher))
+    r = completion(h, {"prompt": [5, 6, 7], "max_tokens": 3, "bad_words": ["ab", "cd"],
+                       "guided_choice": ["yes", "no"]})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] in ("yes", "no")
+    assert [len(threads[k]) for k in ("bad_words", "compile", "matcher")] == [1, 1, 1]
+    assert threads["encode"] and loop_thread not in sum(threads.values(), [])
+
+
+def test_oversized_requests_do_not_stall_health_or_streams(tok_server):
+    """While one client streams and another polls /health, requests with every oversized
+    list (bad_words, guided_choice, allowed_token_ids, a regex, a chat) get a 400, and
+    requests at the limits finish: no /health answer and no stream chunk waits over 1 s."""
+    h, *_ = tok_server
+    done = threading.Event()
+    health, chunks = [time.monotonic()], [time.monotonic()]
+
+    def poll_health():
+        with httpx.Client(base_url=h.base_url, timeout=TIMEOUT) as c:
+            while not done.is_set():
+                assert c.get("/health").status_code == 200
+                health.append(time.monotonic())
+                time.sleep(0.01)
+
+    def stream():
+        with httpx.Client(base_url=h.base_url, headers=AUTH, timeout=TIMEOUT) as c:
+            while not done.is_set():
+                body = {"model": "tiny", "prompt": "hi", "max_tokens": 100, "ignore_eos": True, "stream": True}
+                with c.stream("POST", "/v1/completions", json=body) as r:
+                    for _ in r.iter_lines():
+                        chunks.append(time.monotonic())
+
+    workers = [threading.Thread(target=f, daemon=True) for f in (poll_health, stream)]
+    for w in workers:
+        w.start()
+    wait_until(lambda: len(chunks) > 20 and len(health) > 5)
+    oversized = [{"bad_words": [f"w{i}x" for i in range(12000)]},
+                 {"guided_choice": [f"choice {i}" for i in range(60000)]},
+                 {"allowed_token_ids": [5] * 300000},
+                 {"guided_regex": "(" + "|".join(f"w{i}" for i in range(20000)) + ")"}]
+    statuses = [completion(h, {"prompt": "hi", "max_tokens": 2, **body}).status_code for body in oversized]
+    r = h.post("/v1/chat/completions", headers=AUTH,
+               json={"messages": [{"role": "user", "content": "a" * 1000}] * 1000, "max_tokens": 2})
+    statuses.append(r.status_code)
+    at_limits = [{"bad_words": [f"w{i}x" for i in range(256)]},
+                 {"guided_choice": [f"choice {i}" for i in range(1000)]},
+                 {"allowed_token_ids": list(range(211))}]
+    statuses += [completion(h, {"prompt": "hi", "max_tokens": 2, **body}).status_code for body in at_limits]
+    time.sleep(0.2)
+    done.set()
+    for w in workers:
+        w.join(timeout=TIMEOUT)
+    gaps = {name: max(b - a for a, b in zip(t, t[1:])) for name, t in (("/health", health), ("stream", chunks))}
+    assert max(gaps.values()) < 1.0, gaps
+    assert statuses == [400] * 5 + [200] * 3
 
 
 @pytest.mark.parametrize("body", [
