@@ -354,6 +354,17 @@ _BOOL, _STRING, _ARRAY = 7, 8, 9
 _NUMERIC_TENSOR_CODES = {"F16": "f2", "F32": "f4", "F64": "f8", "I8": "i1", "I16": "i2",
                          "I32": "i4", "I64": "i8"}
 
+# Bounds on what a header may make us allocate. Every count is first checked against the
+# bytes left in the file (an item takes at least the bytes below), so memory stays in
+# proportion to the file; arrays of arrays are bounded further because each inner array,
+# 12 bytes in the file, becomes Python objects of some 400 bytes.
+GGML_MAX_DIMS = 4  # ggml.h: dimensions of a tensor
+GGUF_MAX_ARRAY_DEPTH = 4  # levels of arrays of arrays (ggml's own reader refuses any nesting)
+GGUF_MAX_NESTED_ARRAYS = 1 << 16  # inner arrays in the whole file
+_MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, a one-byte value
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # name length, dimension count, type, offset
+_MIN_ARRAY_BYTES = 4 + 8  # item type, item count
+
 
 @dataclass(frozen=True, eq=False)  # eq=False: numpy values have no single ==
 class GGUFField:
@@ -432,6 +443,14 @@ class _Cursor:
     def __init__(self, buf, path: Path, byte_order: str = "<"):
         self.buf, self.path, self.pos, self.size = buf, path, 0, len(buf)
         self.order = byte_order
+        self.nested_arrays = 0  # inner arrays read so far (GGUF_MAX_NESTED_ARRAYS)
+
+    def count(self, n: int, item_bytes: int, what: str) -> int:
+        """``n`` items of at least ``item_bytes`` bytes each must fit in the rest of the
+        file: checked before anything is allocated for them."""
+        if n * item_bytes > self.size - self.pos:
+            raise self.truncated(f"{what} {n} (items of at least {item_bytes} bytes each)")
+        return n
 
     def error(self, what: str) -> ValueError:
         return ValueError(f"{str(self.path)!r} is not a readable GGUF file: {what}")
@@ -494,8 +513,9 @@ class _Cursor:
             raise self.truncated(f"string {len(out)} of {what}")
         return out
 
-    def value(self, vtype: int, what: str) -> tuple[object, tuple[int, ...]]:
-        """One value of type code ``vtype``: (value, its type codes as :class:`GGUFField`)."""
+    def value(self, vtype: int, what: str, depth: int = 0) -> tuple[object, tuple[int, ...]]:
+        """One value of type code ``vtype``: (value, its type codes as :class:`GGUFField`).
+        ``depth``: the arrays this value is inside."""
         if vtype in _SCALAR_CODES:
             value = self.scalar(_SCALAR_CODES[vtype], what)
             return (bool(value) if vtype == _BOOL else value), (vtype,)
@@ -507,9 +527,16 @@ class _Cursor:
             if item_type in _SCALAR_CODES:
                 return self.numbers(_SCALAR_CODES[item_type], count, what), (vtype, item_type)
             if item_type == _STRING:
-                return self.strings(count, what), (vtype, item_type)
+                return self.strings(self.count(count, 8, f"the length of {what}"), what), (vtype, item_type)
             if item_type == _ARRAY:
-                items = [self.value(_ARRAY, f"{what}[{i}]") for i in range(count)]
+                if depth + 1 >= GGUF_MAX_ARRAY_DEPTH:
+                    raise self.error(f"{what} nests arrays too deeply (more than {GGUF_MAX_ARRAY_DEPTH} levels)")
+                self.count(count, _MIN_ARRAY_BYTES, f"the length of {what}")
+                self.nested_arrays += count
+                if self.nested_arrays > GGUF_MAX_NESTED_ARRAYS:
+                    raise self.error(f"{what} makes {self.nested_arrays} arrays inside arrays in the file; at most "
+                                     f"{GGUF_MAX_NESTED_ARRAYS} are read (llama.cpp reads none)")
+                items = [self.value(_ARRAY, f"{what}[{i}]", depth + 1) for i in range(count)]
                 inner = items[0][1] if items else (_ARRAY,)
                 return [v for v, _ in items], (vtype, *inner)
             raise self.error(f"{what} has unknown array item type {item_type}")
@@ -534,10 +561,14 @@ def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
     Raises:
         FileNotFoundError: no such file (``OSError`` for others from ``open``).
         ValueError: naming the file: a bad magic, an unsupported version, a header that
-            runs past the end of the file, an unknown value or tensor type, a string that is
-            not UTF-8, a duplicate key or tensor name, an alignment that is not a power of
-            two (or not a uint32), a row length that is not a multiple of its type's block
-            size, or tensor data outside the file.
+            runs past the end of the file (or a count whose items cannot fit in what is left
+            of it, checked before they are read), an unknown value or tensor type, a string
+            that is not UTF-8, a duplicate key or tensor name, arrays of arrays deeper than
+            :data:`GGUF_MAX_ARRAY_DEPTH` or more than :data:`GGUF_MAX_NESTED_ARRAYS` of them,
+            an alignment that is not a power of two (or not a uint32), a tensor of more than
+            :data:`GGML_MAX_DIMS` dimensions, a row length that is not a multiple of its
+            type's block size, tensor data at an offset that is not a multiple of the
+            alignment, outside the file, or overlapping another tensor's.
     """
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
@@ -561,16 +592,15 @@ def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
         raise cur.error(f"unsupported GGUF version {version} (supported: {', '.join(map(str, GGUF_VERSIONS))})")
     n_tensors = cur.scalar("Q", "the tensor count")
     n_kv = cur.scalar("Q", "the key/value count")
+    cur.count(n_kv, _MIN_KV_BYTES, "the key/value count")
+    cur.count(n_tensors, _MIN_TENSOR_INFO_BYTES, "the tensor count")
 
     fields: dict[str, GGUFField] = {}
     for i in range(n_kv):
         key = cur.string(f"key {i}")
         if key in fields:
             raise cur.error(f"duplicate key {key!r}")
-        try:
-            value, types = cur.value(cur.scalar("I", f"the type of {key!r}"), repr(key))
-        except RecursionError:  # arrays of arrays of ...: a 12-byte header per level
-            raise cur.error(f"{key!r} nests arrays too deeply") from None
+        value, types = cur.value(cur.scalar("I", f"the type of {key!r}"), repr(key))
         fields[key] = GGUFField(key, tuple(GGUFValueType(t) for t in types), value)
 
     alignment = GGUF_DEFAULT_ALIGNMENT
@@ -584,6 +614,8 @@ def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
     for i in range(n_tensors):
         name = cur.string(f"the name of tensor {i}")
         n_dims = cur.scalar("I", f"the dimension count of {name!r}")
+        if n_dims > GGML_MAX_DIMS:
+            raise cur.error(f"tensor {name!r} has {n_dims} dimensions; ggml tensors have at most {GGML_MAX_DIMS}")
         dims = tuple(int(d) for d in cur.numbers("Q", n_dims, f"the dimensions of {name!r}"))
         code = cur.scalar("I", f"the type of {name!r}")
         offset = cur.scalar("Q", f"the offset of {name!r}")
@@ -613,17 +645,30 @@ def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
             numpy_shape = (*numpy_shape[:-1], dims[0] // block_size * type_size)
         n_bytes = n_elements * type_size // block_size
         start = data_offset + offset
+        if offset % alignment:
+            raise cur.error(f"the offset {offset} of tensor {name!r} is not a multiple of the alignment "
+                            f"{alignment} (general.alignment)")
         if start + n_bytes > cur.size:
             raise cur.error(f"the data of tensor {name!r} (bytes {start}..{start + n_bytes}) lies outside "
                             f"the file ({cur.size} bytes)")
         data = np.frombuffer(buf, dtype=dtype, count=count, offset=start).reshape(numpy_shape)
         tensors.append(GGUFTensor(name, qtype, dims, n_elements, n_bytes, start, data))
+    _check_no_overlap(tensors, cur)
     if isinstance(buf, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
         try:  # the header is parsed into copies: its pages of the map are no longer needed
             buf.madvise(mmap.MADV_DONTNEED, 0, min(data_offset, cur.size))
         except (OSError, ValueError):
             pass
     return GGUFHeader(path, version, cur.order, fields, tensors, alignment, data_offset)
+
+
+def _check_no_overlap(tensors: list[GGUFTensor], cur: _Cursor) -> None:
+    """Refuse two tensors whose data share a byte (the GGUF spec lays them out one after
+    another; llama.cpp's reader requires exactly that packing)."""
+    ranges = sorted((t.data_offset, t.data_offset + t.n_bytes, t.name) for t in tensors if t.n_bytes)
+    for (_, end, first), (start, _, second) in zip(ranges, ranges[1:]):
+        if start < end:
+            raise cur.error(f"the data of tensors {first!r} and {second!r} overlap (bytes {start}..{end})")
 
 
 # --- metadata ---------------------------------------------------------------------------
