@@ -65,6 +65,7 @@ it (see there).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import mmap
@@ -181,8 +182,8 @@ def build_tokenizer(meta: dict):
         return _byte_level_bpe(meta)
     if kind == "llama" and arch == "gemma3":
         return _gemma_bpe(meta)
-    raise ValueError(f"unsupported GGUF tokenizer model {kind!r} for architecture {arch!r}; supported: "
-                     f"byte-level BPE 'gpt2', and SentencePiece 'llama' in a 'gemma3' file")
+    raise ValueError(f"unsupported GGUF tokenizer model {_short(kind)} for architecture {_short(arch)}; "
+                     f"supported: byte-level BPE 'gpt2', and SentencePiece 'llama' in a 'gemma3' file")
 
 
 def _byte_level_bpe(meta: dict):
@@ -200,14 +201,16 @@ def _byte_level_bpe(meta: dict):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
     pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in _PRE_TOKENIZERS:
+    if not isinstance(pre, str) or pre not in _PRE_TOKENIZERS:
         raise ValueError(
-            f"unsupported GGUF pre-tokenizer {pre!r}; known: {sorted(_PRE_TOKENIZERS)}"
+            f"unsupported GGUF pre-tokenizer {_short(pre)}; known: {sorted(_PRE_TOKENIZERS)}"
         )
 
-    tokens = list(meta["tokenizer.ggml.tokens"])
+    tokens = list(_tokens(meta))
     vocab = _vocab(tokens)
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    if meta.get("tokenizer.ggml.merges") is None:
+        raise ValueError("GGUF metadata lacks 'tokenizer.ggml.merges' (a 'gpt2' tokenizer needs its merges)")
+    merges = _merges(meta, vocab)
 
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -219,8 +222,47 @@ def _byte_level_bpe(meta: dict):
         tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    _add_typed_tokens(tok, tokens, meta.get("tokenizer.ggml.token_type"), vocab)
+    _add_typed_tokens(tok, tokens, _token_types(meta), vocab)
     return tok
+
+
+def _merges(meta: dict, vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """``tokenizer.ggml.merges`` as ``(left, right)`` pairs: each ``"left right"`` (split at
+    its first space, as ``transformers`` splits them), both parts and their concatenation
+    tokens of ``vocab`` (what ``tokenizers``' BPE requires).
+
+    Raises:
+        ValueError: not an array of strings, or a merge without a space or with a part
+            outside the vocabulary; naming the merge and its index.
+    """
+    merges = meta["tokenizer.ggml.merges"]
+    if not isinstance(merges, list):
+        raise ValueError("GGUF metadata 'tokenizer.ggml.merges' must be an array of strings")
+    out = []
+    for i, merge in enumerate(merges):
+        pair = merge.split(" ", 1) if isinstance(merge, str) else ()
+        if len(pair) != 2 or pair[0] not in vocab or pair[1] not in vocab or pair[0] + pair[1] not in vocab:
+            raise ValueError(f"GGUF metadata 'tokenizer.ggml.merges'[{i}] = {_short(merge)} is not two tokens of "
+                             "the vocabulary separated by a space, which make a token of the vocabulary")
+        out.append((pair[0], pair[1]))
+    return out
+
+
+def _token_types(meta: dict) -> list[int] | None:
+    """``tokenizer.ggml.token_type``: one llama.cpp token type per token, or None when absent.
+
+    Raises:
+        ValueError: not an array of integers as long as ``tokenizer.ggml.tokens``.
+    """
+    types = meta.get("tokenizer.ggml.token_type")
+    if types is None:
+        return None
+    n = len(_tokens(meta))
+    if not isinstance(types, list) or len(types) != n or not all(_is_int(t) for t in types):
+        shown = f"{len(types)} entries" if isinstance(types, list) else _short(types)
+        raise ValueError(f"GGUF metadata 'tokenizer.ggml.token_type' must be an array of {n} integers (one per "
+                         f"token of 'tokenizer.ggml.tokens'), got {shown}")
+    return types
 
 
 _SP_SPACE = "\u2581"  # SentencePiece's visible space, "▁"
@@ -251,26 +293,19 @@ def _gemma_bpe(meta: dict):
     """
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-    stored = list(meta["tokenizer.ggml.tokens"])
+    stored = list(_tokens(meta))
     tokens = _vocab_spelling(meta)
     vocab = _vocab(tokens)
-    if "tokenizer.ggml.merges" in meta:
-        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    else:
-        merges = [
-            (token[:cut], token[cut:])
-            for token in tokens  # best first
-            for cut in range(len(token) - 1, 0, -1)  # longest left part first
-            if token[:cut] in vocab and token[cut:] in vocab
-        ]
+    merges = _merges(meta, vocab) if meta.get("tokenizer.ggml.merges") is not None else _rebuild_merges(tokens)
 
     def special(key):
-        idx = meta.get(f"tokenizer.ggml.{key}_token_id")
-        return None if idx is None else (tokens[int(idx)], int(idx))
+        idx = _token_id(meta, key)
+        return None if idx is None else (tokens[idx], idx)
 
     unk = special("unknown")
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk[0] if unk else None,
                                fuse_unk=True, byte_fallback=True))
+    del merges
     tok.normalizer = normalizers.Replace(" ", _SP_SPACE)
     tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous", invert=False)
     tok.decoder = decoders.Sequence(
@@ -278,25 +313,69 @@ def _gemma_bpe(meta: dict):
     )
     # Only the tokens whose stored spelling is in the vocabulary (so not the space runs,
     # which transformers leaves to the BPE model too).
-    _add_typed_tokens(tok, stored, meta.get("tokenizer.ggml.token_type"), vocab)
+    _add_typed_tokens(tok, stored, _token_types(meta), vocab)
 
     bos, eos = special("bos"), special("eos")
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
     single = ([f"{bos[0]}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos[0]}:0"] if add_eos else [])
     pair = single + ([f"{bos[0]}:1"] if add_bos else []) + ["$B:1"] + ([f"{eos[0]}:1"] if add_eos else [])
-    tok.post_processor = processors.TemplateProcessing(
-        single=" ".join(single), pair=" ".join(pair),
-        special_tokens=[t for t, on in ((bos, add_bos), (eos, add_eos)) if on],
-    )
+    try:
+        tok.post_processor = processors.TemplateProcessing(
+            single=single, pair=pair, special_tokens=[t for t, on in ((bos, add_bos), (eos, add_eos)) if on],
+        )
+    except ValueError as e:  # a token spelled like a template piece ("a:b"); the message is the library's
+        raise ValueError(f"GGUF BOS/EOS tokens {bos and bos[0]!r}, {eos and eos[0]!r} (tokenizer.ggml.bos_token_id, "
+                         f"eos_token_id) cannot be written in a post-processor template: {e}") from None
     return tok
+
+
+# Bounds on rebuilding a SentencePiece vocabulary's merges, whose time grows with the square
+# of a token's length and whose count with the vocabulary's total length: SentencePiece
+# trains pieces of at most 16 characters by default; Gemma 3's longest token has 31, and
+# its 262,144 tokens give 514,906 merges (1.96 per token).
+GGUF_MAX_MERGED_TOKEN_CHARS = 256
+GGUF_MAX_MERGES_PER_TOKEN = 4
+
+
+def _rebuild_merges(tokens: list[str]) -> list[tuple[str, str]]:
+    """The merges of a vocabulary stored without them: every cut of a token into two
+    tokens, ranked by the token's id, longer left part first (``transformers``'
+    ``SentencePieceExtractor``, see :func:`_gemma_bpe`).
+
+    Memory: each merge is a tuple of the vocabulary's own strings (no copies), and the
+    rebuild stops at the bounds, so it stays in proportion to the vocabulary.
+
+    Raises:
+        ValueError: a token longer than :data:`GGUF_MAX_MERGED_TOKEN_CHARS` characters, or
+            more than :data:`GGUF_MAX_MERGES_PER_TOKEN` merges per token in all.
+    """
+    pieces = {t: t for t in tokens}  # a piece's text -> the vocabulary's string of it
+    limit = GGUF_MAX_MERGES_PER_TOKEN * len(tokens)
+    merges = []
+    for i, token in enumerate(tokens):  # best first
+        if len(token) > GGUF_MAX_MERGED_TOKEN_CHARS:
+            raise ValueError(f"GGUF 'tokenizer.ggml.tokens'[{i}] has {len(token)} characters; rebuilding the merges "
+                             f"of a vocabulary stored without 'tokenizer.ggml.merges' takes tokens of at most "
+                             f"{GGUF_MAX_MERGED_TOKEN_CHARS}")
+        for cut in range(len(token) - 1, 0, -1):  # longest left part first
+            left = pieces.get(token[:cut])
+            if left is not None:
+                right = pieces.get(token[cut:])
+                if right is not None:
+                    merges.append((left, right))
+        if len(merges) > limit:
+            raise ValueError(f"GGUF 'tokenizer.ggml.tokens': rebuilding the merges of a vocabulary stored without "
+                             f"'tokenizer.ggml.merges' gives more than {GGUF_MAX_MERGES_PER_TOKEN} per token "
+                             f"({len(merges)} by token {i} of {len(tokens)}; Gemma 3 has 1.96)")
+    return merges
 
 
 def _vocab_spelling(meta: dict) -> list[str]:
     """The tokens as the tokenizer's vocabulary spells them: as stored, except in a
     SentencePiece (Gemma) file the all-space tokens, stored with real spaces, become
     ``"▁" * n`` like every other space in that vocabulary."""
-    tokens = list(meta["tokenizer.ggml.tokens"])
+    tokens = list(_tokens(meta))
     if meta.get("tokenizer.ggml.model") != "llama":
         return tokens
     return [_SP_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
@@ -306,7 +385,9 @@ def _vocab(tokens: list[str]) -> dict[str, int]:
     """token -> id. Raises ValueError on a duplicate token."""
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if len(vocab) != len(tokens):
-        raise ValueError("GGUF vocabulary has duplicate tokens")
+        first = next(i for i, t in enumerate(tokens) if vocab[t] != i)  # the dict kept the last id of each
+        raise ValueError(f"GGUF vocabulary has duplicate tokens: 'tokenizer.ggml.tokens'[{vocab[tokens[first]]}] = "
+                         f"{_short(tokens[first])} repeats token {first}")
     return vocab
 
 
@@ -353,6 +434,17 @@ _BOOL, _STRING, _ARRAY = 7, 8, 9
 # ggml tensor types GGUFReader hands back as numbers (every other type as bytes).
 _NUMERIC_TENSOR_CODES = {"F16": "f2", "F32": "f4", "F64": "f8", "I8": "i1", "I16": "i2",
                          "I32": "i4", "I64": "i8"}
+
+# Bounds on what a header may make us allocate. Every count is first checked against the
+# bytes left in the file (an item takes at least the bytes below), so memory stays in
+# proportion to the file; arrays of arrays are bounded further because each inner array,
+# 12 bytes in the file, becomes Python objects of some 400 bytes.
+GGML_MAX_DIMS = 4  # ggml.h: dimensions of a tensor
+GGUF_MAX_ARRAY_DEPTH = 4  # levels of arrays of arrays (ggml's own reader refuses any nesting)
+GGUF_MAX_NESTED_ARRAYS = 1 << 16  # inner arrays in the whole file
+_MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, a one-byte value
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # name length, dimension count, type, offset
+_MIN_ARRAY_BYTES = 4 + 8  # item type, item count
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: numpy values have no single ==
@@ -432,6 +524,14 @@ class _Cursor:
     def __init__(self, buf, path: Path, byte_order: str = "<"):
         self.buf, self.path, self.pos, self.size = buf, path, 0, len(buf)
         self.order = byte_order
+        self.nested_arrays = 0  # inner arrays read so far (GGUF_MAX_NESTED_ARRAYS)
+
+    def count(self, n: int, item_bytes: int, what: str) -> int:
+        """``n`` items of at least ``item_bytes`` bytes each must fit in the rest of the
+        file: checked before anything is allocated for them."""
+        if n * item_bytes > self.size - self.pos:
+            raise self.truncated(f"{what} {n} (items of at least {item_bytes} bytes each)")
+        return n
 
     def error(self, what: str) -> ValueError:
         return ValueError(f"{str(self.path)!r} is not a readable GGUF file: {what}")
@@ -494,8 +594,9 @@ class _Cursor:
             raise self.truncated(f"string {len(out)} of {what}")
         return out
 
-    def value(self, vtype: int, what: str) -> tuple[object, tuple[int, ...]]:
-        """One value of type code ``vtype``: (value, its type codes as :class:`GGUFField`)."""
+    def value(self, vtype: int, what: str, depth: int = 0) -> tuple[object, tuple[int, ...]]:
+        """One value of type code ``vtype``: (value, its type codes as :class:`GGUFField`).
+        ``depth``: the arrays this value is inside."""
         if vtype in _SCALAR_CODES:
             value = self.scalar(_SCALAR_CODES[vtype], what)
             return (bool(value) if vtype == _BOOL else value), (vtype,)
@@ -507,9 +608,16 @@ class _Cursor:
             if item_type in _SCALAR_CODES:
                 return self.numbers(_SCALAR_CODES[item_type], count, what), (vtype, item_type)
             if item_type == _STRING:
-                return self.strings(count, what), (vtype, item_type)
+                return self.strings(self.count(count, 8, f"the length of {what}"), what), (vtype, item_type)
             if item_type == _ARRAY:
-                items = [self.value(_ARRAY, f"{what}[{i}]") for i in range(count)]
+                if depth + 1 >= GGUF_MAX_ARRAY_DEPTH:
+                    raise self.error(f"{what} nests arrays too deeply (more than {GGUF_MAX_ARRAY_DEPTH} levels)")
+                self.count(count, _MIN_ARRAY_BYTES, f"the length of {what}")
+                self.nested_arrays += count
+                if self.nested_arrays > GGUF_MAX_NESTED_ARRAYS:
+                    raise self.error(f"{what} makes {self.nested_arrays} arrays inside arrays in the file; at most "
+                                     f"{GGUF_MAX_NESTED_ARRAYS} are read (llama.cpp reads none)")
+                items = [self.value(_ARRAY, f"{what}[{i}]", depth + 1) for i in range(count)]
                 inner = items[0][1] if items else (_ARRAY,)
                 return [v for v, _ in items], (vtype, *inner)
             raise self.error(f"{what} has unknown array item type {item_type}")
@@ -534,10 +642,14 @@ def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
     Raises:
         FileNotFoundError: no such file (``OSError`` for others from ``open``).
         ValueError: naming the file: a bad magic, an unsupported version, a header that
-            runs past the end of the file, an unknown value or tensor type, a string that is
-            not UTF-8, a duplicate key or tensor name, an alignment that is not a power of
-            two (or not a uint32), a row length that is not a multiple of its type's block
-            size, or tensor data outside the file.
+            runs past the end of the file (or a count whose items cannot fit in what is left
+            of it, checked before they are read), an unknown value or tensor type, a string
+            that is not UTF-8, a duplicate key or tensor name, arrays of arrays deeper than
+            :data:`GGUF_MAX_ARRAY_DEPTH` or more than :data:`GGUF_MAX_NESTED_ARRAYS` of them,
+            an alignment that is not a power of two (or not a uint32), a tensor of more than
+            :data:`GGML_MAX_DIMS` dimensions, a row length that is not a multiple of its
+            type's block size, tensor data at an offset that is not a multiple of the
+            alignment, outside the file, or overlapping another tensor's.
     """
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
@@ -561,16 +673,15 @@ def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
         raise cur.error(f"unsupported GGUF version {version} (supported: {', '.join(map(str, GGUF_VERSIONS))})")
     n_tensors = cur.scalar("Q", "the tensor count")
     n_kv = cur.scalar("Q", "the key/value count")
+    cur.count(n_kv, _MIN_KV_BYTES, "the key/value count")
+    cur.count(n_tensors, _MIN_TENSOR_INFO_BYTES, "the tensor count")
 
     fields: dict[str, GGUFField] = {}
     for i in range(n_kv):
         key = cur.string(f"key {i}")
         if key in fields:
             raise cur.error(f"duplicate key {key!r}")
-        try:
-            value, types = cur.value(cur.scalar("I", f"the type of {key!r}"), repr(key))
-        except RecursionError:  # arrays of arrays of ...: a 12-byte header per level
-            raise cur.error(f"{key!r} nests arrays too deeply") from None
+        value, types = cur.value(cur.scalar("I", f"the type of {key!r}"), repr(key))
         fields[key] = GGUFField(key, tuple(GGUFValueType(t) for t in types), value)
 
     alignment = GGUF_DEFAULT_ALIGNMENT
@@ -584,6 +695,8 @@ def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
     for i in range(n_tensors):
         name = cur.string(f"the name of tensor {i}")
         n_dims = cur.scalar("I", f"the dimension count of {name!r}")
+        if n_dims > GGML_MAX_DIMS:
+            raise cur.error(f"tensor {name!r} has {n_dims} dimensions; ggml tensors have at most {GGML_MAX_DIMS}")
         dims = tuple(int(d) for d in cur.numbers("Q", n_dims, f"the dimensions of {name!r}"))
         code = cur.scalar("I", f"the type of {name!r}")
         offset = cur.scalar("Q", f"the offset of {name!r}")
@@ -613,17 +726,30 @@ def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
             numpy_shape = (*numpy_shape[:-1], dims[0] // block_size * type_size)
         n_bytes = n_elements * type_size // block_size
         start = data_offset + offset
+        if offset % alignment:
+            raise cur.error(f"the offset {offset} of tensor {name!r} is not a multiple of the alignment "
+                            f"{alignment} (general.alignment)")
         if start + n_bytes > cur.size:
             raise cur.error(f"the data of tensor {name!r} (bytes {start}..{start + n_bytes}) lies outside "
                             f"the file ({cur.size} bytes)")
         data = np.frombuffer(buf, dtype=dtype, count=count, offset=start).reshape(numpy_shape)
         tensors.append(GGUFTensor(name, qtype, dims, n_elements, n_bytes, start, data))
+    _check_no_overlap(tensors, cur)
     if isinstance(buf, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
         try:  # the header is parsed into copies: its pages of the map are no longer needed
             buf.madvise(mmap.MADV_DONTNEED, 0, min(data_offset, cur.size))
         except (OSError, ValueError):
             pass
     return GGUFHeader(path, version, cur.order, fields, tensors, alignment, data_offset)
+
+
+def _check_no_overlap(tensors: list[GGUFTensor], cur: _Cursor) -> None:
+    """Refuse two tensors whose data share a byte (the GGUF spec lays them out one after
+    another; llama.cpp's reader requires exactly that packing)."""
+    ranges = sorted((t.data_offset, t.data_offset + t.n_bytes, t.name) for t in tensors if t.n_bytes)
+    for (_, end, first), (start, _, second) in zip(ranges, ranges[1:]):
+        if start < end:
+            raise cur.error(f"the data of tensors {first!r} and {second!r} overlap (bytes {start}..{end})")
 
 
 # --- metadata ---------------------------------------------------------------------------
@@ -654,81 +780,166 @@ def _f32(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-def _getter(meta: dict, arch: str):
-    """``get(key, default)``: ``meta[f"{arch}.{key}"]``, else ``default``, else a
-    ValueError naming the key."""
+_REQUIRED = object()
 
-    def get(key, default=None):
-        value = meta.get(f"{arch}.{key}", default)
-        if value is None:
-            raise ValueError(f"GGUF metadata lacks '{arch}.{key}'")
-        return value
+# llama.cpp's LLAMA_MAX_LAYERS (llama-hparams.h): its per-layer hyperparameters are arrays of
+# this size, so no file it loads has more blocks.
+LLAMA_MAX_LAYERS = 512
 
-    return get
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _meta_int(meta: dict, key: str, default=_REQUIRED, minimum: int = 1, maximum: int | None = None) -> int:
+    """``meta[key]``, an integer in ``[minimum, maximum]``; ``default`` when absent.
+
+    Raises:
+        ValueError: the key is absent without a default, or not such an integer; naming it.
+    """
+    value = meta.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ValueError(f"GGUF metadata lacks {key!r}")
+        return default
+    if not _is_int(value) or value < minimum or (maximum is not None and value > maximum):
+        limit = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+        raise ValueError(f"GGUF metadata {key!r} must be an integer {limit}, got {_short(value)}")
+    return value
+
+
+def _meta_float(meta: dict, key: str, default=_REQUIRED) -> float:
+    """``meta[key]``, a finite number > 0, as the shortest decimal of its float32
+    (:func:`_f32`); ``default`` when absent.
+
+    Raises:
+        ValueError: the key is absent without a default, or not such a number; naming it.
+    """
+    value = meta.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ValueError(f"GGUF metadata lacks {key!r}")
+        return None if default is None else _f32(default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"GGUF metadata {key!r} must be a finite number > 0, got {_short(value)}")
+    return _f32(value)
+
+
+def _short(value) -> str:
+    """``repr(value)``, cut to 80 characters (a hostile value may be a whole vocabulary)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _tokens(meta: dict) -> list[str]:
+    """``tokenizer.ggml.tokens``: the vocabulary, index = id.
+
+    Raises:
+        ValueError: absent, empty, or not an array of strings.
+    """
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise ValueError("GGUF metadata lacks 'tokenizer.ggml.tokens' (the vocabulary)")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ValueError("GGUF metadata 'tokenizer.ggml.tokens' must be a non-empty array of strings")
+    return tokens
 
 
 def _token_id(meta: dict, key: str) -> int | None:
-    value = meta.get(f"tokenizer.ggml.{key}_token_id")
-    return None if value is None else int(value)
+    """``tokenizer.ggml.<key>_token_id``, an id of the vocabulary, or None when absent.
+
+    Raises:
+        ValueError: not an integer in ``[0, len(tokenizer.ggml.tokens))``, naming the key.
+    """
+    name = f"tokenizer.ggml.{key}_token_id"
+    if meta.get(name) is None:
+        return None
+    return _meta_int(meta, name, minimum=0, maximum=len(_tokens(meta)) - 1)
 
 
-def hf_config(meta: dict, has_lm_head: bool) -> dict:
+def _block_count(meta: dict, arch: str, tensor_names) -> int:
+    """``<arch>.block_count``, checked before anything per layer is built: at most
+    :data:`LLAMA_MAX_LAYERS`, and (given the file's ``tensor_names``) no more than the
+    layers the file holds tensors for (``blk.<i>.*`` for every ``i`` below it).
+
+    Raises:
+        ValueError: naming the key, the value and the limit.
+    """
+    key = f"{arch}.block_count"
+    n = _meta_int(meta, key, maximum=LLAMA_MAX_LAYERS)
+    if tensor_names is not None:
+        present = set()
+        for name in tensor_names:
+            parts = name.split(".", 2)
+            if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+                present.add(int(parts[1]))
+        missing = next((i for i in range(n) if i not in present), None)
+        if missing is not None:
+            raise ValueError(f"GGUF metadata {key!r} is {n}, but the file has no tensors for layer {missing} "
+                             f"('blk.{missing}.*'; it has tensors for {len(present)} layers)")
+    return n
+
+
+def hf_config(meta: dict, has_lm_head: bool, tensor_names=None) -> dict:
     """The HF ``config.json`` fields of the file's architecture (``general.architecture``).
+
+    Every count and size is checked before anything is built from it (an integer >= 1, a
+    finite number > 0, a token id of the vocabulary); ``block_count`` also against
+    :data:`LLAMA_MAX_LAYERS` and the layers of ``tensor_names``.
 
     Args:
         meta: GGUF key -> value (:func:`read_metadata`).
         has_lm_head: the file stores ``output.weight`` (else the embedding is tied).
+        tensor_names: the file's tensor names, or None not to check ``block_count``
+            against them.
     Returns:
         ``LlamaConfig`` fields for ``llama`` (:func:`_llama_config`), ``Gemma3TextConfig``
         ones for ``gemma3`` (:func:`_gemma3_config`).
     Raises:
-        ValueError: another architecture, a missing key, an unsupported RoPE scaling.
+        ValueError: another architecture, a missing or invalid key (naming it), an
+            unsupported RoPE scaling.
     """
     arch = meta.get("general.architecture")
     if arch == "llama":
-        return _llama_config(meta, has_lm_head)
+        return _llama_config(meta, has_lm_head, tensor_names)
     if arch == "gemma3":
-        return _gemma3_config(meta, has_lm_head)
-    raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        return _gemma3_config(meta, has_lm_head, tensor_names)
+    raise ValueError(f"unsupported GGUF architecture {_short(arch)}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
-def _llama_config(meta: dict, has_lm_head: bool) -> dict:
+def _llama_config(meta: dict, has_lm_head: bool, tensor_names=None) -> dict:
     """HF ``LlamaConfig`` fields from ``llama.*`` GGUF metadata."""
-    get = _getter(meta, "llama")
-
-    hidden = int(get("embedding_length"))
-    n_head = int(get("attention.head_count"))
-    n_kv = int(get("attention.head_count_kv", n_head))
-    head_dim = int(get("attention.key_length", hidden // n_head))
-    rope_dim = int(get("rope.dimension_count", head_dim))
+    n_layers = _block_count(meta, "llama", tensor_names)
+    hidden = _meta_int(meta, "llama.embedding_length")
+    n_head = _meta_int(meta, "llama.attention.head_count")
+    n_kv = _meta_int(meta, "llama.attention.head_count_kv", n_head)
+    head_dim = _meta_int(meta, "llama.attention.key_length", hidden // n_head)
+    rope_dim = _meta_int(meta, "llama.rope.dimension_count", head_dim)
     if rope_dim != head_dim:
         raise ValueError(f"partial rotary (rope dim {rope_dim} != head_dim {head_dim}) unsupported")
-    vocab = meta.get("llama.vocab_size") or len(meta["tokenizer.ggml.tokens"])
+    vocab = _meta_int(meta, "llama.vocab_size", len(_tokens(meta)))
 
     rope_scaling = None
     scaling_type = meta.get("llama.rope.scaling.type", "none")
     if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": _f32(get("rope.scaling.factor"))}
+        rope_scaling = {"rope_type": "linear", "factor": _meta_float(meta, "llama.rope.scaling.factor")}
     elif scaling_type != "none":
-        raise ValueError(f"unsupported GGUF rope scaling type {scaling_type!r}")
+        raise ValueError(f"unsupported GGUF rope scaling type {_short(scaling_type)}")
 
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    pad = meta.get("tokenizer.ggml.padding_token_id")
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": int(vocab),
+        "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
+        "intermediate_size": _meta_int(meta, "llama.feed_forward_length"),
+        "num_hidden_layers": n_layers,
         "num_attention_heads": n_head,
         "num_key_value_heads": n_kv,
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": int(get("context_length")),
-        "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon")),
-        "rope_theta": _f32(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": _meta_int(meta, "llama.context_length"),
+        "rms_norm_eps": _meta_float(meta, "llama.attention.layer_norm_rms_epsilon"),
+        "rope_theta": _meta_float(meta, "llama.rope.freq_base", 10000.0),
         "rope_scaling": rope_scaling,
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -737,9 +948,9 @@ def _llama_config(meta: dict, has_lm_head: bool) -> dict:
         "pretraining_tp": 1,
         "use_cache": True,
         "tie_word_embeddings": not has_lm_head,
-        "bos_token_id": None if bos is None else int(bos),
-        "eos_token_id": None if eos is None else int(eos),
-        "pad_token_id": None if pad is None else int(pad),
+        "bos_token_id": _token_id(meta, "bos"),
+        "eos_token_id": _token_id(meta, "eos"),
+        "pad_token_id": _token_id(meta, "padding"),
         "torch_dtype": "float32",
     }
 
@@ -752,7 +963,7 @@ _GEMMA3_LOCAL_ROPE_BASE = 10000.0
 _GEMMA3_27B_LAYERS = 62  # llama.cpp's LLM_TYPE_27B, whose attention scale differs
 
 
-def _gemma3_config(meta: dict, has_lm_head: bool) -> dict:
+def _gemma3_config(meta: dict, has_lm_head: bool, tensor_names=None) -> dict:
     """HF ``Gemma3TextConfig`` fields (``config.json`` of ``google/gemma-3-270m``) from
     ``gemma3.*`` GGUF metadata.
 
@@ -770,61 +981,59 @@ def _gemma3_config(meta: dict, has_lm_head: bool) -> dict:
             ``sliding_window_pattern`` array of the wrong length, a RoPE scaling other
             than none/linear.
     """
-    get = _getter(meta, "gemma3")
-    hidden = int(get("embedding_length"))
-    n_layers = int(get("block_count"))
-    n_head = int(get("attention.head_count"))
-    n_kv = int(get("attention.head_count_kv", n_head))
-    head_dim = int(get("attention.key_length", 256))
-    if int(get("attention.value_length", head_dim)) != head_dim:
+    n_layers = _block_count(meta, "gemma3", tensor_names)  # before anything per layer is built
+    hidden = _meta_int(meta, "gemma3.embedding_length")
+    n_head = _meta_int(meta, "gemma3.attention.head_count")
+    n_kv = _meta_int(meta, "gemma3.attention.head_count_kv", n_head)
+    head_dim = _meta_int(meta, "gemma3.attention.key_length", 256)
+    if _meta_int(meta, "gemma3.attention.value_length", head_dim) != head_dim:
         raise ValueError("GGUF gemma3: attention.key_length != attention.value_length is unsupported")
-    vocab = meta.get("gemma3.vocab_size") or len(meta["tokenizer.ggml.tokens"])
+    vocab = _meta_int(meta, "gemma3.vocab_size", len(_tokens(meta)))
 
-    window = meta.get("gemma3.attention.sliding_window")
+    window = _meta_int(meta, "gemma3.attention.sliding_window", 0, minimum=0)
     pattern = meta.get("gemma3.attention.sliding_window_pattern", _GEMMA3_SWA_PERIOD)
     if not window:  # llama.cpp: no (or a zero) window means no sliding layers
         window, period, sliding = None, None, [False] * n_layers
     elif isinstance(pattern, list):  # one bool per layer, True = sliding
-        if len(pattern) != n_layers:
+        if len(pattern) != n_layers or not all(isinstance(p, (bool, int)) for p in pattern):
             raise ValueError(f"GGUF gemma3.attention.sliding_window_pattern has {len(pattern)} entries "
-                             f"for {n_layers} layers")
+                             f"for {n_layers} layers (one bool per layer)")
         period, sliding = None, [bool(p) for p in pattern]
     else:  # a period: layer i is global when (i + 1) % period == 0
-        period = int(pattern)
+        period = _meta_int(meta, "gemma3.attention.sliding_window_pattern", _GEMMA3_SWA_PERIOD, minimum=0)
         sliding = [period == 0 or (i + 1) % period != 0 for i in range(n_layers)]
 
     rope_scaling = None
     scaling_type = meta.get("gemma3.rope.scaling.type", "none")
     factor = meta.get("gemma3.rope.scaling.factor")
-    if scaling_type == "linear" or (scaling_type == "none" and factor not in (None, 1.0)):
-        rope_scaling = {"rope_type": "linear", "factor": _f32(get("rope.scaling.factor"))}
+    if scaling_type == "linear" or (scaling_type == "none" and factor is not None and factor != 1.0):
+        rope_scaling = {"rope_type": "linear", "factor": _meta_float(meta, "gemma3.rope.scaling.factor")}
     elif scaling_type != "none":
-        raise ValueError(f"unsupported GGUF rope scaling type {scaling_type!r}")
+        raise ValueError(f"unsupported GGUF rope scaling type {_short(scaling_type)}")
 
-    softcaps = {key: meta.get(f"gemma3.{key}") for key in ("final_logit_softcapping", "attn_logit_softcapping")}
+    softcaps = {key: _meta_float(meta, f"gemma3.{key}", None)
+                for key in ("final_logit_softcapping", "attn_logit_softcapping")}
     config = {
         "architectures": ["Gemma3ForCausalLM"],
         "model_type": "gemma3_text",
-        "vocab_size": int(vocab),
+        "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
+        "intermediate_size": _meta_int(meta, "gemma3.feed_forward_length"),
         "num_hidden_layers": n_layers,
         "num_attention_heads": n_head,
         "num_key_value_heads": n_kv,
         "head_dim": head_dim,
         "hidden_activation": "gelu_pytorch_tanh",
-        "max_position_embeddings": int(get("context_length")),
-        "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon")),
-        "rope_theta": _f32(get("rope.freq_base", 1_000_000.0)),
-        "rope_local_base_freq": _f32(get("rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE)),
+        "max_position_embeddings": _meta_int(meta, "gemma3.context_length"),
+        "rms_norm_eps": _meta_float(meta, "gemma3.attention.layer_norm_rms_epsilon"),
+        "rope_theta": _meta_float(meta, "gemma3.rope.freq_base", 1_000_000.0),
+        "rope_local_base_freq": _meta_float(meta, "gemma3.rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE),
         "rope_scaling": rope_scaling,
-        "sliding_window": None if window is None else int(window),
+        "sliding_window": window,
         "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
         "query_pre_attn_scalar": hidden // n_head if n_layers == _GEMMA3_27B_LAYERS else head_dim,
-        "final_logit_softcapping": None if softcaps["final_logit_softcapping"] is None
-        else _f32(softcaps["final_logit_softcapping"]),
-        "attn_logit_softcapping": None if softcaps["attn_logit_softcapping"] is None
-        else _f32(softcaps["attn_logit_softcapping"]),
+        "final_logit_softcapping": softcaps["final_logit_softcapping"],
+        "attn_logit_softcapping": softcaps["attn_logit_softcapping"],
         "attention_bias": False,
         "attention_dropout": 0.0,
         "use_bidirectional_attention": False,
@@ -862,8 +1071,7 @@ def end_of_turn_ids(meta: dict) -> tuple[int, ...]:
     ``generation_config.json`` lists (``eos_token_id: [1, 106]``)."""
     ids = [_token_id(meta, key) for key in ("eot", "eom")]
     if meta.get("general.architecture") == "gemma3":
-        tokens = meta["tokenizer.ggml.tokens"]
-        ids += [i for i, t in enumerate(tokens) if t == "<end_of_turn>"]
+        ids += [i for i, t in enumerate(_tokens(meta)) if t == "<end_of_turn>"]
     out: list[int] = []
     for i in ids:
         if i is not None and i not in out:
@@ -876,8 +1084,8 @@ def tokenizer_config(meta: dict, config: dict) -> dict:
     added tokens :func:`build_tokenizer` registers (not Gemma's space runs, which only the
     BPE model holds, respelled), the special tokens, ``add_bos_token`` and the chat
     template."""
-    tokens = meta["tokenizer.ggml.tokens"]
-    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    tokens = _tokens(meta)
+    types = _token_types(meta) or [1] * len(tokens)
     spelled = _vocab_spelling(meta)
     added_decoder = {
         str(i): {
@@ -893,8 +1101,8 @@ def tokenizer_config(meta: dict, config: dict) -> dict:
     }
 
     def token(key):
-        idx = meta.get(f"tokenizer.ggml.{_GGUF_SPECIAL_KEYS[key]}_token_id")
-        return None if idx is None else tokens[int(idx)]
+        idx = _token_id(meta, _GGUF_SPECIAL_KEYS[key])
+        return None if idx is None else tokens[idx]
 
     out = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -934,8 +1142,13 @@ class GGUFFile:
     Raises:
         FileNotFoundError: ``path`` does not exist.
         ValueError: the file is not a readable GGUF (:func:`read_gguf_header`; the message
-            says "is not a readable GGUF file" and names it), or its architecture is not one
-            of :data:`SUPPORTED_ARCHITECTURES` (``llama``, ``gemma3``).
+            says "is not a readable GGUF file" and names it), its architecture is not one
+            of :data:`SUPPORTED_ARCHITECTURES` (``llama``, ``gemma3``), a metadata key is
+            missing or invalid (:func:`hf_config`: a count out of range, ``block_count``
+            beyond :data:`LLAMA_MAX_LAYERS` or the layers present ...), or a tensor is
+            unknown, missing or of another shape than the metadata implies; the message
+            names the file and the key or tensor. All before anything is sized by the
+            metadata.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -945,27 +1158,47 @@ class GGUFFile:
         self.reader = read_gguf_header(self.path)
         self.meta = read_metadata(self.reader)
         arch = self.meta.get("general.architecture")
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported GGUF architecture {arch!r} in {str(self.path)!r}; "
+        if not isinstance(arch, str) or arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported GGUF architecture {_short(arch)} in {str(self.path)!r}; "
                              f"supported: {', '.join(map(repr, SUPPORTED_ARCHITECTURES))}")
         self.arch: str = arch
         self._tensors = {t.name: t for t in self.reader.tensors}
-        self.config = hf_config(self.meta, has_lm_head="output.weight" in self._tensors)
+        with self._naming_the_file():
+            self.config = hf_config(self.meta, has_lm_head="output.weight" in self._tensors,
+                                    tensor_names=self._tensors)
+            self._names = self._check_tensors()
+
+    @contextlib.contextmanager
+    def _naming_the_file(self):
+        """Prefix a ValueError's message with the file's path (the metadata checks name
+        only the key)."""
+        try:
+            yield
+        except ValueError as e:
+            raise ValueError(f"{self.path}: {e}") from None
 
     @property
     def generation_config(self) -> dict:
         """The ``generation_config.json`` fields (special token ids) of :attr:`config`;
         ``eos_token_id`` becomes a list when more ids end a turn
         (:func:`end_of_turn_ids`: Gemma 3's ``[1, 106]``, ``<eos>`` and ``<end_of_turn>``)."""
-        return generation_config(self.config, end_of_turn_ids(self.meta))
+        with self._naming_the_file():
+            return generation_config(self.config, end_of_turn_ids(self.meta))
 
     def tokenizer(self):
         """The :class:`refengine.tokenizer.Tokenizer` the metadata describes (vocabulary,
-        merges, special tokens, chat template)."""
+        merges, special tokens, chat template).
+
+        Raises:
+            ValueError: naming the file and the key: a missing or invalid vocabulary,
+                merges, token types or special token id, or a vocabulary whose merges
+                cannot be rebuilt within the bounds of :func:`_rebuild_merges`.
+        """
         from refengine.tokenizer import Tokenizer
 
-        return Tokenizer(build_tokenizer(self.meta), tokenizer_config(self.meta, self.config),
-                         self.generation_config, config_source=f"{self.path} (tokenizer metadata)")
+        with self._naming_the_file():
+            tok, config = build_tokenizer(self.meta), tokenizer_config(self.meta, self.config)
+        return Tokenizer(tok, config, self.generation_config, config_source=f"{self.path} (tokenizer metadata)")
 
     def tensor_types(self) -> dict[str, str]:
         """GGUF tensor name -> its stored type name (``"Q4_1"``, ``"F32"`` ...)."""
@@ -992,9 +1225,8 @@ class GGUFFile:
         Returns:
             HF name -> ``[out, in]`` matrix or ``[n]`` vector.
         Raises:
-            ValueError: an unknown tensor, one past the layer count, a wrong shape, or a
-                missing one; the message names it; a ``quantization`` other than None or
-                ``"int8"``.
+            ValueError: a ``quantization`` other than None or ``"int8"`` (the tensors'
+                names and shapes were checked when the file was opened).
         """
         from gguf.quants import dequantize as gguf_dequantize
 
@@ -1002,10 +1234,7 @@ class GGUFFile:
             raise ValueError(f"GGUF weights: quantization={quantization!r} is not None or 'int8'")
         out = {}
         for name, t in self._tensors.items():
-            hf, shape, n_head = self._hf_name(name)
-            stored = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest first
-            if stored != shape:
-                raise ValueError(f"GGUF tensor {name!r} has shape {stored}, expected {shape}")
+            hf, shape, n_head = self._names[name]
             if quantization == "int8" and len(shape) == 2:
                 from refengine.quant.gguf_blocks import GGUFWeight
                 from refengine.quant.int8 import Int8Weight
@@ -1028,13 +1257,32 @@ class GGUFFile:
                 weight = GGUFWeight.from_raw(t.tensor_type, t.data, shape)  # planes: copies of the map's bytes
                 out[hf] = weight.take_rows(rotary_row_order(shape[0], n_head)) if n_head else weight
             _release_pages(t.data)
-        cfg = self.config
+        return out
+
+    def _check_tensors(self) -> dict[str, tuple[str, tuple[int, ...], int]]:
+        """Every tensor against the config, before anything is sized by the config (the KV
+        pool, the weights): each known (:meth:`_hf_name`), of the shape the config implies,
+        and none missing. Reads no tensor data.
+
+        Returns:
+            GGUF name -> :meth:`_hf_name`'s (HF name, shape, heads to unpermute).
+        Raises:
+            ValueError: an unknown tensor, one past the layer count, a wrong shape, or a
+                missing one; the message names it.
+        """
+        names = {}
+        for name, t in self._tensors.items():
+            hf, shape, n_head = names[name] = self._hf_name(name)
+            stored = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest first
+            if stored != shape:
+                raise ValueError(f"GGUF tensor {name!r} has shape {stored}, expected {shape}")
+        present = {hf for hf, _, _ in names.values()}
         layer_names = _LAYER_NAMES[self.arch].values()
-        missing = [f"model.layers.{i}.{s}" for i in range(cfg["num_hidden_layers"]) for s in layer_names]
-        missing = [m for m in missing + ["model.embed_tokens.weight", "model.norm.weight"] if m not in out]
+        missing = [f"model.layers.{i}.{s}" for i in range(self.config["num_hidden_layers"]) for s in layer_names]
+        missing = [m for m in missing + ["model.embed_tokens.weight", "model.norm.weight"] if m not in present]
         if missing:
             raise ValueError(f"GGUF file lacks tensors for {missing[:5]} ({len(missing)} in all)")
-        return out
+        return names
 
     def _hf_name(self, name: str) -> tuple[str, tuple[int, ...], int]:
         """GGUF tensor name -> (HF name, the shape the config implies, heads to unpermute or 0)."""

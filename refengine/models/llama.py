@@ -92,8 +92,10 @@ class LlamaForCausalLM:
         xp: ``numpy`` or ``cupy``.
         dtype: float weights' and the KV cache's dtype (float32 on the CPU; float16/bfloat16
             on a GPU); quantized weights stay as they are.
-        max_model_len: the longest context the engine allows (RoPE's static choices), None
-            for ``max_position_embeddings``.
+        max_model_len: the longest context the engine allows, None for
+            ``max_position_embeddings``: it sizes the RoPE tables (positions ``0 ..
+            max_model_len - 1``, so a file claiming a huge context costs nothing unless
+            the engine allows it) and fixes RoPE's static choices.
     """
 
     architecture = "LlamaForCausalLM"
@@ -186,11 +188,13 @@ class LlamaForCausalLM:
             self.lm_head = lm_head if is_quantized(lm_head) else xp.asarray(ops.weight(lm_head), dtype=dtype)
         if w:
             raise ValueError(f"unconsumed weights: {list(w)[:3]}")
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                    cfg.rope_scaling, xp=xp, max_model_len=max_model_len)
+        # No sequence goes past max_model_len, so the tables stop there, not at the model's context.
+        positions = cfg.max_position_embeddings if max_model_len is None else max_model_len
+        self.rope = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling, xp=xp,
+                                    max_model_len=max_model_len)
         local_rope = self.rope
         if cfg.rope_local_base_freq is not None:  # Gemma 3: the sliding layers rotate with their own base
-            local_rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_base_freq,
+            local_rope = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_local_base_freq,
                                          cfg.rope_local_scaling, xp=xp, max_model_len=max_model_len)
         for i, layer in enumerate(self.layers):
             window = cfg.layer_window(i)

@@ -257,7 +257,9 @@ def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None, *,
 class RotaryEmbedding:
     """Rotary position embedding in the "rotate half" layout used by Hugging Face Llama.
 
-    ``cos``/``sin`` tables ``[max_positions, head_dim // 2]`` float32 are built once; the
+    ``cos``/``sin`` tables ``[max_positions, head_dim // 2]`` float32 are built once, a
+    chunk of rows at a time (the models make ``max_positions`` the engine's
+    ``max_model_len``, :class:`refengine.models.llama.LlamaForCausalLM`); the
     angle ``position * inv_freq`` is rounded to float32 first, as transformers does, and
     the tables carry the attention factor of :func:`rope_frequencies` (YaRN's and longrope's
     mscale; 1 otherwise), as transformers multiplies it into cos and sin. Every layer-op
@@ -284,6 +286,8 @@ class RotaryEmbedding:
     in transformers ``models/llama/modeling_llama.py``.
     """
 
+    _ROWS_PER_CHUNK = 1 << 16
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, rope_scaling: dict | None, xp=np, *,
                  max_model_len: int | None = None):
         max_model_len = max_positions if max_model_len is None else max_model_len
@@ -292,11 +296,17 @@ class RotaryEmbedding:
             raise ValueError(f"max_model_len must be an integer in [1, max_positions={max_positions}] "
                              f"(the RoPE tables' rows), got {max_model_len!r}")
         inv_freq, attention_factor = rope_frequencies(head_dim, theta, rope_scaling, max_model_len=int(max_model_len))
-        angles = np.arange(max_positions, dtype=np.float32)[:, None] * inv_freq[None, :]
-        cos = np.cos(angles.astype(np.float64)).astype(np.float32)
-        sin = np.sin(angles.astype(np.float64)).astype(np.float32)
-        if attention_factor != 1.0:  # float32 products, as transformers' `cos() * attention_scaling`
-            cos, sin = cos * np.float32(attention_factor), sin * np.float32(attention_factor)
+        cos = np.empty((max_positions, inv_freq.size), dtype=np.float32)
+        sin = np.empty_like(cos)
+        for start in range(0, max_positions, self._ROWS_PER_CHUNK):  # float64 temporaries of one chunk only
+            stop = min(start + self._ROWS_PER_CHUNK, max_positions)
+            # float32 positions times float32 inv_freq, as transformers' `position_ids.float() @ inv_freq`
+            angles = np.arange(start, stop).astype(np.float32)[:, None] * inv_freq[None, :]
+            cos[start:stop] = np.cos(angles.astype(np.float64))
+            sin[start:stop] = np.sin(angles.astype(np.float64))
+            if attention_factor != 1.0:  # float32 products, as transformers' `cos() * attention_scaling`
+                cos[start:stop] *= np.float32(attention_factor)
+                sin[start:stop] *= np.float32(attention_factor)
         self.cos, self.sin = xp.asarray(cos), xp.asarray(sin)
         self.inv_freq, self.attention_factor = inv_freq, float(attention_factor)
         self.max_positions, self.max_model_len = max_positions, int(max_model_len)

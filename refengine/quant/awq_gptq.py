@@ -214,8 +214,13 @@ def _nibbles(packed: np.ndarray) -> np.ndarray:
 
 
 def _check_int32(name: str, a: np.ndarray, ndim: int) -> None:
+    """``a`` is a non-empty int32 (or uint32) tensor of ``ndim`` dimensions, else a
+    ValueError naming ``name`` (an empty one would make a matrix of no columns, and
+    ``group_size`` -1 groups of no columns)."""
     if a.dtype not in (np.int32, np.uint32) or a.ndim != ndim:
         raise ValueError(f"{name} must be an int32 {ndim}-D tensor, got {a.dtype} {a.shape}")
+    if not a.size:
+        raise ValueError(f"{name} is empty (shape {a.shape}); a quantized matrix has at least one row and column")
 
 
 def _check_shape(name, a, want, in_features, out_features, gs) -> None:

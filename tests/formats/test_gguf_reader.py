@@ -327,10 +327,27 @@ def test_other_malformed_headers(tmp_path):
     with pytest.raises(ValueError, match=r"bad\.gguf.*tensor 'w'.*Q8_0 block size 32"):
         _read(tmp_path, _gguf([], [_tensor("w", (16, 2), int(GGMLQuantizationType.Q8_0))], data=b"\0" * 64))
     deep = struct.pack("<IQ", 9, 1) * 100_000 + struct.pack("<IQ", 4, 0)
-    with pytest.raises(ValueError, match=r"bad\.gguf.*'x' nests arrays too deeply"):
+    with pytest.raises(ValueError, match=r"bad\.gguf.*'x'(\[0\])* nests arrays too deeply \(more than 4 levels\)"):
         _read(tmp_path, _gguf([_kv("x", 9, deep)]))
     with pytest.raises(ValueError, match=r"empty\.gguf.*truncated header"):
         _read(tmp_path, b"", "empty.gguf")
+
+
+def test_counts_are_checked_against_the_file_before_reading(tmp_path):
+    """A count is refused when its items cannot fit in the rest of the file (each takes at
+    least a few bytes), before anything is allocated for them."""
+    huge = struct.pack("<Q", 2**40)
+    with pytest.raises(ValueError, match=r"truncated header: the key/value count 1099511627776 \(items of at least "
+                                         r"13 bytes each\) at byte 24"):
+        _read(tmp_path, GOOD[:16] + huge + GOOD[24:])
+    with pytest.raises(ValueError, match=r"truncated header: the tensor count 1099511627776 \(items of at least 24"):
+        _read(tmp_path, GOOD[:8] + huge + GOOD[16:])
+    with pytest.raises(ValueError, match=r"truncated header: the length of 'x' 1099511627776 \(items of at least 8"):
+        _read(tmp_path, _gguf([_kv("x", 9, struct.pack("<IQ", 8, 2**40))]))
+    with pytest.raises(ValueError, match=r"truncated header: the length of 'x' 1099511627776 \(items of at least 12"):
+        _read(tmp_path, _gguf([_kv("x", 9, struct.pack("<IQ", 9, 2**40))]))
+    with pytest.raises(ValueError, match=r"tensor 'w' has 5 dimensions; ggml tensors have at most 4"):
+        _read(tmp_path, _gguf([], [_tensor("w", (1, 1, 1, 1, 1), 0)], data=b"\0" * 32))
 
 
 def test_gguf_file_names_a_bad_file(tmp_path):

@@ -13,6 +13,7 @@ refengine's logits must equal transformers' float model of the rounded weights.
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -284,6 +285,21 @@ def test_quantization_config_without_packed_tensors(tmp_path):
     (tmp_path / "model.safetensors").write_bytes((tmp_path / "float" / "model.safetensors").read_bytes())
     with pytest.raises(ValueError, match=r"says the checkpoint is AWQ-quantized, but .* has no '\*.qweight'"):
         LLM(tmp_path, log_stats=False)
+
+
+@pytest.mark.parametrize("method, qweight_shape", [("awq", (0, 4)), ("gptq", (0, 32)), ("awq", (8, 0))])
+def test_empty_qweight_is_named(method, qweight_shape):
+    """An empty ``qweight`` with ``group_size`` -1 made groups of zero columns (a
+    ZeroDivisionError); it is refused as a ValueError naming the layer and the tensor."""
+    from refengine.quant.awq_gptq import CheckpointQuantization
+
+    ckpt = CheckpointQuantization.from_config({"quant_method": method, "group_size": -1}, "config.json")
+    weights = {"p.qweight": np.zeros(qweight_shape, np.int32), "p.qzeros": np.zeros((1, 4), np.int32),
+               "p.scales": np.zeros((1, 32), np.float16)}
+    shape = re.escape(str(qweight_shape))
+    with pytest.raises(ValueError, match=rf"checkpoint in 'dir', p: qweight is empty \(shape {shape}\); a quantized "
+                                         "matrix has at least one row and column"):
+        ckpt.repack(weights, "dir")
 
 
 # --- Int4Weight and its kernels ------------------------------------------------------------
