@@ -1,11 +1,13 @@
 # refengine: two commands do everything on a fresh machine (see README.md).
 #   make run    set up, fetch + convert the default model, generate text
-#   make test   set up with the test extras, fetch the model, check the kernels, run every test
+#   make test   set up with the test extras, fetch the model, run every test (two pytest-xdist workers)
 
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 PROMPT ?= What is the capital of France? Answer in one sentence.
+# pytest-xdist workers: each loads models of its own (a few GB), so more than the cores helps nothing
+TEST_WORKERS ?= 2
 
 .PHONY: run install test test-deps weights kernels bench gpu-check clean
 
@@ -31,13 +33,16 @@ run: weights
 
 test-deps: $(VENV)/.installed-test
 
-# Compile every CUDA kernel for sm_90 and fail on an error or a register spill.
+# Compile every CUDA kernel for sm_90 with nvcc, file by file, and fail on an error or a register
+# spill. `make test` does the same through NVRTC, the compiler the GPU backend uses
+# (tests/kernels/test_nvrtc.py), so this one is for reading ptxas's per-kernel report.
 kernels:
 	@if command -v nvcc >/dev/null 2>&1; then bash cuda/check_nvcc.sh; \
 	else echo "nvcc not found: skipping the sm_90 compile check"; fi
 
-test: test-deps weights kernels
-	$(BIN)/python -m pytest -q
+# --dist loadgroup: tests marked xdist_group("...") share a worker (the ones that pip-install this checkout)
+test: test-deps weights
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # Batch 1 and offline throughput against transformers; each writes its section of docs/PERFORMANCE.md.
 bench: weights

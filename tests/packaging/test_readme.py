@@ -24,6 +24,9 @@ from pathlib import Path
 
 import pytest
 
+# both modules pip-install this checkout, which builds in its build/ folder: one worker runs them
+pytestmark = pytest.mark.xdist_group("pip-install")
+
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 

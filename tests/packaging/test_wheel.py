@@ -26,6 +26,9 @@ from refengine import LLM, SamplingParams, resources
 from refengine.bench.workload import load_corpus
 from refengine.kernels.build import EMULATION_SUPPORT, KERNEL_SOURCES, SELF_TEST_SOURCES
 
+# both modules pip-install this checkout, which builds in its build/ folder: one worker runs them
+pytestmark = pytest.mark.xdist_group("pip-install")
+
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [list(range(3, 40)), [5, 9, 17]]  # 37 and 3 tokens: block edges at 8
 ENGINE_KW = dict(block_size=8, max_num_batched_tokens=24, log_stats=False)  # chunked prefill mixed with decodes
