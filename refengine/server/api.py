@@ -357,13 +357,8 @@ class OpenAIServing:
         after every generated token."""
         lim = self.limits
         strings = [stop] if isinstance(stop, str) else stop or []
-        if len(strings) > lim.max_stop_strings:
-            raise APIError(400, f"{len(strings)} stop strings is above the server's limit of {lim.max_stop_strings}",
-                           param="stop")
-        long = [x for x in strings if len(x) > lim.max_stop_string_chars]
-        if long:
-            raise APIError(400, f"a stop string of {len(long[0])} characters is above the server's limit of "
-                                f"{lim.max_stop_string_chars}", param="stop")
+        _check_text_list(strings, "stop", ("stop strings", "stop string"), lim.max_stop_strings,
+                         lim.max_stop_string_chars)
         if stop_token_ids is not None and len(stop_token_ids) > lim.max_stop_token_ids:
             raise APIError(400, f"{len(stop_token_ids)} stop_token_ids is above the server's limit of "
                                 f"{lim.max_stop_token_ids}", param="stop_token_ids")
@@ -374,13 +369,8 @@ class OpenAIServing:
         any word is tokenized or any id read."""
         lim = self.limits
         if bad_words is not None:
-            if len(bad_words) > lim.max_bad_words:
-                raise APIError(400, f"{len(bad_words)} bad_words is above the server's limit of {lim.max_bad_words}",
-                               param="bad_words")
-            long = [w for w in bad_words if len(w) > lim.max_bad_word_chars]
-            if long:
-                raise APIError(400, f"a bad word of {len(long[0])} characters is above the server's limit of "
-                                    f"{lim.max_bad_word_chars}", param="bad_words")
+            _check_text_list(bad_words, "bad_words", ("bad_words", "bad word"), lim.max_bad_words,
+                             lim.max_bad_word_chars)
         vocab = self.engine.model_config.vocab_size
         if allowed_token_ids is not None and len(allowed_token_ids) > vocab:
             raise APIError(400, f"{len(allowed_token_ids)} allowed_token_ids is above the vocabulary's size of {vocab}",
@@ -948,3 +938,14 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None,
         return await serving.detokenize(req)
 
     return app
+
+
+def _check_text_list(texts: list[str], param: str, names: tuple[str, str], max_items: int, max_chars: int) -> None:
+    """A 400 naming ``param`` when ``texts`` holds more than ``max_items`` strings or one longer
+    than ``max_chars`` characters; ``names`` is how the message says the list and one item."""
+    if len(texts) > max_items:
+        raise APIError(400, f"{len(texts)} {names[0]} is above the server's limit of {max_items}", param=param)
+    long = next((x for x in texts if len(x) > max_chars), None)
+    if long is not None:
+        raise APIError(400, f"a {names[1]} of {len(long)} characters is above the server's limit of {max_chars}",
+                       param=param)
