@@ -40,9 +40,10 @@ kernels:
 	@if command -v nvcc >/dev/null 2>&1; then bash cuda/check_nvcc.sh; \
 	else echo "nvcc not found: skipping the sm_90 compile check"; fi
 
-# --dist loadgroup: tests marked xdist_group("...") share a worker (the ones that pip-install this checkout)
+# --dist loadgroup: tests marked xdist_group("...") share a worker (the ones that pip-install this checkout);
+# --durations: the slowest 30, so every CI log says where the suite's time went
 test: test-deps weights
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=30
 
 # Batch 1 and offline throughput against transformers; each writes its section of docs/PERFORMANCE.md.
 bench: weights
