@@ -423,7 +423,8 @@ class Sampler:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size if vocab_size is not None else (
             tokenizer.vocab_size if tokenizer is not None else None)
-        # llguidance's side (its tokenizer is built on the first structured request)
+        # llguidance's side: its tokenizer is built by the first structured request, or before
+        # serving by StructuredOutputManager.prepare (the server's start-up)
         self.structured = (StructuredOutputManager(tokenizer, self.vocab_size, self.eos_token_ids)
                            if tokenizer is not None else None)
 
