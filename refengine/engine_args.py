@@ -123,7 +123,7 @@ class EngineArgs:
     batch_invariant: bool | None = field(default=None, metadata=_option(
         "bitwise batch-invariant logits (vLLM's VLLM_BATCH_INVARIANT): a sequence's logits are the same bits "
         "whatever else is in its step, however its prompt is chunked, whether its prefix came from the cache, "
-        "on any number of threads; costs prefill speed (docs/engine_options.md#batch-invariance) "
+        "on any number of threads; costs prefill speed (docs/engine_options.md#batch-invariance-batch_invariant) "
         "(default: on with the numba backend, the only one that has it)"))
     enforce_eager: bool = field(default=False, metadata=_option(
         "run every step through the model's forward (vLLM's name): no one-row decode steps replayed from "

@@ -120,3 +120,84 @@ def nothing_allocated(monkeypatch):
 
     monkeypatch.setattr("refengine.core.engine.load_model", refuse)
     monkeypatch.setattr("refengine.core.engine.KVCache", refuse)
+
+
+# --- where the suite's numba compile time goes -------------------------------------------
+# numba compiles each kernel version on first use and caches it in __pycache__ beside the
+# source; on a fresh clone every version is compiled, by each xdist worker that needs it.
+# The terminal summary says how many versions were compiled and how long that took, so a
+# CI log shows this cost beside pytest's --durations (docs/testing.md).
+
+_compile_seconds: dict[str, list[float]] = {}
+
+
+def _numba_compile_listener():
+    """A numba event listener that adds the wall time of each outermost compile to
+    :data:`_compile_seconds` under the kernel's qualified name (nested compiles of callees
+    count in their caller's time)."""
+    import time
+
+    from numba.core import event
+
+    class CompileTimes(event.Listener):
+        def __init__(self):
+            self.stack: list[float] = []
+
+        def on_start(self, ev):
+            self.stack.append(time.perf_counter())
+
+        def on_end(self, ev):
+            start = self.stack.pop()
+            if not self.stack:
+                name = ev.data["dispatcher"].py_func.__qualname__
+                module = ev.data["dispatcher"].py_func.__module__.rsplit(".", 1)[-1]
+                signature = ", ".join(map(str, ev.data["args"]))
+                _compile_seconds.setdefault(f"{module}.{name}({signature})", []).append(time.perf_counter() - start)
+
+    return CompileTimes()
+
+
+def pytest_configure(config):
+    try:
+        from numba.core import event
+    except ImportError:  # pragma: no cover - numba is a dependency
+        return
+    event.register("numba:compile", _numba_compile_listener())
+    config._numba_compiles = {}  # controller: worker id -> that worker's _compile_seconds
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: hand the times to the controller
+        session.config.workeroutput["numba_compiles"] = _compile_seconds
+
+
+def pytest_testnodedown(node, error):
+    node.config._numba_compiles[node.gateway.id] = getattr(node, "workeroutput", {}).get("numba_compiles", {})
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    per_worker = getattr(config, "_numba_compiles", None)
+    if per_worker is None:
+        return
+    if not per_worker:
+        per_worker = {"main": _compile_seconds}
+    versions: dict[str, list[float]] = {}  # "kernel(signature)" -> its compile times, one per worker
+    totals: dict[str, list[float]] = {}  # "kernel" -> the compile times of all its versions
+    for times in per_worker.values():
+        for version, seconds in times.items():
+            versions.setdefault(version, []).extend(seconds)
+            totals.setdefault(version.split("(", 1)[0], []).extend(seconds)
+    if not totals:
+        return
+    total = sum(sum(s) for s in totals.values())
+    count = sum(len(s) for s in totals.values())
+    terminalreporter.section("numba compile time")
+    terminalreporter.write_line(
+        f"{count} kernel versions compiled in {total:.0f} s of wall time, summed over "
+        f"{len(per_worker)} process(es); the 15 costliest kernels:")
+    if len(per_worker) > 1:  # versions compiled by more than one worker (the cache was not yet written)
+        again = [s for s in versions.values() if len(s) > 1]
+        terminalreporter.write_line(f"{len(again)} versions were compiled by more than one worker "
+                                    f"(the cache was not yet written): {sum(sum(s) - max(s) for s in again):.0f} s")
+    for name, seconds in sorted(totals.items(), key=lambda kv: -sum(kv[1]))[:15]:
+        terminalreporter.write_line(f"{sum(seconds):8.1f} s  {len(seconds):3d}x  {name}")
