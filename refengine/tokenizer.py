@@ -238,6 +238,18 @@ class Tokenizer:
         )
         return self.encode(text) if tokenize else text
 
+    @functools.cached_property
+    def chat_template_variables(self) -> frozenset[str]:
+        """The variables the chat template reads without setting them (``messages``,
+        ``add_generation_prompt``, ``tools`` ...), from its syntax tree
+        (``jinja2.meta.find_undeclared_variables``); empty without a template. A template
+        that reads ``tools`` takes transformers' ``apply_chat_template(tools=...)``."""
+        if self.chat_template is None:
+            return frozenset()
+        from jinja2 import meta
+
+        return frozenset(meta.find_undeclared_variables(_template_environment().parse(self.chat_template)))
+
     # --- ids of note ------------------------------------------------------------------
 
     @property
@@ -329,7 +341,13 @@ def _as_list(value: int | list[int] | None) -> list[int]:
 
 @functools.lru_cache(maxsize=8)
 def _compile_template(source: str):
-    """Compile a chat template in the environment ``transformers`` uses (see module doc).
+    """Compile a chat template in the environment ``transformers`` uses (see module doc)."""
+    return _template_environment().from_string(source)
+
+
+@functools.cache
+def _template_environment():
+    """The jinja2 environment ``transformers`` renders chat templates in (see module doc).
 
     Chat templates come from model repositories, so they are untrusted code: the sandbox
     blocks attribute access to Python internals, and "immutable" blocks mutating the
@@ -356,4 +374,4 @@ def _compile_template(source: str):
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
-    return env.from_string(source)
+    return env

@@ -11,7 +11,8 @@ Errors are OpenAI's body ``{"error": {"message", "type", "param", "code"}}``:
 400   an invalid field, a prompt too long for ``max_model_len`` (the message gives both
       numbers), an unsupported OpenAI field, malformed JSON, a list or text over its
       bound (:class:`ServerLimits`: ``stop``, ``stop_token_ids``, ``bad_words``, structured
-      outputs; ``allowed_token_ids`` longer than the vocabulary)
+      outputs, ``tools``; ``allowed_token_ids`` longer than the vocabulary), a bad tool
+      definition
 401   any route but ``/health`` (and ``/metrics`` with ``metrics_auth=False``) without the
       right ``Authorization: Bearer KEY``, when a key is set
 404   an unknown model name or path
@@ -62,10 +63,13 @@ from refengine.server.engine_loop import (AsyncEngine, EngineDeadError, EngineSt
                                           RequestStream)
 from refengine.server.protocol import (ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest,
                                        ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, CompletionChoice,
-                                       CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
-                                       DetokenizeRequest, DetokenizeResponse, ErrorInfo, ErrorResponse, ModelCard,
-                                       ModelList, ResponseMessage, TokenizeRequest, TokenizeResponse, TokenLogprob,
-                                       TopLogprob, UsageInfo)
+                                       CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaFunctionCall,
+                                       DeltaMessage, DeltaToolCall, DetokenizeRequest, DetokenizeResponse, ErrorInfo,
+                                       ErrorResponse, FunctionCallResponse, ModelCard, ModelList, ResponseMessage,
+                                       TokenizeRequest, TokenizeResponse, TokenLogprob, ToolCall, TopLogprob,
+                                       UsageInfo)
+from refengine.server.tool_calls import (ToolCalling, ToolCallStream, ToolsError, check_tools, parse_tool_calls,
+                                         template_writes_tool_calls)
 
 logger = logging.getLogger("refengine.server")
 
@@ -103,6 +107,10 @@ class ServerLimits:
             ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``,
             ``structured_outputs``), characters of its text (a schema or a list as JSON),
             checked before it is compiled.
+        max_tools: most ``tools`` per chat request (OpenAI's bound on functions, 128).
+        max_tools_chars: largest ``tools``, characters of its JSON text, checked before any
+            schema is checked or compiled (the tools are part of the prompt too, and count
+            towards ``max_chars_per_token``'s bound).
 
     ``allowed_token_ids`` is bounded by the engine: at most the vocabulary's size.
     """
@@ -119,6 +127,8 @@ class ServerLimits:
     max_bad_word_chars: int = 256
     max_structured_output_choices: int = 1000
     max_structured_output_chars: int = 64 * 1024
+    max_tools: int = 128
+    max_tools_chars: int = 64 * 1024
 
 
 class APIError(Exception):
@@ -321,6 +331,9 @@ class OpenAIServing:
         self.model_name = served_model_name
         self.limits = limits
         self.max_model_len = self.engine.config.max_model_len
+        # whether the chat template takes `tools` itself (else tools get the generic format)
+        self.native_tools = self.tokenizer is not None and template_writes_tool_calls(
+            self.tokenizer.chat_template, self.tokenizer.chat_template_variables)
 
     # --- checks -------------------------------------------------------------------------
     # What the engine can serve (prompt length and vocabulary, n, logprobs, stop token ids,
@@ -419,7 +432,37 @@ class OpenAIServing:
         for i, m in enumerate(messages):
             if m.content is None and m.role != "assistant":
                 raise APIError(400, f"messages[{i}] (role '{m.role}') has no content", param=param)
-        self.check_text_size(sum(len(m.text()) + len(m.name or "") for m in messages), param, for_tokenize)
+        self.check_text_size(sum(m.num_chars() for m in messages), param, for_tokenize)
+
+    def prepare_tools(self, req: ChatCompletionRequest, tools: ToolCalling):
+        """The checks of ``tools`` (:class:`ServerLimits`' bounds first, then
+        :func:`~refengine.server.tool_calls.check_tools`), and the grammar a forced
+        ``tool_choice`` decodes with (a ``StructuredOutputsParams``, or None). Run it off the
+        event loop: it reads the tools' JSON, checks their schemas and compiles a grammar.
+
+        Raises:
+            APIError: 400 naming ``tools`` (or the field at fault): over a bound, a bad
+                schema, a schema llguidance cannot compile.
+        """
+        from refengine.structured_output import StructuredOutputsParams
+
+        if not tools.functions:
+            return None
+        lim = self.limits
+        size = len(json.dumps(tools.functions, ensure_ascii=False))
+        if size > lim.max_tools_chars:
+            raise APIError(400, f"tools of {size} characters (as JSON) is above the server's limit of "
+                                f"{lim.max_tools_chars}", param="tools")
+        # the tools are rendered into the prompt: they count towards its size bound
+        self.check_text_size(size + sum(m.num_chars() for m in req.messages), "messages")
+        try:
+            check_tools(tools.functions)
+            grammar = tools.grammar()
+            return None if grammar is None else StructuredOutputsParams(grammar=grammar)
+        except ToolsError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        except ValueError as e:  # llguidance refused a schema
+            raise APIError(400, f"tools: a schema cannot be enforced: {e}", param="tools") from None
 
     async def engine_prompts(self, prompts: list, param: str) -> list[list[int]]:
         """Each prompt's token ids as the engine reads and checks them
@@ -499,13 +542,15 @@ class OpenAIServing:
             raise bad_request(e, "prompt") from None
 
     # --- prompts ------------------------------------------------------------------------
-    async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool, **template_kwargs) -> list[int]:
         """The rendered and tokenized chat (in a worker thread: templates and tokenizers
-        take time on long inputs; :meth:`check_messages` has bounded their size)."""
+        take time on long inputs; :meth:`check_messages` has bounded their size).
+        ``template_kwargs``: more template variables (``tools``)."""
         tok = self.require_tokenizer("chat")
         try:  # the template writes its own special tokens
             return await asyncio.to_thread(tok.apply_chat_template, messages,
-                                           add_generation_prompt=add_generation_prompt, tokenize=True)
+                                           add_generation_prompt=add_generation_prompt, tokenize=True,
+                                           **template_kwargs)
         except Exception as e:  # a template's raise_exception (e.g. role order) is the input's fault
             raise APIError(400, f"the chat template failed on these messages: {e}", param="messages") from None
 
@@ -618,7 +663,8 @@ class OpenAIServing:
             request_id: the response's ``id``.
             prompts: token ids per prompt; choice ``i`` of prompt ``tag`` is ``tag * n + i``.
             params: the engine's sampling parameters.
-            choice: ``(ChoicePart, streamed) ->`` the endpoint's choice object.
+            choice: ``(ChoicePart, streamed) ->`` the endpoint's choice object (streamed: or a
+                list of them, sent as one chunk each).
             response: ``(choices, usage) ->`` the non-streamed body.
             chunk: ``(choices, usage) ->`` one streamed chunk (usage None but in the last).
             head: chunks streamed before any delta (built lazily, as they are sent).
@@ -671,7 +717,9 @@ class OpenAIServing:
                     sent_text[index] = part.text_offset + len(c.delta_text)
                     if c.finish_reason is not None:
                         finished.add(index)
-                    yield sse(chunk([choice(part, True)], None))
+                    shaped = choice(part, True)
+                    for one in shaped if isinstance(shaped, list) else [shaped]:
+                        yield sse(chunk([one], None))
             if include_usage:
                 yield sse(chunk([], self.usage_of(prompts, num_tokens)))
         except EngineDeadError as e:
@@ -735,7 +783,13 @@ class OpenAIServing:
     async def create_chat_completion(self, req: ChatCompletionRequest, request: Request):
         self.check_request(req)
         self.check_messages(req.messages)
-        chat_ids = await self.chat_prompt(req.template_messages(), req.add_generation_prompt)
+        if req.tools and len(req.tools) > self.limits.max_tools:
+            raise APIError(400, f"{len(req.tools)} tools is above the server's limit of {self.limits.max_tools}",
+                           param="tools")
+        tools = req.tool_calling(native=self.native_tools)
+        tool_grammar = await asyncio.to_thread(self.prepare_tools, req, tools)
+        messages, template_kwargs = tools.render(req.template_messages())
+        chat_ids = await self.chat_prompt(messages, req.add_generation_prompt, **template_kwargs)
         [prompt] = await self.engine_prompts([chat_ids], "messages")
         if req.max_completion_tokens is not None:
             requested, param = req.max_completion_tokens, "max_completion_tokens"
@@ -743,18 +797,54 @@ class OpenAIServing:
             requested, param = req.max_tokens, "max_tokens"
         max_tokens = self.max_tokens([prompt], requested, requested is not None, default=None, param=param)
         top = req.top_logprobs or 0
-        params = await self.sampling_params(req, max_tokens, top if req.logprobs else None,
-                                            renames={"logprobs": "top_logprobs"})  # the engine's logprobs is chat's top
+        renames = {"logprobs": "top_logprobs"}  # the engine's logprobs is chat's top_logprobs
+        forced = {}
+        if tool_grammar is not None:  # required or a named function: decoded under the calls' grammar
+            forced, renames["structured_outputs"] = {"structured_outputs": tool_grammar}, "tools"
+        params = await self.sampling_params(req, max_tokens, top if req.logprobs else None, renames=renames, **forced)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams: dict[int, ToolCallStream] = {}  # per choice, when the output is parsed for calls
 
-        def choice(part: ChoicePart, streamed: bool) -> ChatStreamChoice | ChatCompletionChoice:
-            text = {"delta": DeltaMessage(content=part.text)} if streamed else \
-                {"message": ResponseMessage(content=part.text)}
-            return (ChatStreamChoice if streamed else ChatCompletionChoice)(
-                index=part.index, **text, finish_reason=part.output.finish_reason,
-                stop_reason=part.output.stop_reason,
-                logprobs=self.chat_logprobs(part.token_ids, part.logprobs, top) if req.logprobs else None,
-                token_ids=list(part.token_ids) if req.return_token_ids else None)
+        def extras(part: ChoicePart, first: bool = True) -> dict:
+            """A choice's logprobs and token ids: those of the part on its first chunk only."""
+            ids, lps = (part.token_ids, part.logprobs) if first else ([], [])
+            return dict(logprobs=self.chat_logprobs(ids, lps, top) if req.logprobs else None,
+                        token_ids=list(ids) if req.return_token_ids else None)
+
+        def finish_reason(part: ChoicePart, calls: list) -> str | None:
+            reason = part.output.finish_reason
+            return "tool_calls" if calls and reason in ("stop", "length") else reason
+
+        def choice(part: ChoicePart, streamed: bool):
+            if not streamed:
+                content, calls = (parse_tool_calls(part.text, tools.names, tools.parallel) if tools.active
+                                  else (part.text, []))
+                message = ResponseMessage(content=content, tool_calls=[
+                    ToolCall(id=c.id, function=FunctionCallResponse(name=c.name, arguments=c.arguments))
+                    for c in calls] or None)
+                return ChatCompletionChoice(index=part.index, message=message, finish_reason=finish_reason(part, calls),
+                                            stop_reason=part.output.stop_reason, **extras(part))
+            if not tools.active:
+                return ChatStreamChoice(index=part.index, delta=DeltaMessage(content=part.text),
+                                        finish_reason=part.output.finish_reason, stop_reason=part.output.stop_reason,
+                                        **extras(part))
+            stream = streams.setdefault(part.index, ToolCallStream(tools.names, tools.parallel))
+            content, calls = stream.push(part.text), []
+            if part.output.finish_reason is not None:
+                rest, calls = stream.finish()
+                content += rest
+            # OpenAI's shape: per call, one delta with its id, type and name, then its arguments
+            deltas = [DeltaMessage(content=content)] if content or not calls else []
+            for k, c in enumerate(calls):
+                deltas.append(DeltaMessage(tool_calls=[DeltaToolCall(
+                    index=k, id=c.id, type="function", function=DeltaFunctionCall(name=c.name, arguments=""))]))
+                deltas.append(DeltaMessage(tool_calls=[DeltaToolCall(
+                    index=k, function=DeltaFunctionCall(arguments=c.arguments))]))
+            last = len(deltas) - 1
+            return [ChatStreamChoice(index=part.index, delta=d, **extras(part, first=i == 0),
+                                     finish_reason=finish_reason(part, calls) if i == last else None,
+                                     stop_reason=part.output.stop_reason if i == last else None)
+                    for i, d in enumerate(deltas)]
 
         def response(choices, usage) -> ChatCompletionResponse:
             return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage,

@@ -13,9 +13,11 @@ tokens' log-probabilities, before the completion's), ``logit_bias`` and ``respon
 field means its default. The sampling fields are generated from ``SamplingParams``'
 declaration (each field's ``ApiField``: :func:`sampling_fields`). Unknown request fields are
 ignored, as OpenAI's clients send fields a server may not know; OpenAI fields whose meaning refengine does not implement
-(``suffix``, ``best_of`` > 1, ``tools``), and fields that OpenAI and vLLM refuse without
+(``suffix``, ``best_of`` > 1), and fields that OpenAI and vLLM refuse without
 another (``stream_options`` without ``stream: true``, ``tool_choice`` without ``tools``), are
-refused with 400 by :meth:`unsupported`.
+refused with 400 by :meth:`unsupported`. Chat takes OpenAI's ``tools``, ``tool_choice`` and
+``parallel_tool_calls`` (:mod:`refengine.server.tool_calls`); its messages carry ``tool_calls``
+(assistant) and ``tool_call_id`` (``role: "tool"``), and its answers ``tool_calls``.
 """
 
 from __future__ import annotations
@@ -183,10 +185,54 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionDefinition(_Request):
+    """A tool's function: OpenAI's name rule; ``parameters`` a JSON schema of an object (checked
+    by :func:`refengine.server.tool_calls.check_tools`); ``strict`` is accepted, and the schema
+    is enforced where the call is forced whatever it says."""
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(_Request):
+    """One entry of ``tools``: OpenAI's only kind, a function."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class ChatCompletionNamedToolChoiceParam(_Request):
+    """``tool_choice`` naming the function to call: ``{"type": "function", "function": {"name": ...}}``."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCallParam(_Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends and answers it
+
+
+class ToolCallParam(_Request):
+    """A call in an assistant message of the history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(_Request):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a role "tool" message: the call it answers
 
     def text(self) -> str:
         """The content as one string (text parts joined)."""
@@ -195,6 +241,11 @@ class ChatMessage(_Request):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    def num_chars(self) -> int:
+        """Characters of its text, name and calls (what the size check counts)."""
+        calls = sum(len(c.function.name) + len(c.function.arguments) for c in self.tool_calls or ())
+        return len(self.text()) + len(self.name or "") + calls
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -205,26 +256,56 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = False  # OpenAI's chat shape: the number is top_logprobs
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = None
+    parallel_tool_calls: bool | None = True
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.tools:
-            return "tools", "tools are not supported"
         # OpenAI's and vLLM's rule (any value, "none" included): a choice among no tools is a mistake
         if self.tool_choice is not None and not self.tools:
             return "tool_choice", "tool_choice is only allowed when tools are given"
+        choice = self.tool_choice_name
+        if choice not in (None, "none", "auto", "required") and choice not in {t.function.name for t in self.tools}:
+            return "tool_choice", f"tool_choice names the function {choice!r}, which is not among the tools"
+        if self.tool_calling().forced is not None:
+            used = self.structured_outputs_fields()
+            if used:  # both would constrain the whole output
+                return used[0], (f"{used[0]} cannot be combined with tool_choice {choice!r}, which constrains "
+                                 "the output to tool calls")
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs=true"
         return super().unsupported()
 
+    @property
+    def tool_choice_name(self) -> str | None:
+        """``tool_choice`` as a string: ``none``, ``auto``, ``required``, or the named function."""
+        if isinstance(self.tool_choice, ChatCompletionNamedToolChoiceParam):
+            return self.tool_choice.function.name
+        return self.tool_choice
+
+    def tool_calling(self, native: bool = False):
+        """The request's :class:`refengine.server.tool_calls.ToolCalling` (with no functions
+        without tools: it still renders the history's calls); ``tool_choice`` defaults to
+        ``auto``, OpenAI's default when tools are given. ``native``: the chat template takes
+        ``tools`` (:func:`~refengine.server.tool_calls.template_writes_tool_calls`)."""
+        from refengine.server.tool_calls import ToolCalling
+
+        functions = [t.function.model_dump(exclude_none=True, exclude={"strict"}) for t in self.tools or ()]
+        return ToolCalling(functions, self.tool_choice_name or "auto", parallel=self.parallel_tool_calls is not False,
+                           native=native)
+
     def template_messages(self) -> list[dict]:
-        """Messages as the chat template takes them (``role``, ``content`` as a string)."""
+        """Messages as the chat template takes them (``role``, ``content`` as a string;
+        ``name``, ``tool_calls`` and ``tool_call_id`` in OpenAI's shape where given)."""
         out = []
         for m in self.messages:
             d = {"role": m.role, "content": m.text()}
             if m.name is not None:
                 d["name"] = m.name
+            if m.tool_calls:
+                d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
             out.append(d)
         return out
 
@@ -303,9 +384,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] = Field(default_factory=list)
 
 
+class FunctionCallResponse(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallResponse
+
+
 class ResponseMessage(BaseModel):
     role: str = "assistant"
-    content: str
+    content: str | None  # null when the answer is only tool calls (OpenAI's)
+    tool_calls: list[ToolCall] | None = omitted_if_none()
 
 
 class ChatCompletionChoice(BaseModel):
@@ -327,9 +420,25 @@ class ChatCompletionResponse(BaseModel):
     prompt_token_ids: list[int] | None = omitted_if_none()
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = omitted_if_none()
+    arguments: str | None = omitted_if_none()
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed call's part (OpenAI's shape): its first carries ``id``, ``type`` and the
+    function's ``name``, the next ones pieces of ``arguments``; ``index`` is the call's."""
+
+    index: int
+    id: str | None = omitted_if_none()
+    type: Literal["function"] | None = omitted_if_none()
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: str | None = omitted_if_none()
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = omitted_if_none()
 
 
 class ChatStreamChoice(BaseModel):

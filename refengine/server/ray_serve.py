@@ -378,6 +378,7 @@ class OpenAIIngress:
         :func:`chat_head` of the messages) is rendered and tokenized: the key needs its
         first blocks, and the replica checks the whole. Call it off the event loop."""
         from refengine.server.protocol import ChatCompletionRequest
+        from refengine.server.tool_calls import template_writes_tool_calls
 
         try:
             req = json.loads(body)
@@ -385,9 +386,13 @@ class OpenAIIngress:
                 chat = ChatCompletionRequest.model_validate(req)
                 if self.tokenizer is None:
                     return None
-                ids = self.tokenizer.apply_chat_template(chat_head(chat.template_messages(), self.head_chars),
-                                                         add_generation_prompt=chat.add_generation_prompt,
-                                                         tokenize=True)
+                tok = self.tokenizer  # tools go into the prompt as the replica puts them (tool_calls.py)
+                tools = chat.tool_calling(native=template_writes_tool_calls(tok.chat_template,
+                                                                            tok.chat_template_variables))
+                messages, template_kwargs = tools.render(chat.template_messages())
+                ids = tok.apply_chat_template(chat_head(messages, self.head_chars),
+                                              add_generation_prompt=chat.add_generation_prompt, tokenize=True,
+                                              **template_kwargs)
             else:
                 prompt = req.get("prompt")
                 if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):

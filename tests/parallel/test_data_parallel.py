@@ -78,6 +78,15 @@ def test_ingress_renders_only_the_head_of_a_chat_it_routes(tiny_llama_tok_dir, m
     assert k == prefix_routing_key(render(huge, add_generation_prompt=True, tokenize=True), BLOCK)
     assert k == key(huge[:3] + [{"role": "user", "content": "another tail"}])
     assert k != key([{"role": "system", "content": "Be brief!"}] + huge[1:])
+    # tools are in the prompt the replica renders (the generic format's system message)
+    tools = [{"type": "function", "function": {"name": "f", "description": "x" * 300}}]
+    body = json.dumps({"messages": short, "tools": tools}).encode()
+    tools_key = ingress.routing_key("/v1/chat/completions", body)
+    from refengine.server.protocol import ChatCompletionRequest
+
+    messages, _ = ChatCompletionRequest.model_validate_json(body).tool_calling().render(short)
+    assert tools_key == prefix_routing_key(render(messages, add_generation_prompt=True, tokenize=True), BLOCK)
+    assert tools_key != key(short)
 
 
 def test_build_app_reads_serve_run_arguments(smollm2_dir):

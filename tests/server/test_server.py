@@ -41,7 +41,7 @@ MAX_TOKENS = 4
 @pytest.fixture(scope="module")
 def smol(smollm2_dir):
     """One SmolLM2 engine: reference outputs from ``LLM.generate`` first, then served."""
-    llm = LLM(model=smollm2_dir, max_model_len=512, num_kv_blocks=64, log_stats=False)
+    llm = LLM(model=smollm2_dir, max_model_len=512, num_kv_blocks=192, log_stats=False)  # the tool calls' 25 sequences
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2)
     chat_ids = llm.get_tokenizer().apply_chat_template(CHAT, tokenize=True)
     refs = llm.generate(PROMPTS + [chat_ids], greedy, use_tqdm=False)
@@ -307,6 +307,28 @@ ERROR_CASES = [
      "/v1/chat/completions", 400, "stream_options", ["stream: true"]),
     ("tool_choice without tools", None, {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "none"},
      "/v1/chat/completions", 400, "tool_choice", ["tool_choice", "tools"]),
+    # bad tool definitions (checked before the chat is rendered, so a model without a tokenizer answers them too)
+    *[(f"tools: {name}", None, {"messages": [{"role": "user", "content": "hi"}], **body}, "/v1/chat/completions",
+       400, param, fragments) for name, body, param, fragments in [
+        ("type", {"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools", ["tools.0.type", "function"]),
+        ("name", {"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools",
+         ["tools.0.function.name", "^[a-zA-Z0-9_-]{1,64}$"]),
+        ("long name", {"tools": [{"type": "function", "function": {"name": "f" * 65}}]}, "tools", ["pattern"]),
+        ("schema", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]},
+         "tools", ["tools[0].function.parameters is not a valid JSON schema", "'objekt'"]),
+        ("not an object", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+         "tools", ["must be the schema of an object"]),
+        ("twice", {"tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools", ["given twice"]),
+        ("count", {"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, "tools",
+         ["129 tools", "limit of 128"]),
+        ("unknown choice", {"tools": [{"type": "function", "function": {"name": "f"}}],
+                            "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", ["'g'"]),
+        ("bad choice", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "always"},
+         "tool_choice", ["tool_choice"]),
+        ("forced and response_format", {"tools": [{"type": "function", "function": {"name": "f"}}],
+                                         "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "response_format", ["tool_choice 'required'"]),
+    ]],
 ]
 
 
@@ -386,3 +408,128 @@ def test_serve_without_the_extra_names_it(monkeypatch, tiny_llama_dir):
     result = CliRunner().invoke(main, ["serve", "--model", str(tiny_llama_dir)])
     assert result.exit_code != 0
     assert "'serve' extra" in result.output and "pip install 'refengine[serve]'" in result.output
+
+
+# --------------------------------------------------------------------------------------
+# SmolLM2: tool calls (the tools above's server; refengine/server/tool_calls.py)
+# --------------------------------------------------------------------------------------
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                   "required": ["city"], "additionalProperties": False}}}
+DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
+
+
+def arguments(props: dict) -> dict:
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+# functions whose calls are short (a few dozen tokens), so max_tokens never cuts one
+TOOL_SCHEMAS = {
+    "set_level": arguments({"level": DIGIT}),
+    "set_unit": arguments({"unit": {"enum": ["celsius", "fahrenheit"]}}),
+    "toggle": arguments({"on": {"type": "boolean"}}),
+    "book_flight": arguments({"airport": {"type": "string", "pattern": "^[A-Z]{3}$"}}),
+    "move": arguments({"dx": DIGIT, "dy": DIGIT}),
+    "pick": arguments({"items": {"type": "array", "items": DIGIT, "minItems": 1, "maxItems": 3}}),
+    "place": arguments({"at": arguments({"row": DIGIT, "col": DIGIT})}),
+    "rate": arguments({"stars": {"anyOf": [DIGIT, {"type": "null"}]}}),
+    "turn": {"$defs": {"side": {"enum": ["left", "right"]}}, **arguments({"direction": {"$ref": "#/$defs/side"}})},
+    "ping": arguments({}),
+    "tag": arguments({"label": {"type": "string", "maxLength": 6}}),
+    "schedule": arguments({"day": {"enum": ["mon", "tue"]}, "hour": {"type": "integer", "minimum": 0, "maximum": 23}}),
+}
+TOOL_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def tool_answers(smol):
+    """Every tool request at once (they share engine steps): per schema, ``required`` (with
+    get_weather beside it) or the function named, two samples each; the OpenAI SDK's two-turn
+    loop; the loop's first turn streamed. 27 sequences of ~35 tokens: minutes on a busy
+    2-core machine, hence the longer timeout."""
+    timeout = 5 * TIMEOUT
+    c = smol.client.with_options(timeout=timeout)
+
+    def forced(i, name):
+        tools = [{"type": "function", "function": {"name": name, "parameters": TOOL_SCHEMAS[name]}}]
+        choice = {"type": "function", "function": {"name": name}} if i % 2 else "required"
+        return c.chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": f"Call {name}."}], n=2, temperature=1.0, seed=i,
+            max_tokens=48, tools=tools + ([WEATHER_TOOL] if i % 4 == 0 else []), tool_choice=choice,
+            parallel_tool_calls=i % 4 in (1, 2))  # not beside get_weather: two calls would not fit max_tokens
+
+    def loop():
+        messages = list(TOOL_QUESTION)
+        first = c.chat.completions.create(model="smol", messages=messages, tools=[WEATHER_TOOL],
+                                          tool_choice="required", temperature=0, max_tokens=40)
+        messages.append(first.choices[0].message)  # what the SDK's users append
+        for call in first.choices[0].message.tool_calls:
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"})
+        second = c.chat.completions.create(model="smol", messages=messages, tools=[WEATHER_TOOL], temperature=0,
+                                           max_tokens=12, extra_body={"return_token_ids": True})
+        return first, second
+
+    def streamed():
+        return list(c.chat.completions.create(model="smol", messages=TOOL_QUESTION, tools=[WEATHER_TOOL],
+                                              tool_choice="required", temperature=0, max_tokens=40, stream=True))
+
+    with ThreadPoolExecutor(max_workers=len(TOOL_SCHEMAS) + 2) as pool:
+        schemas = [pool.submit(forced, i, name) for i, name in enumerate(TOOL_SCHEMAS)]
+        loop_future, stream_future = pool.submit(loop), pool.submit(streamed)
+        return SimpleNamespace(forced=[f.result(timeout=timeout) for f in schemas],
+                               loop=loop_future.result(timeout=timeout), stream=stream_future.result(timeout=timeout))
+
+
+def test_forced_tool_calls_validate_against_their_schemas(tool_answers):
+    jsonschema = pytest.importorskip("jsonschema")
+    schemas = {**TOOL_SCHEMAS, "get_weather": WEATHER_TOOL["function"]["parameters"]}
+    for i, (name, resp) in enumerate(zip(TOOL_SCHEMAS, tool_answers.forced)):
+        assert len(resp.choices) == 2
+        for choice in resp.choices:
+            message = choice.message
+            assert choice.finish_reason == "tool_calls", (name, message)
+            assert message.content is None and message.tool_calls
+            if i % 4 in (0, 3):  # parallel_tool_calls: false
+                assert len(message.tool_calls) == 1
+            for call in message.tool_calls:
+                assert call.type == "function" and re.fullmatch(r"call_[0-9a-f]{24}", call.id)
+                # required: either function of the request (get_weather beside every 4th)
+                assert call.function.name in ((name, "get_weather") if i % 4 == 0 else (name,))
+                jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_openai_sdk_tool_loop(smol, tool_answers):
+    """Call, tool result, final answer: the second turn's prompt holds the call and the result."""
+    first, second = tool_answers.loop
+    [call] = first.choices[0].message.tool_calls
+    assert first.choices[0].finish_reason == "tool_calls"
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    answer = second.choices[0]
+    assert answer.message.tool_calls is None and answer.finish_reason in ("stop", "length")
+    assert answer.message.content.strip()
+    prompt = smol.engine.tokenizer.decode(second.prompt_token_ids, skip_special_tokens=False)
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            '</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n18 C and sunny\n</tool_response><|im_end|>\n'
+            '<|im_start|>assistant\n') in prompt
+
+
+def test_streamed_tool_calls_equal_non_streamed(tool_answers):
+    """OpenAI's chunks: the role, then per call one delta with id, type and name (arguments
+    ""), one with the arguments; finish_reason "tool_calls" on the last."""
+    whole = tool_answers.loop[0].choices[0].message
+    chunks = [ch for ch in tool_answers.stream if ch.choices]
+    deltas = [ch.choices[0].delta for ch in chunks]
+    assert deltas[0].role == "assistant"
+    assert "".join(d.content or "" for d in deltas) == ""
+    parts = [t for d in deltas for t in d.tool_calls or []]
+    assert len(parts) == 2 * len(whole.tool_calls)
+    for k, call in enumerate(whole.tool_calls):
+        head, args = parts[2 * k], parts[2 * k + 1]
+        assert (head.index, head.type, head.function.name, head.function.arguments) == (k, "function",
+                                                                                      call.function.name, "")
+        assert re.fullmatch(r"call_[0-9a-f]{24}", head.id)
+        assert (args.index, args.id, args.function.name, args.function.arguments) == (k, None, None,
+                                                                                      call.function.arguments)
+    assert [ch.choices[0].finish_reason for ch in chunks] == [None] * (len(chunks) - 1) + ["tool_calls"]
