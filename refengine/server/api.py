@@ -600,9 +600,17 @@ class OpenAIServing:
     def _top(self, token_id: int, logprob: float) -> dict:
         """One chat logprob entry: ``token`` the token decoded alone (U+FFFD for part of a
         character), ``bytes`` the token's own bytes (``Tokenizer.token_bytes``),
-        which laid end to end rebuild the text."""
+        which laid end to end rebuild the text. A model's vocabulary may be padded past its
+        tokenizer's (the tiny test models; Qwen2.5's 151,936 rows for 151,665 tokens): an id
+        the tokenizer lacks decodes to nothing, as ``tokenizers`` decodes it, so its bytes are
+        empty too."""
         text = self.token_text(token_id)
-        raw = self.tokenizer.token_bytes(token_id) if self.tokenizer is not None else text.encode("utf-8")
+        if self.tokenizer is None:
+            raw = text.encode("utf-8")
+        elif token_id >= self.tokenizer.vocab_size:
+            raw = b""
+        else:
+            raw = self.tokenizer.token_bytes(token_id)
         return {"token": text, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(raw)}
 
     # --- running a request ----------------------------------------------------------------

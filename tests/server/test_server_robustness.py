@@ -481,3 +481,18 @@ def test_cache_salt_separates_prefix_cache_hits(tok_server):
     assert hits() == 0
     assert hits(cache_salt="tenant-a") >= 48
     assert hits(cache_salt="tenant-b") >= 48
+
+
+def test_logprobs_of_ids_past_the_tokenizers_vocabulary(tok_server):
+    """The tiny model has 211 rows and its tokenizer 101 tokens (as Qwen2.5 pads 151,665
+    tokens to 151,936 rows): a top logprob of a row the tokenizer lacks is an empty token of
+    no bytes, not a 500 (found by the chat fuzz)."""
+    h, engine, *_ = tok_server
+    assert engine.tokenizer.vocab_size < engine.model_config.vocab_size
+    r = h.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                             "max_tokens": 3, "logprobs": True, "top_logprobs": 20, "seed": 0},
+               headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200, r.text
+    tops = [t for c in r.json()["choices"][0]["logprobs"]["content"] for t in c["top_logprobs"]]
+    padded = [t for t in tops if t["token"] == ""]
+    assert padded and all(t["bytes"] == [] for t in padded)
