@@ -25,6 +25,7 @@ import logging
 import click
 
 from refengine.cli_options import build_engine, engine_options
+from refengine.engine_args import default_served_model_name
 from refengine.cli_options import fail as flag_fail
 
 
@@ -38,7 +39,7 @@ def fail(message: str):
               help="address to bind (0.0.0.0 exposes the server to the network)")
 @click.option("--port", type=int, default=8000, show_default=True, help="TCP port to listen on")
 @click.option("--served-model-name", default=None,
-              help="the model name clients send (default: the model directory's name)")
+              help="the model name clients send (default: a Hub name as given to --model, else the model directory's name)")
 @click.option("--api-key", default=None, envvar="REFENGINE_API_KEY", show_default="none",
               help="require 'Authorization: Bearer KEY' on every route but /health (or $REFENGINE_API_KEY)")
 @click.option("--disable-metrics-auth", is_flag=True, show_default="off",
@@ -76,11 +77,12 @@ def serve(host, port, served_model_name, api_key, disable_metrics_auth, max_wait
         from refengine.server.api import ServerLimits, create_app
     except ImportError as e:
         fail(f"refengine serve needs the 'serve' extra (pip install 'refengine[serve]'): {e}")
+    model_arg = kw.get("cli_model")
     try:
         engine = build_engine(kw)
     except (ValueError, FileNotFoundError, RuntimeError, ImportError) as e:
         fail(str(e))
-    name = served_model_name or engine.model_dir.name
+    name = served_model_name or default_served_model_name(model_arg, engine.model_dir)
     limits = ServerLimits(max_body_bytes=max_body_bytes, max_n=max_n, max_waiting_requests=max_waiting_requests)
     app = create_app(engine, served_model_name=name, api_key=api_key, limits=limits,
                      log_requests=not disable_log_requests, metrics_auth=not disable_metrics_auth)
