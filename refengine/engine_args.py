@@ -203,6 +203,12 @@ class EngineArgs:
         "worker processes that each hold 1/N of every layer's weights and KV heads (Megatron-style splits, one "
         "all-reduce after each attention and MLP block): MPI collectives between CPU processes, NCCL between "
         "GPUs (one each); needs refengine[distributed] (docs/distributed.md)", minimum=1))
+    enable_lora: bool = field(default=False, metadata=_option(
+        "serve PEFT LoRA adapters over the model (vLLM's name): requests name one (LoRARequest; serve's "
+        "--lora-modules), rows of different adapters and of none share a step, the weights are never merged "
+        "(docs/engine_options.md#lora-adapters)"))
+    max_lora_rank: int = field(default=16, metadata=_option(
+        "largest rank r a LoRA adapter may have (vLLM's name and default)", minimum=1))
     max_logprobs: int = field(default=20, metadata=_option(
         "most log-probabilities a request may ask for per generated token (the logprobs sampling option)", minimum=0))
     speculative_config: dict | None = field(default=None, metadata=_option(
@@ -341,6 +347,9 @@ class EngineArgs:
         activation_dtype = resolve_activation_dtype(self.activation_dtype, backend, model_dir, self.dtype, quantization)
         if self.tensor_parallel_size > 1:
             check_tensor_parallel(self.tensor_parallel_size, mc, device, spec)
+            if self.enable_lora:
+                raise ValueError(f"enable_lora=True runs in one process: the adapters are not split over "
+                                 f"tensor_parallel_size={self.tensor_parallel_size} workers")
         per_block = KVCache.bytes_per_block(mc.num_hidden_layers, self.block_size, mc.num_key_value_heads,
                                             mc.head_dim, dtype.itemsize, kv_dtype)
         # a draft model's cache has as many blocks as the target's (it shares the block tables)
@@ -393,7 +402,8 @@ class EngineArgs:
                                              enable_chunked_prefill=self.enable_chunked_prefill,
                                              max_model_len=max_model_len),
             speculative_config=spec, draft_model_config=draft, draft_bytes_per_block=draft_per_block,
-            tensor_parallel_size=self.tensor_parallel_size)
+            tensor_parallel_size=self.tensor_parallel_size, enable_lora=self.enable_lora,
+            max_lora_rank=self.max_lora_rank)
 
     def _fit_pool(self, max_model_len: int | None, mc: ModelConfig, num_blocks: int) -> int:
         pool_tokens = num_blocks * self.block_size
