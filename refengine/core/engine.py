@@ -375,7 +375,7 @@ class LLMEngine:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt={cache_salt!r} is invalid: must be None or a str")
         text, token_ids = self.prompt_token_ids(prompt)
-        self._check_lora(lora_request)
+        self.add_lora(lora_request)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError(f"stop strings {params.stop_strings!r} need a tokenizer; {self.model_dir} has no tokenizer.json")
         now = time.monotonic() if arrival_time is None else arrival_time
@@ -390,18 +390,20 @@ class LLMEngine:
         for seq in seqs:
             self.scheduler.add(seq)
 
-    def _check_lora(self, lora_request: LoRARequest | None) -> None:
-        """Load ``lora_request``'s adapter now, so a bad one fails its request, not a step.
+    def add_lora(self, lora_request: LoRARequest | None) -> bool:
+        """Load ``lora_request``'s adapter now (vLLM's ``add_lora``); :meth:`add_request` calls
+        it, so a bad adapter fails its request, not a step. None: nothing to load.
 
         Raises:
             ValueError: an adapter without ``enable_lora``; those of :meth:`LoRAManager.add`.
         """
         if lora_request is None:
-            return
+            return False
         if self.lora_manager is None:
             raise ValueError(f"lora_request={lora_request!r} needs an engine with enable_lora=True "
                              "(refengine serve --enable-lora --lora-modules NAME=PATH)")
         self.lora_manager.add(lora_request)
+        return True
 
     def list_loras(self) -> list[LoRARequest]:
         """The LoRA adapters loaded so far (vLLM's ``list_loras``), by id; [] without ``enable_lora``."""
@@ -703,7 +705,7 @@ class LLMEngine:
         if not 0 <= first_row < len(token_ids):
             raise ValueError(f"first_row={first_row} is outside [0, {len(token_ids)}): the prompt has "
                              f"{len(token_ids)} tokens")
-        self._check_lora(lora_request)
+        self.add_lora(lora_request)
         seq = Sequence("__prompt_logits__", None, token_ids, SamplingParams(max_tokens=1), lora_request=lora_request)
         seq.status = SequenceStatus.RUNNING
         chunks = []
