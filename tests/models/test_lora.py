@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers import random_adapter
+
 from refengine import LLM, LoRARequest, SamplingParams
 
 FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -175,3 +177,15 @@ def test_bad_adapters_are_refused(family, engines, tmp_path):
         plain.llm_engine.add_request("x", [1, 2], lora_request=loras["b"])
     with pytest.raises(ValueError, match="lora_int_id=0 is invalid"):
         LoRARequest("z", 0, "/p")
+
+
+def test_gguf_blocks_with_an_adapter(gguf_path, smollm2_dir, tmp_path):
+    """The default model's Q4_1 GGUF file as stored, with a random adapter: its logits are the
+    converted float32 directory's (the same weights, dequantized) with the same adapter."""
+    lora = LoRARequest("random", 1, str(random_adapter(tmp_path / "random", smollm2_dir)))
+    ids = [1, 504, 3458, 282, 4649, 314, 253, 1345, 28, 1978, 30, 378, 2817, 19, 2088, 314]
+    options = dict(enable_lora=True, num_kv_blocks=8, max_model_len=64, log_stats=False)
+    blocks, dense = LLM(str(gguf_path), **options), LLM(str(smollm2_dir), **options)
+    got, want = blocks.prompt_logits(ids, lora_request=lora), dense.prompt_logits(ids, lora_request=lora)
+    assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
+    assert np.abs(blocks.prompt_logits(ids) - got).max() > 0.1

@@ -5,39 +5,11 @@ tests/models/test_lora.py.)"""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-import numpy as np
 import pytest
 from click.testing import CliRunner
-from safetensors.numpy import save_file
+from tests.helpers import random_adapter
 
 from refengine.cli import main
-from refengine.models.hf_config import read_model_config
-
-TARGETS = {"self_attn.q_proj": "q", "self_attn.v_proj": "v", "mlp.down_proj": "down"}
-
-
-def random_adapter(path: Path, model_dir: Path, r: int = 8, seed: int = 0) -> Path:
-    """A PEFT LoRA adapter on q/v/down of every layer with random A and B, as peft saves one."""
-    cfg = read_model_config(model_dir)
-    rng = np.random.default_rng(seed)
-    q, kv, h, inter = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, \
-        cfg.hidden_size, cfg.intermediate_size
-    shapes = {"self_attn.q_proj": (q, h), "self_attn.v_proj": (kv, h), "mlp.down_proj": (h, inter)}
-    tensors = {}
-    for i in range(cfg.num_hidden_layers):
-        for module, (n_out, n_in) in shapes.items():
-            prefix = f"base_model.model.model.layers.{i}.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = (rng.standard_normal((r, n_in)) / np.sqrt(n_in)).astype(np.float32)
-            tensors[f"{prefix}.lora_B.weight"] = (0.3 * rng.standard_normal((n_out, r))).astype(np.float32)
-    path.mkdir()
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    (path / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": r, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj", "down_proj"],
-        "bias": "none", "use_rslora": False}))
-    return path
 
 
 def test_serve_lora_modules(smollm2_dir, tmp_path, monkeypatch):
