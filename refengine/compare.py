@@ -753,8 +753,8 @@ def run_compare(prompts, *, max_tokens: int, top_k: int, save, golden, engine_ur
         max_tokens, top_k = header["max_tokens"], header["top_k"]
         made_with = (header.get("lora") or {}).get("path")
         if (made_with is None) != (lora_path is None):
-            raise ValueError(f"{golden} was made " + (f"with the LoRA adapter {made_with}: give --lora-path"
-                                                        if made_with else "without a LoRA adapter: give no --lora-path"))
+            raise ValueError(f"{golden} was made " + (f"with the LoRA adapter {made_with}: give --lora-path" if made_with
+                                                        else "without a LoRA adapter: give no --lora-path"))
     lora_request, lora = None, None
     if lora_path is not None:
         lora_request = LoRARequest("compare", 1, str(lora_path))

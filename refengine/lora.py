@@ -211,7 +211,8 @@ def read_adapter_config(path: Path) -> dict:
         raise ValueError(f"{file}: 'lora_alpha' must be a finite number, got {cfg['lora_alpha']!r}")
     cfg["use_rslora"] = bool(cfg.get("use_rslora") or False)
     refused = {"use_dora": "DoRA (use_dora) adapters", "fan_in_fan_out": "fan_in_fan_out (Conv1D weights)",
-               "lora_bias": "trained LoRA biases (lora_bias)", "modules_to_save": "modules_to_save (fully trained modules)"}
+               "lora_bias": "trained LoRA biases (lora_bias)",
+               "modules_to_save": "modules_to_save (fully trained modules)"}
     for key, what in refused.items():
         if cfg.get(key):
             raise ValueError(f"{file}: {key}={cfg[key]!r}: {what} are not supported; a plain LoRA adapter is")

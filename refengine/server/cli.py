@@ -39,7 +39,8 @@ def fail(message: str):
               help="address to bind (0.0.0.0 exposes the server to the network)")
 @click.option("--port", type=int, default=8000, show_default=True, help="TCP port to listen on")
 @click.option("--served-model-name", default=None,
-              help="the model name clients send (default: a Hub name as given to --model, else the model directory's name)")
+              help="the model name clients send (default: a Hub name as given to --model, else the model "
+                   "directory's name)")
 @click.option("--api-key", default=None, envvar="REFENGINE_API_KEY", show_default="none",
               help="require 'Authorization: Bearer KEY' on every route but /health (or $REFENGINE_API_KEY)")
 @click.option("--disable-metrics-auth", is_flag=True, show_default="off",
