@@ -7,9 +7,11 @@ changes nothing process-wide; :func:`refengine.cpu.setup_cpu_runtime` does, expl
 
 import refengine.cpu.backends  # noqa: F401  the CPU wing registers its backends (nothing process-wide)
 from refengine.beam_search import BeamSearchParams
+from refengine.lora import LoRARequest
 from refengine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "LoRARequest", "RequestOutput",
+           "CompletionOutput"]
 __version__ = "0.1.0"
 
 

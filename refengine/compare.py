@@ -456,7 +456,7 @@ class TransformersReference:
         ImportError: torch or transformers is not installed.
     """
 
-    def __init__(self, model_path: Path):
+    def __init__(self, model_path: Path, lora_path: str | os.PathLike | None = None):
         import torch
         import transformers
 
@@ -469,6 +469,11 @@ class TransformersReference:
             where, dtype=torch.float32, attn_implementation="eager", **kwargs).eval()
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(where, **kwargs)
         self.versions = {"transformers": transformers.__version__, "torch": torch.__version__}
+        if lora_path is not None:  # the adapter on top, unmerged, as peft runs it
+            import peft
+
+            self.model = peft.PeftModel.from_pretrained(self.model, str(lora_path)).eval()
+            self.versions["peft"] = peft.__version__
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])
@@ -522,18 +527,19 @@ def refengine_prompt_ids(engine, prompt: PromptSpec) -> list[int] | None:
     return tok.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=True)
 
 
-def refengine_observation(engine, ref: Reference) -> Observation:
+def refengine_observation(engine, ref: Reference, lora_request=None) -> Observation:
     """refengine on ``ref``'s sequence: full log-probability rows from the engine's prefill
     (:meth:`LLMEngine.prompt_logits`) and its own greedy continuation of the prompt ids
-    (prefill then decode steps, EOS ignored)."""
+    (prefill then decode steps, EOS ignored), under ``lora_request``'s adapter (None: none)."""
     from refengine.sampling_params import SamplingParams
 
-    logprobs = logprob_rows(engine.prompt_logits(ref.sequence))
+    logprobs = logprob_rows(engine.prompt_logits(ref.sequence, lora_request=lora_request))
     cont = None
     if ref.continuation_ids:
         rid = "__compare__"
         engine.add_request(rid, list(ref.prompt_ids), SamplingParams(max_tokens=len(ref.continuation_ids),
-                                                                     temperature=0.0, ignore_eos=True))
+                                                                     temperature=0.0, ignore_eos=True),
+                           lora_request=lora_request)
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.request_id == rid and out.finished:
@@ -652,8 +658,10 @@ def model_files_sha256(model_path: Path) -> dict[str, str]:
 
 
 def save_golden(path: str | os.PathLike, refs: list[Reference], token_texts: dict[int, str], *, model: str,
-                model_sha256: dict[str, str], versions: dict[str, str], max_tokens: int, top_k: int) -> None:
-    """Write the golden file (docs/compare.md: the format); log-probabilities are rounded to 1e-6."""
+                model_sha256: dict[str, str], versions: dict[str, str], max_tokens: int, top_k: int,
+                lora: dict | None = None) -> None:
+    """Write the golden file (docs/compare.md: the format); log-probabilities are rounded to 1e-6.
+    ``lora``: the adapter the reference ran (``{"path", "sha256"}``), None for none."""
     def r6(a):
         return [round(float(x), 6) for x in a]
 
@@ -664,7 +672,7 @@ def save_golden(path: str | os.PathLike, refs: list[Reference], token_texts: dic
     doc = {
         "format": GOLDEN_FORMAT, "version": GOLDEN_VERSION, "model": model, "model_sha256": model_sha256,
         "versions": versions, "reference": "transformers, float32, eager attention", "max_tokens": max_tokens,
-        "top_k": top_k, "token_texts": {str(t): token_texts[t] for t in sorted(mentioned)},
+        "top_k": top_k, "lora": lora, "token_texts": {str(t): token_texts[t] for t in sorted(mentioned)},
         "prompts": [{**ref.prompt.to_dict(), "prompt_token_ids": ref.prompt_ids,
                      "continuation_token_ids": ref.continuation_ids, "next_logprobs": r6(ref.next_logprobs),
                      "top_token_ids": ref.top_ids.tolist(), "top_logprobs": [r6(row) for row in ref.top_logprobs]}
@@ -723,22 +731,37 @@ def _mentioned(ref: Reference) -> set[int]:
 
 
 def run_compare(prompts, *, max_tokens: int, top_k: int, save, golden, engine_url, served_model, api_key,
-                engine_args, echo) -> dict:
+                engine_args, echo, lora_path=None) -> dict:
     """The body of ``refengine compare`` (:func:`compare_cmd`), returning the JSON report;
-    ``echo(line)`` prints progress lines of the text report.
+    ``echo(line)`` prints progress lines of the text report. ``lora_path``: a PEFT adapter
+    both sides run (transformers through peft; refengine as a :class:`refengine.lora.LoRARequest`,
+    with ``enable_lora``; a server is asked for ``served_model``, the adapter's name there).
 
     Raises:
-        ValueError: a bad combination of options, a golden file that cannot be read, a
-            prompt the engine refuses, or a server that cannot be queried.
-        ImportError: transformers is needed (no ``--golden``) and missing.
+        ValueError: a bad combination of options, a golden file that cannot be read (or
+            made with another adapter, or none, than ``lora_path``), a prompt the engine
+            refuses, or a server that cannot be queried.
+        ImportError: transformers (or, with ``lora_path``, peft) is needed (no ``--golden``) and missing.
     """
     import refengine
+    from refengine.lora import ADAPTER_WEIGHTS, LoRARequest
 
     if golden and (save or prompts):
         raise ValueError("--golden takes its prompts from the file: give no PROMPT and no --save")
     header, golden_refs, golden_texts = load_golden(golden) if golden else ({}, None, {})
     if golden:
         max_tokens, top_k = header["max_tokens"], header["top_k"]
+        made_with = (header.get("lora") or {}).get("path")
+        if (made_with is None) != (lora_path is None):
+            raise ValueError(f"{golden} was made " + (f"with the LoRA adapter {made_with}: give --lora-path" if made_with
+                                                        else "without a LoRA adapter: give no --lora-path"))
+    lora_request, lora = None, None
+    if lora_path is not None:
+        lora_request = LoRARequest("compare", 1, str(lora_path))
+        engine_args = dataclasses.replace(engine_args, enable_lora=True)
+        weights = Path(lora_path) / ADAPTER_WEIGHTS
+        lora = {"path": str(lora_path),
+                "sha256": hashlib.sha256(weights.read_bytes()).hexdigest() if weights.is_file() else None}
 
     engine = None
     if engine_url:
@@ -752,7 +775,8 @@ def run_compare(prompts, *, max_tokens: int, top_k: int, save, golden, engine_ur
         model_path = engine.model_dir
         cfg = engine.config
         tol = tolerance_for(_dtype_name(cfg.dtype), cfg.quantization, cfg.kv_cache_dtype)
-        target = {"kind": "refengine", "model": str(model_path), "dtype": _dtype_name(cfg.dtype),
+        target = {"kind": "refengine", "model": str(model_path), "lora": lora_path and str(lora_path),
+                  "dtype": _dtype_name(cfg.dtype),
                   "quantization": cfg.quantization, "kv_cache_dtype": cfg.kv_cache_dtype,
                   "attention_backend": cfg.attention_backend, "device": cfg.device}
 
@@ -768,9 +792,9 @@ def run_compare(prompts, *, max_tokens: int, top_k: int, save, golden, engine_ur
                              "the values below decide")
         specs = [r.prompt for r in golden_refs]
     else:
-        hf = TransformersReference(Path(model_path))
-        source = {"kind": "transformers", "model": str(model_path), "dtype": "float32", "attention": "eager",
-                  "versions": hf.versions}
+        hf = TransformersReference(Path(model_path), lora_path)
+        source = {"kind": "transformers", "model": str(model_path), "lora": lora_path and str(lora_path),
+                  "dtype": "float32", "attention": "eager", "versions": hf.versions}
         if prompts:
             specs = [PromptSpec(f"prompt-{i + 1}", text=p) for i, p in enumerate(prompts)]
         else:
@@ -804,7 +828,7 @@ def run_compare(prompts, *, max_tokens: int, top_k: int, save, golden, engine_ur
         if not golden:
             texts.update({t: token_text(t) for t in _mentioned(ref)})
         if engine is not None:
-            obs = refengine_observation(engine, ref)
+            obs = refengine_observation(engine, ref, lora_request)
         else:
             obs = engine_url_observation(engine_url, served_model, ref,
                                          {t: token_text(t) for t in _mentioned(ref)}, api_key)
@@ -817,7 +841,7 @@ def run_compare(prompts, *, max_tokens: int, top_k: int, save, golden, engine_ur
     if save is not None:
         versions = {"refengine": refengine.__version__, "numpy": np.__version__, **hf.versions}
         save_golden(save, saved, texts, model=str(model_path), model_sha256=model_files_sha256(Path(model_path)),
-                    versions=versions, max_tokens=max_tokens, top_k=top_k)
+                    versions=versions, max_tokens=max_tokens, top_k=top_k, lora=lora)
     return {"reference": source, "compared": target, "tolerance": dataclasses.asdict(tol), "top_k": top_k,
             "max_tokens": max_tokens, "notes": notes, "prompts": [r.to_dict() for r in reports],
             "failures": failures, "ok": not failures, "saved": None if save is None else str(save)}
@@ -859,10 +883,13 @@ def _report_line(r: PromptReport) -> str:
               help="the model name sent to --engine-url")
 @click.option("--api-key", default=None, envvar="OPENAI_API_KEY", show_default="$OPENAI_API_KEY",
               help="bearer token for --engine-url")
+@click.option("--lora-path", type=click.Path(exists=True, file_okay=False), default=None, show_default="none",
+              help="a PEFT LoRA adapter directory run on both sides (transformers + peft; refengine with "
+                   "--enable-lora); with --engine-url, name the server's adapter with --served-model-name")
 @click.option("--json", "as_json", is_flag=True, show_default="off", help="print one JSON report instead of text")
 @engine_options
-def compare_cmd(prompts, max_tokens, top_k, save, golden, engine_url, served_model_name, api_key, as_json,
-                **kw):
+def compare_cmd(prompts, max_tokens, top_k, save, golden, engine_url, served_model_name, api_key, lora_path,
+                as_json, **kw):
     """Compare refengine's log-probabilities and greedy continuations with transformers'
     (float32, eager), or with a golden file; exit status 1 beyond the printed tolerances.
 
@@ -878,7 +905,7 @@ def compare_cmd(prompts, max_tokens, top_k, save, golden, engine_url, served_mod
     try:
         report = run_compare(prompts, max_tokens=max_tokens, top_k=top_k, save=save, golden=golden,
                              engine_url=engine_url, served_model=served_model_name, api_key=api_key,
-                             engine_args=args, echo=echo)
+                             engine_args=args, echo=echo, lora_path=lora_path)
     except ImportError as e:
         fail(f"refengine compare without --golden runs transformers, which cannot be imported ({e}): "
              "pip install 'refengine[compare]', or check against a golden file with --golden FILE", exit_code=1)

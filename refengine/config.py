@@ -193,6 +193,8 @@ class EngineConfig:
             1: the model runs in the engine's process.
         quantization: the target model's weights: None (float), "int8" (quantized at load),
             "awq" or "gptq" (the checkpoint's; :func:`refengine.quant.awq_gptq.resolve_quantization`).
+        enable_lora: requests may run LoRA adapters (:mod:`refengine.lora`); max_lora_rank:
+            the largest adapter rank.
     """
 
     model_dir: Path
@@ -220,6 +222,8 @@ class EngineConfig:
     activation_dtype: str = "auto"
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
+    enable_lora: bool = False
+    max_lora_rank: int = 16
 
     @property
     def max_model_len(self) -> int | None:
@@ -236,7 +240,7 @@ class EngineConfig:
                 "layer_ops": self.layer_ops, "kv_cache_dtype": self.kv_cache_dtype, "block_size": self.block_size,
                 "num_kv_blocks": self.num_kv_blocks, "quantization": self.quantization,
                 "batch_invariant": self.batch_invariant, "activation_dtype": self.activation_dtype,
-                "enforce_eager": self.enforce_eager,
+                "enforce_eager": self.enforce_eager, "enable_lora": self.enable_lora,
                 "tensor_parallel_size": self.tensor_parallel_size,
                 **{k: getattr(self.scheduler_config, k) for k in ("max_num_seqs", "max_num_batched_tokens",
                                                                    "enable_chunked_prefill", "max_model_len")},

@@ -77,16 +77,53 @@ def _local_or_checkout(path: str) -> Path:
     return Path(path) if Path(path).exists() else REPO_ROOT / path
 
 
-def resolve_model_dir(model: str | os.PathLike | None) -> Path:
+def resolve_model_dir(model: str | os.PathLike | None, gguf_file: str | None = None) -> Path:
     """``model``, else ``$REFENGINE_MODEL``, else the default model (``weights/SmolLM2-135M-Instruct``
-    under the current directory, then under this checkout). A name of :data:`MODEL_ALIASES`
-    (``gemma3-270m``) that is not also a path names the file its fetch script writes."""
+    under the current directory, then under this checkout), as a local path.
+
+    In order: a path that exists is that path; a name of :data:`MODEL_ALIASES`
+    (``gemma3-270m``) names the file its fetch script writes; a Hugging Face Hub name
+    (``org/name[@revision]``, ``org/name/x.gguf``, or ``org/name`` with ``gguf_file``) is
+    resolved through the Hugging Face cache, downloading where the Hub is reachable
+    (:func:`refengine.hub.resolve_hub_model`); anything else is returned as a path (whose
+    absence the loader reports).
+
+    Raises:
+        FileNotFoundError: a Hub name that is neither cached nor downloadable (the message
+            names the repository, the revision, what is missing and the cache).
+        ValueError: ``gguf_file`` with a local path or an alias (it names a file of a Hub
+            repository), or a bad ``gguf_file`` (:func:`refengine.hub.parse_hub_id`).
+    """
+    from refengine.hub import parse_hub_id, resolve_hub_model
+
     model = model or os.environ.get("REFENGINE_MODEL")
     if not model:
-        return _local_or_checkout(DEFAULT_MODEL)
-    if str(model) in MODEL_ALIASES and not Path(model).exists():
-        return _local_or_checkout(MODEL_ALIASES[str(model)])
-    return Path(model)
+        path = _local_or_checkout(DEFAULT_MODEL)
+    elif Path(model).exists():
+        path = Path(model)
+    elif str(model) in MODEL_ALIASES:
+        path = _local_or_checkout(MODEL_ALIASES[str(model)])
+    else:
+        hub = parse_hub_id(os.fspath(model), gguf_file)
+        if hub is not None:
+            return resolve_hub_model(hub, local_path_tried=os.fspath(model))
+        path = Path(model)
+    if gguf_file is not None:
+        raise ValueError(f"gguf_file={gguf_file!r} names a file of a Hugging Face repository, but "
+                         f"model={str(model)!r} is a local path; give the .gguf file's path as model instead")
+    return path
+
+
+def default_served_model_name(model: str | os.PathLike | None, model_dir: Path) -> str:
+    """The name a server answers to when ``--served-model-name`` is not given: a Hub name as
+    typed (``Qwen/Qwen2.5-0.5B-Instruct``, as vLLM serves under its ``--model``), else the
+    model directory's (or GGUF file's) name. ``model_dir``: what :func:`resolve_model_dir` gave."""
+    from refengine.hub import parse_hub_id
+
+    model = model or os.environ.get("REFENGINE_MODEL")
+    if model and not Path(model).exists() and str(model) not in MODEL_ALIASES and parse_hub_id(os.fspath(model)):
+        return os.fspath(model)
+    return model_dir.name
 
 
 @dataclass
@@ -99,9 +136,13 @@ class EngineArgs:
     """
 
     model: str | None = field(default=None, metadata=_option(
-        "model directory, .gguf file or short name (smollm2-135m, gemma3-270m; default: $REFENGINE_MODEL or "
-        "weights/SmolLM2-135M-Instruct)",
-        metavar="PATH"))
+        "model directory, .gguf file, short name (smollm2-135m, gemma3-270m) or Hugging Face Hub name "
+        "(org/name[@revision], org/name/file.gguf[@revision]; through the HF cache, HF_HUB_OFFLINE honoured) "
+        "(default: $REFENGINE_MODEL or weights/SmolLM2-135M-Instruct)",
+        metavar="PATH|ORG/NAME"))
+    gguf_file: str | None = field(default=None, metadata=_option(
+        "a .gguf file of the Hub repository --model names (transformers' gguf_file): --model org/name "
+        "--gguf-file name.Q4_K_M.gguf", metavar="FILE"))
     device: str = field(default="cpu", metadata=_option(
         "where the model runs (auto: a GPU when CuPy finds one)", choices=DEVICES))
     dtype: str = field(default="auto", metadata=_option(
@@ -162,6 +203,12 @@ class EngineArgs:
         "worker processes that each hold 1/N of every layer's weights and KV heads (Megatron-style splits, one "
         "all-reduce after each attention and MLP block): MPI collectives between CPU processes, NCCL between "
         "GPUs (one each); needs refengine[distributed] (docs/distributed.md)", minimum=1))
+    enable_lora: bool = field(default=False, metadata=_option(
+        "serve PEFT LoRA adapters over the model (vLLM's name): requests name one (LoRARequest; serve's "
+        "--lora-modules), rows of different adapters and of none share a step, the weights are never merged "
+        "(docs/engine_options.md#lora-adapters)"))
+    max_lora_rank: int = field(default=16, metadata=_option(
+        "largest rank r a LoRA adapter may have (vLLM's name and default)", minimum=1))
     max_logprobs: int = field(default=20, metadata=_option(
         "most log-probabilities a request may ask for per generated token (the logprobs sampling option)", minimum=0))
     speculative_config: dict | None = field(default=None, metadata=_option(
@@ -252,10 +299,11 @@ class EngineArgs:
         """``(model directory or GGUF file, its ModelConfig)``.
 
         Raises:
-            FileNotFoundError: the directory or its config.json is missing.
+            FileNotFoundError: the directory or its config.json is missing, or a Hub name is
+                neither cached nor downloadable (:func:`resolve_model_dir`).
             ValueError: an unsupported or invalid config.json (or GGUF metadata).
         """
-        model_dir = resolve_model_dir(self.model)
+        model_dir = resolve_model_dir(self.model, self.gguf_file)
         if is_gguf(model_dir):  # config, tokenizer and tensors all come from the one file
             return model_dir, model_config_from_dict(open_gguf(model_dir).config, source=str(model_dir))
         return model_dir, read_model_config(model_dir)
@@ -299,6 +347,9 @@ class EngineArgs:
         activation_dtype = resolve_activation_dtype(self.activation_dtype, backend, model_dir, self.dtype, quantization)
         if self.tensor_parallel_size > 1:
             check_tensor_parallel(self.tensor_parallel_size, mc, device, spec)
+            if self.enable_lora:
+                raise ValueError(f"enable_lora=True runs in one process: the adapters are not split over "
+                                 f"tensor_parallel_size={self.tensor_parallel_size} workers")
         per_block = KVCache.bytes_per_block(mc.num_hidden_layers, self.block_size, mc.num_key_value_heads,
                                             mc.head_dim, dtype.itemsize, kv_dtype)
         # a draft model's cache has as many blocks as the target's (it shares the block tables)
@@ -351,7 +402,8 @@ class EngineArgs:
                                              enable_chunked_prefill=self.enable_chunked_prefill,
                                              max_model_len=max_model_len),
             speculative_config=spec, draft_model_config=draft, draft_bytes_per_block=draft_per_block,
-            tensor_parallel_size=self.tensor_parallel_size)
+            tensor_parallel_size=self.tensor_parallel_size, enable_lora=self.enable_lora,
+            max_lora_rank=self.max_lora_rank)
 
     def _fit_pool(self, max_model_len: int | None, mc: ModelConfig, num_blocks: int) -> int:
         pool_tokens = num_blocks * self.block_size

@@ -11,6 +11,7 @@ is a package, so same-named files in two folders do not clash).
 * :class:`ServerThread`, :func:`http_server`, :func:`client`, :func:`wait_until`,
   :func:`metric`: a server over loopback HTTP in this process, and what its tests read back;
 * :func:`shuffled_block_tables`: a paged batch's block tables over shuffled physical blocks.
+* :func:`random_adapter`: a PEFT LoRA adapter with random weights for a model directory.
 
 Tolerances: float32 storage differs from the float64 reference only by float32
 accumulation and exp rounding over at most a few hundred keys: rtol=atol=2e-5 is
@@ -321,6 +322,34 @@ def save_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
     tf.LlamaForCausalLM(tf.LlamaConfig(**{**fields, **overrides})).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def random_adapter(path: Path, model_dir: Path, r: int = 8, seed: int = 0) -> Path:
+    """A PEFT LoRA adapter for the model in ``model_dir`` on q/v/down of every layer, random
+    ``A`` and ``B`` (both non-zero, ``alpha = 2 r``), written as peft saves one."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    from refengine.models.hf_config import read_model_config
+
+    cfg = read_model_config(model_dir)
+    rng = np.random.default_rng(seed)
+    q, kv, h, inter = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, \
+        cfg.hidden_size, cfg.intermediate_size
+    shapes = {"self_attn.q_proj": (q, h), "self_attn.v_proj": (kv, h), "mlp.down_proj": (h, inter)}
+    tensors = {}
+    for i in range(cfg.num_hidden_layers):
+        for module, (n_out, n_in) in shapes.items():
+            prefix = f"base_model.model.model.layers.{i}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = (rng.standard_normal((r, n_in)) / np.sqrt(n_in)).astype(np.float32)
+            tensors[f"{prefix}.lora_B.weight"] = (0.3 * rng.standard_normal((n_out, r))).astype(np.float32)
+    path.mkdir()
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": ["q_proj", "v_proj", "down_proj"],
+        "bias": "none", "use_rslora": False}))
     return path
 
 

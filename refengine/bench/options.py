@@ -56,7 +56,10 @@ def engine_kwargs(kw: dict) -> tuple[EngineArgs, dict]:
     except ValueError as e:
         fail(str(e))
     engine_kw = dataclasses.asdict(args)
-    engine_kw["model"] = str(resolve_model_dir(engine_kw["model"]))
+    try:
+        engine_kw["model"] = str(resolve_model_dir(engine_kw["model"], engine_kw.pop("gguf_file")))
+    except (ValueError, FileNotFoundError) as e:
+        fail(str(e))
     return args, engine_kw
 
 

@@ -22,6 +22,7 @@ from collections import OrderedDict
 
 from refengine.attention.kv_cache import cdiv
 from refengine.core.sequence import Sequence
+from refengine.lora import lora_cache_key
 
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: list[int], extra_keys: bytes = b"") -> bytes:
@@ -31,7 +32,7 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: list[int], extra_key
     Args:
         parent_hash: the previous block's hash; None for a sequence's first block.
         token_ids: the block's ``block_size`` token ids.
-        extra_keys: anything else the block's K/V depend on (a cache salt); empty for none.
+        extra_keys: anything else the block's K/V depend on (a cache salt, a LoRA adapter); empty for none.
     Returns:
         32 bytes.
     """
@@ -117,13 +118,17 @@ class BlockManager:
     # --- hashes ---------------------------------------------------------------------------
     def block_hash_of(self, seq: Sequence, i: int) -> bytes:
         """The hash of ``seq``'s full block ``i`` (positions ``i*block_size ..``), extending
-        ``seq.block_hashes`` (the chain, computed once per sequence) as far as needed."""
+        ``seq.block_hashes`` (the chain, computed once per sequence) as far as needed. The
+        first block's extra keys are the sequence's cache salt and LoRA adapter
+        (:func:`refengine.lora.lora_cache_key`): K/V computed under an adapter differ from the
+        base model's for the same tokens."""
         bs = self.block_size
         hashes = seq.block_hashes
         while len(hashes) <= i:
             j = len(hashes)
             parent = hashes[-1] if hashes else None
-            extra = cache_salt_key(seq.cache_salt) if j == 0 else b""
+            # the chain carries both to every later block
+            extra = cache_salt_key(seq.cache_salt) + lora_cache_key(seq.lora_request) if j == 0 else b""
             hashes.append(hash_block_tokens(parent, seq.token_ids_slice(j * bs, (j + 1) * bs), extra))
         return hashes[i]
 

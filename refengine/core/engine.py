@@ -43,6 +43,7 @@ from refengine.core.sequence import CompletionOutput, Logprob, RequestOutput, Se
 from refengine.detokenizer import IncrementalDetokenizer
 from refengine.engine_args import EngineArgs
 from refengine.formats.gguf_file import close_gguf_files, is_gguf, open_gguf
+from refengine.lora import LoRAManager, LoRARequest
 from refengine.metrics import EngineMetrics, RequestMetrics
 from refengine.models import load_model
 from refengine.ops import get_layer_ops
@@ -272,6 +273,7 @@ class LLMEngine:
         spec_cfg = config.speculative_config
         draft_model = None
         mc = model_config
+        self.lora_manager = None
         if config.tensor_parallel_size > 1:  # worker processes hold the model's shares (refengine/parallel/)
             from refengine.core.executor import TensorParallelRunner
 
@@ -289,8 +291,10 @@ class LLMEngine:
                 num_blocks = measure_gpu_kv_blocks(config, self.model, draft_model)
                 config = args.create_engine_config(model_dir, model_config, num_gpu_blocks=num_blocks)
             self.kv_cache = make_kv_cache(config, mc, xp)
+            if config.enable_lora:
+                self.lora_manager = LoRAManager(self.model, config.max_lora_rank)
             self.runner = ModelRunner(self.model, self.kv_cache, capture_decode=not config.enforce_eager,
-                                      max_model_len=config.max_model_len)
+                                      max_model_len=config.max_model_len, lora_manager=self.lora_manager)
             # compile (or load) every kernel now, not during the first requests
             ops.warm_up(self.model, self.kv_cache, config.max_num_batched_tokens, config.max_model_len)
         self.config = config
@@ -332,7 +336,8 @@ class LLMEngine:
 
     # --- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue a request.
 
         Args:
@@ -343,6 +348,9 @@ class LLMEngine:
             arrival_time: ``time.monotonic()`` seconds (default: now).
             cache_salt: with prefix caching, only requests with the same salt share KV
                 blocks (e.g. one salt per tenant, so timing cannot reveal another's prompt).
+            lora_request: the LoRA adapter to run with (:class:`refengine.lora.LoRARequest`,
+                vLLM's), loaded at its first request; None for the base model. Needs
+                ``enable_lora``.
         Raises:
             ValueError: a request id that is not a str or is in use; a prompt that is not a
                 str or a list of token ids (``bytes`` included), holds a lone surrogate
@@ -350,8 +358,9 @@ class LLMEngine:
                 ``max_model_len`` tokens or more (:class:`PromptTooLongError`); ``sampling_params``
                 that is not a ``SamplingParams``, asks for more ``logprobs`` than ``max_logprobs``, for
                 more completions ``n`` than ``max_num_seqs``, or names stop token ids
-                outside the vocabulary; a ``cache_salt`` that is not a str. Nothing is
-                queued and no block is taken.
+                outside the vocabulary; a ``cache_salt`` that is not a str; a ``lora_request``
+                without ``enable_lora``, or whose adapter cannot be loaded
+                (:class:`refengine.lora.LoRAManager`). Nothing is queued and no block is taken.
         """
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams or None, got {type(sampling_params).__name__}")
@@ -366,18 +375,39 @@ class LLMEngine:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt={cache_salt!r} is invalid: must be None or a str")
         text, token_ids = self.prompt_token_ids(prompt)
+        self.add_lora(lora_request)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError(f"stop strings {params.stop_strings!r} need a tokenizer; {self.model_dir} has no tokenizer.json")
         now = time.monotonic() if arrival_time is None else arrival_time
         shared_prompt_logprobs = [None] if params.prompt_logprobs is not None else None  # one per request
         seqs = [Sequence(request_id, text, token_ids, params, index=i,
                          detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params)
-                         if self.tokenizer else None, cache_salt=cache_salt, prompt_logprobs=shared_prompt_logprobs)
+                         if self.tokenizer else None, cache_salt=cache_salt, prompt_logprobs=shared_prompt_logprobs,
+                         lora_request=lora_request)
                 for i in range(params.n)]
         self.requests[request_id] = Request(request_id, text, token_ids, params, seqs,
                                             RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids)))
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def add_lora(self, lora_request: LoRARequest | None) -> bool:
+        """Load ``lora_request``'s adapter now (vLLM's ``add_lora``); :meth:`add_request` calls
+        it, so a bad adapter fails its request, not a step. None: nothing to load.
+
+        Raises:
+            ValueError: an adapter without ``enable_lora``; those of :meth:`LoRAManager.add`.
+        """
+        if lora_request is None:
+            return False
+        if self.lora_manager is None:
+            raise ValueError(f"lora_request={lora_request!r} needs an engine with enable_lora=True "
+                             "(refengine serve --enable-lora --lora-modules NAME=PATH)")
+        self.lora_manager.add(lora_request)
+        return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The LoRA adapters loaded so far (vLLM's ``list_loras``), by id; [] without ``enable_lora``."""
+        return [] if self.lora_manager is None else self.lora_manager.list_loras()
 
     def prompt_token_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         """``(text or None, token ids)`` of a prompt, as :meth:`add_request` reads it.
@@ -651,9 +681,11 @@ class LLMEngine:
                     ms(m.ttft), ms(m.tpot), ms(m.e2e_latency), req.seqs[0].finish_reason)
 
     # --- scoring: golden tests, refengine eval ------------------------------------------------
-    def prompt_logits(self, token_ids: list[int], first_row: int = 0) -> np.ndarray:
+    def prompt_logits(self, token_ids: list[int], first_row: int = 0,
+                      lora_request: LoRARequest | None = None) -> np.ndarray:
         """Logits at every prompt position from ``first_row`` on, for golden tests and
-        scoring (:mod:`refengine.eval.perplexity`).
+        scoring (:mod:`refengine.eval.perplexity`), under ``lora_request``'s adapter (None:
+        the base model).
 
         Runs the prompt through the model in chunks of ``max_num_batched_tokens`` using
         its own KV blocks, which are freed afterwards. A chunk ends at ``first_row``: the
@@ -673,7 +705,8 @@ class LLMEngine:
         if not 0 <= first_row < len(token_ids):
             raise ValueError(f"first_row={first_row} is outside [0, {len(token_ids)}): the prompt has "
                              f"{len(token_ids)} tokens")
-        seq = Sequence("__prompt_logits__", None, token_ids, SamplingParams(max_tokens=1))
+        self.add_lora(lora_request)
+        seq = Sequence("__prompt_logits__", None, token_ids, SamplingParams(max_tokens=1), lora_request=lora_request)
         seq.status = SequenceStatus.RUNNING
         chunks = []
         try:
@@ -707,9 +740,10 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
-    def prompt_logits(self, token_ids: list[int], first_row: int = 0) -> np.ndarray:
+    def prompt_logits(self, token_ids: list[int], first_row: int = 0,
+                      lora_request: LoRARequest | None = None) -> np.ndarray:
         """See :meth:`LLMEngine.prompt_logits`."""
-        return self.llm_engine.prompt_logits(token_ids, first_row)
+        return self.llm_engine.prompt_logits(token_ids, first_row, lora_request)
 
     def reset_prefix_cache(self) -> bool:
         """See :meth:`LLMEngine.reset_prefix_cache`."""
@@ -732,16 +766,19 @@ class LLM:
         return beam_search(self, ids, params)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; return one finished ``RequestOutput`` per prompt, in order.
 
         Args:
             prompts: a string, a list of token ids, or a list of either.
             sampling_params: one for all prompts, or a list with one per prompt.
             use_tqdm: show a progress bar (on a terminal: none when stderr is redirected).
+            lora_request: the LoRA adapter of every prompt, or a list with one (or None)
+                per prompt, as vLLM's; needs ``enable_lora``.
         Raises:
-            ValueError: a bad prompt or a params list of the wrong length; no request is
-                left queued.
+            ValueError: a bad prompt, a params or adapter list of the wrong length, an
+                adapter that cannot be loaded; no request is left queued.
         """
         prompts = _prompt_list(prompts)
         if sampling_params is None:
@@ -750,6 +787,9 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_request entries for {len(prompts)} prompts")
         # Only finished outputs are returned: the engine need not copy a growing output every
         # step (vLLM's LLM does the same). A copy, so the caller's params are left as given.
         sampling_params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -758,10 +798,10 @@ class LLM:
         engine = self.llm_engine
         ids = []
         try:
-            for prompt, params in zip(prompts, sampling_params):
+            for prompt, params, lora in zip(prompts, sampling_params, loras):
                 rid = f"gen-{self._counter}"
                 self._counter += 1
-                engine.add_request(rid, prompt, params)
+                engine.add_request(rid, prompt, params, lora_request=lora)
                 ids.append(rid)
         except Exception:
             for rid in ids:

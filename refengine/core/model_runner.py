@@ -12,6 +12,7 @@ import numpy as np
 from refengine.attention import paged_metadata
 from refengine.attention.kv_cache import KVCache
 from refengine.core.sequence import Sequence
+from refengine.lora import LoRABatch
 
 
 def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int,
@@ -123,8 +124,11 @@ def gpu_kv_pool_blocks(total_bytes: int, free_bytes: int, activation_peak_bytes:
 class ModelRunner:
     """Holds the model and its KV cache; runs one flat batch per call."""
 
-    def __init__(self, model, kv_cache: KVCache, *, capture_decode: bool = True, max_model_len: int | None = None):
+    def __init__(self, model, kv_cache: KVCache, *, capture_decode: bool = True, max_model_len: int | None = None,
+                 lora_manager=None):
         self.model = model
+        #: The LoRA adapters (:class:`refengine.lora.LoRAManager`), None without ``enable_lora``.
+        self.lora_manager = lora_manager
         self.kv_cache = kv_cache
         self.xp = model.xp
         self.block_size = kv_cache.block_size
@@ -158,7 +162,10 @@ class ModelRunner:
         extra = prompt_logprob_rows(scheduled) if prompt_logits is not None and not all_logits else []
         if extra:  # the prompt rows after the sampling ones, split off below
             rows = np.concatenate([rows, *(r for _, _, r in extra)])
-        logits = self.run_model(ids, positions, meta, rows)
+        lora = None
+        if self.lora_manager is not None:
+            lora = LoRABatch.from_sequences(scheduled, self.lora_manager.adapter)
+        logits = self.run_model(ids, positions, meta, rows, lora)
         if extra:
             at = len(sample_rows)
             for seq, first, r in extra:
@@ -167,15 +174,21 @@ class ModelRunner:
             logits = logits[:len(sample_rows)]
         return logits, sample_seqs
 
-    def run_model(self, ids: np.ndarray, positions: np.ndarray, meta, rows: np.ndarray) -> np.ndarray:
+    def run_model(self, ids: np.ndarray, positions: np.ndarray, meta, rows: np.ndarray,
+                  lora: LoRABatch | None = None) -> np.ndarray:
         """One forward pass over a flat batch (:func:`build_batch`'s arrays, all host NumPy):
-        ``logits [len(rows), vocab]`` float32 NumPy of the batch rows ``rows``. A
-        tensor-parallel worker (:mod:`refengine.core.executor`) runs the same call."""
+        ``logits [len(rows), vocab]`` float32 NumPy of the batch rows ``rows``. ``lora``: the
+        rows grouped by LoRA adapter (None: none has one). A tensor-parallel worker
+        (:mod:`refengine.core.executor`) runs the same call."""
         xp = self.xp
         self.model.ops.begin_step(self.model, ids.shape[0], int(np.diff(meta.query_start_loc).max(initial=0)))
         capture = self.decode_capture
-        if (capture is not None and ids.shape[0] == 1 and rows.shape == (1,) and rows[0] == 0
-                and meta.seq_lens[0] <= capture.max_model_len):
+        if (capture is not None and lora is None and ids.shape[0] == 1 and rows.shape == (1,) and rows[0] == 0
+                and meta.seq_lens[0] <= capture.max_model_len):  # a recording holds the base products only
             return capture(ids, positions, meta)
-        logits = self.model.forward(xp.asarray(ids), positions, self.kv_cache, meta, xp.asarray(rows))
+        self.model.lora_batch = lora
+        try:
+            logits = self.model.forward(xp.asarray(ids), positions, self.kv_cache, meta, xp.asarray(rows))
+        finally:
+            self.model.lora_batch = None
         return logits if xp is np else xp.asnumpy(logits)

@@ -56,13 +56,16 @@ class Sequence:
     Prefix caching: ``block_hashes`` is the hash chain of the full blocks of its tokens
     (prompt, then output), computed as needed and kept across preemption (the tokens do not
     change); ``cache_salt`` (a string) enters the first block's hash, so only sequences
-    with the same salt share blocks; ``num_cached_tokens`` is how many prompt tokens came
+    with the same salt share blocks, and so does ``lora_request`` (the LoRA adapter the
+    sequence runs with, :mod:`refengine.lora`; None for the base model), so blocks computed
+    under one adapter serve only that adapter; ``num_cached_tokens`` is how many prompt tokens came
     from the cache at its first admission (None until then).
     """
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, index: int = 0, detokenizer=None,
-                 cache_salt: str | None = None, prompt_logprobs: PromptLogprobs | None = None):
+                 cache_salt: str | None = None, prompt_logprobs: PromptLogprobs | None = None,
+                 lora_request=None):
         self.request_id = request_id
         self.index = index  # which of the n completions of the request
         self.prompt = prompt
@@ -82,6 +85,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []
         self.cache_salt = cache_salt
+        self.lora_request = lora_request  # a refengine.lora.LoRARequest, None for the base model
         self.num_cached_tokens: int | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

@@ -47,6 +47,7 @@ from numba import carray, njit, prange
 
 from refengine.cpu import blas, engine_hooks, setup_cpu_runtime
 from refengine.cpu.capture import DecodeCapture, Recordable
+from refengine.cpu.lora_products import add_lora
 from refengine.cpu.numba_support import (ParallelKernel, get_num_threads, parallel_kernel, prefetch,
                                          register_kernels, stack_f32, x_block_rows)
 from refengine.quant import StackedWeight, is_quantized, reference_linear
@@ -564,6 +565,12 @@ class NumbaOps(Recordable):
             return partial(_matmul_dot.for_threads(threads), x, w.T, out, _dot_block(n_out, threads),
                            rows >= DOT_4X4_MIN_ROWS)
         return partial(_into, out, _blas_product, x, w)
+
+    def add_lora(self, y: np.ndarray, x: np.ndarray, rows: np.ndarray, a: np.ndarray, b: np.ndarray,
+                 scale: np.ndarray) -> None:
+        """One LoRA adapter's product added to its rows of ``y`` by the kernel of
+        :mod:`refengine.cpu.lora_products` (batch-invariant: one fixed order per row)."""
+        self._launch(add_lora, y, self._contiguous(x), rows, a, b, scale)
 
     def _over_rows(self, kernel: ParallelKernel, rows: int, *args) -> None:
         """Launch a row-block kernel over ``rows`` rows: in parallel blocks from

@@ -133,6 +133,9 @@ class LlamaForCausalLM:
     #: This worker's :class:`refengine.parallel.TensorParallelShard` when the model runs as one
     #: share of ``tensor_parallel_size > 1``; None in one process (no collectives at all).
     tp = None
+    #: This step's rows grouped by LoRA adapter (:class:`refengine.lora.LoRABatch`), set by the
+    #: model runner around a forward; None: no row has an adapter (the base model's products only).
+    lora_batch = None
 
     # --- config.json -----------------------------------------------------------------
     @classmethod
@@ -197,6 +200,7 @@ class LlamaForCausalLM:
             local_rope = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_local_base_freq,
                                          cfg.rope_local_scaling, xp=xp, max_model_len=max_model_len)
         for i, layer in enumerate(self.layers):
+            layer.index = i  # the LoRA adapters' layer (project)
             window = cfg.layer_window(i)
             layer.rope = local_rope if window is not None else self.rope
             layer.attention_options = {}
@@ -296,7 +300,7 @@ class LlamaForCausalLM:
                                 **scales)
         o = self.attention.forward(q.astype(kv.dtype, copy=False), kv.k, kv.v, meta, self.scale,
                                    **layer.attention_options, **scales)
-        return self.reduce(self.ops.linear(o.reshape(o.shape[0], -1), layer.o))
+        return self.reduce(self.project(o.reshape(o.shape[0], -1), layer, "o"))
 
     def mlp(self, layer: Layer, x):
         """``x [T, hidden]`` float32 (normed) -> ``down(act(gate(x)) * up(x))`` ``[T, hidden]`` float32.
@@ -306,22 +310,33 @@ class LlamaForCausalLM:
         largest arrays of a prefill step (9 MB at SmolLM2's 512 rows), and the products are
         as fast on 256 rows as on 512. Rows do not meet in an MLP, so the slices give each
         row what the whole chunk gives it (bit for bit where the products are batch-invariant)."""
-        ops = self.ops
         rows = x.shape[0]
         if self.xp is not np or rows <= MLP_CHUNK_ROWS:
-            return self.reduce(ops.linear(self.activation(ops.linear(x, layer.gate_up)), layer.down))
+            return self.reduce(self.project(self.activation(self.project(x, layer, "gate_up")), layer, "down"))
         out = np.empty_like(x)
         for r0 in range(0, rows, MLP_CHUNK_ROWS):
             r1 = min(rows, r0 + MLP_CHUNK_ROWS)
-            out[r0:r1] = ops.linear(self.activation(ops.linear(x[r0:r1], layer.gate_up)), layer.down)
+            gate_up = self.project(x[r0:r1], layer, "gate_up", first_row=r0)
+            out[r0:r1] = self.project(self.activation(gate_up), layer, "down", first_row=r0)
         return self.reduce(out)
+
+    def project(self, x, layer: Layer, name: str, first_row: int = 0):
+        """``x [T, in]`` float32 times ``layer``'s fused projection ``name`` (``qkv``, ``o``,
+        ``gate_up``, ``down``) -> ``[T, out]`` float32: the layer ops' product with the weight
+        as stored, then, on the rows whose sequence runs a LoRA adapter, its
+        ``(x A) B · scale`` added (:mod:`refengine.lora`; rows of no adapter keep the product's
+        bits). ``first_row``: the batch row ``x[0]`` is (the chunked MLP's slices)."""
+        y = self.ops.linear(x, getattr(layer, name))
+        if self.lora_batch is not None:
+            self.lora_batch.apply(self.ops, y, x, layer.index, name, first_row)
+        return y
 
     def qkv_projection(self, layer: Layer, x):
         """``x [T, hidden]`` -> ``q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]`` float32, before RoPE."""
         cfg = self.config
         n_q, n_kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q_size, kv_size = n_q * hd, n_kv * hd
-        qkv = self.ops.linear(x, layer.qkv)
+        qkv = self.project(x, layer, "qkv")
         if layer.qkv_bias is not None:
             qkv += layer.qkv_bias
         T = qkv.shape[0]

@@ -64,6 +64,12 @@ class LayerOps(Protocol):
     def linear(self, x: Any, w: Any) -> Any:
         """``x [T, in]`` float32 times ``w [in, out]`` (weight dtype, from :meth:`weight`) -> ``[T, out]`` float32."""
 
+    def add_lora(self, y: Any, x: Any, rows: np.ndarray, a: Any, b: Any, scale: Any) -> None:
+        """``y[rows] += ((x[rows] @ a.T) @ b) * scale`` in place: one LoRA adapter's product on
+        its rows of a projection (``y [T, out]``, ``x [T, in]``, ``a [R, in]``, ``b [R, out]``,
+        ``scale [out]`` float32; ``rows [n]`` int64 host, sorted, distinct). The twin:
+        :func:`refengine.lora.add_lora_reference`; the formula: :mod:`refengine.lora`."""
+
     def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
         """RMSNorm over the last axis of ``x [..., d]`` with ``weight [d]`` float32 -> float32."""
 

@@ -102,6 +102,12 @@ class CudaLayerOps(NoStepHooks):
             return self.quantized_linear(x, self.place_quantized(w))
         return linear_f32(x, w)
 
+    def add_lora(self, y, x, rows, a, b, scale) -> None:
+        """One adapter's rows through cuBLAS: the twin (:func:`refengine.lora.add_lora_reference`) on CuPy arrays."""
+        from refengine.lora import add_lora_reference
+
+        add_lora_reference(y, x, rows, a, b, scale, self.kernels.xp)
+
     def place_quantized(self, w: QuantizedWeight) -> Any:
         """``w``'s arrays on the device, copied once per weight object: a :class:`DeviceQuantized`,
         or for a :class:`refengine.quant.StackedWeight` a list of its parts' placed forms (float

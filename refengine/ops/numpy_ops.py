@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from refengine.lora import add_lora_reference
 from refengine.ops.layers import gelu_tanh_and_mul, rms_norm, silu_and_mul
 from refengine.quant import is_quantized, reference_linear
 
@@ -77,6 +78,9 @@ class NumpyOps(NoStepHooks):
         if is_quantized(w):  # the twin: dequantize a few thousand rows at a time, multiply in float32
             return reference_linear(x, w)
         return linear_f32(x, w)
+
+    def add_lora(self, y, x, rows, a, b, scale) -> None:
+        add_lora_reference(y, x, rows, a, b, scale, self.xp)
 
     def rms_norm(self, x, weight, eps: float):
         return rms_norm(x, weight, eps, self.xp)

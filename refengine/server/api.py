@@ -57,6 +57,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from refengine.core.engine import PromptTooLongError
+from refengine.lora import LoRARequest
 from refengine.core.sequence import CompletionOutput, Logprob
 from refengine.sampling_params import RequestOutputKind, SamplingParams
 from refengine.server.engine_loop import (AsyncEngine, EngineDeadError, EngineStepError, MergedOutput, Overloaded,
@@ -324,11 +325,15 @@ class ChoicePart:
 class OpenAIServing:
     """The completions, chat, tokenize and models logic over one :class:`AsyncEngine`."""
 
-    def __init__(self, engine_loop: AsyncEngine, served_model_name: str, limits: ServerLimits):
+    def __init__(self, engine_loop: AsyncEngine, served_model_name: str, limits: ServerLimits,
+                 lora_modules: dict[str, str] | None = None):
         self.loop = engine_loop
         self.engine = engine_loop.engine
         self.tokenizer = self.engine.tokenizer
         self.model_name = served_model_name
+        #: name -> LoRARequest of each adapter a request's ``model`` may name (ids 1, 2, ... in order)
+        self.lora_requests = {name: LoRARequest(name, i, str(path))
+                              for i, (name, path) in enumerate((lora_modules or {}).items(), 1)}
         self.limits = limits
         self.max_model_len = self.engine.config.max_model_len
         # whether the chat template takes `tools` itself (else tools get the generic format)
@@ -340,10 +345,20 @@ class OpenAIServing:
     # the SamplingParams ranges) is the engine's to say: the handlers call its own checks
     # (read-only, on its frozen config, so safe while a step runs) and turn their
     # ValueError into a 400 before the request queues. Only the server's rules are here.
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
+    def check_model(self, name: str | None) -> LoRARequest | None:
+        """The adapter the request's ``model`` names (vLLM's ``--lora-modules``), None for the base model.
+
+        Raises:
+            APIError: 404 for a name this server does not serve (the message lists them).
+        """
+        if name is None or name == self.model_name:
+            return None
+        lora = self.lora_requests.get(name)
+        if lora is None:
+            served = ", ".join(repr(n) for n in [self.model_name, *self.lora_requests])
+            raise APIError(404, f"the model '{name}' does not exist; this server serves {served}",
                            param="model", code="model_not_found")
+        return lora
 
     def require_tokenizer(self, what: str):
         if self.tokenizer is None:
@@ -351,11 +366,13 @@ class OpenAIServing:
                                 "(send prompts as token ids)", param="prompt")
         return self.tokenizer
 
-    def check_request(self, req) -> None:
-        self.check_model(req.model)
+    def check_request(self, req) -> LoRARequest | None:
+        """The request's adapter (:meth:`check_model`), after the fields this server refuses."""
+        lora = self.check_model(req.model)
         bad = req.unsupported()
         if bad:
             raise APIError(400, bad[1], param=bad[0])
+        return lora
         # The server's own bound per client (ServerLimits.max_n), not the engine's max_num_seqs,
         # which the engine checks itself: it must refuse before n sequences are queued.
         if req.n is not None and req.n > self.limits.max_n:
@@ -525,13 +542,14 @@ class OpenAIServing:
                 renames = {**(renames or {}), "structured_outputs": fields[0]}
             raise bad_request(e, renames=renames) from None
 
-    async def submit(self, request_id: str, prompts: list[list[int]], params, cache_salt: str | None = None
-                     ) -> RequestStream:
+    async def submit(self, request_id: str, prompts: list[list[int]], params, cache_salt: str | None = None,
+                     lora_request: LoRARequest | None = None) -> RequestStream:
         if len(prompts) * params.n > self.limits.max_waiting_requests:  # would be refused forever
             raise APIError(400, f"{len(prompts)} prompts x n={params.n} sequences is above the server's limit of "
                                 f"{self.limits.max_waiting_requests} per request", param="prompt")
         try:
-            return await self.loop.submit(request_id, prompts, params, cache_salt=cache_salt)
+            return await self.loop.submit(request_id, prompts, params, cache_salt=cache_salt,
+                                          lora_request=lora_request)
         except Overloaded as e:
             raise APIError(503, str(e), type="server_error", code="overloaded") from None
         except EngineDeadError as e:
@@ -662,7 +680,7 @@ class OpenAIServing:
         return UsageInfo(prompt_tokens=p, completion_tokens=num_output_tokens, total_tokens=p + num_output_tokens)
 
     async def generate(self, req, request: Request, request_id: str, prompts: list[list[int]], params, *,
-                       choice, response, chunk, head=()):
+                       choice, response, chunk, head=(), lora_request: LoRARequest | None = None):
         """Run a request and answer it, streamed or not: what both endpoints share.
 
         Args:
@@ -676,10 +694,11 @@ class OpenAIServing:
             response: ``(choices, usage) ->`` the non-streamed body.
             chunk: ``(choices, usage) ->`` one streamed chunk (usage None but in the last).
             head: chunks streamed before any delta (built lazily, as they are sent).
+            lora_request: the adapter the request's ``model`` named (None: the base model).
         """
         record = access_record(request)
         record.request_id, record.prompt_tokens = request_id, sum(len(p) for p in prompts)
-        stream = await self.submit(request_id, prompts, params, cache_salt=req.cache_salt)
+        stream = await self.submit(request_id, prompts, params, cache_salt=req.cache_salt, lora_request=lora_request)
         if req.stream:
             events = self.events(stream, prompts, params.n, record, choice, chunk, head, req.include_usage)
             return EventStreamResponse(events, on_close=stream.close)
@@ -742,7 +761,8 @@ class OpenAIServing:
 
     # --- /v1/completions ------------------------------------------------------------------
     async def create_completion(self, req: CompletionRequest, request: Request):
-        self.check_request(req)
+        lora = self.check_request(req)
+        model = self.model_name if lora is None else lora.lora_name
         prompt = req.prompt
         if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
             prompt = [prompt]  # one prompt ([] is an empty one, which the engine refuses)
@@ -782,14 +802,15 @@ class OpenAIServing:
         def body(choices, usage) -> CompletionResponse:  # streamed chunks have the same shape
             if echo_only and usage is not None:  # the one token run is not returned: not counted
                 usage = self.usage_of(prompts, 0)
-            return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
+            return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
         return await self.generate(req, request, request_id, prompts, params, choice=choice, response=body,
-                                   chunk=body)
+                                   chunk=body, lora_request=lora)
 
     # --- /v1/chat/completions -------------------------------------------------------------
     async def create_chat_completion(self, req: ChatCompletionRequest, request: Request):
-        self.check_request(req)
+        lora = self.check_request(req)
+        model = self.model_name if lora is None else lora.lora_name
         self.check_messages(req.messages)
         if req.tools and len(req.tools) > self.limits.max_tools:
             raise APIError(400, f"{len(req.tools)} tools is above the server's limit of {self.limits.max_tools}",
@@ -855,24 +876,26 @@ class OpenAIServing:
                     for i, d in enumerate(deltas)]
 
         def response(choices, usage) -> ChatCompletionResponse:
-            return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage,
+            return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage,
                                           prompt_token_ids=prompt if req.return_token_ids else None)
 
         def chunk(choices, usage, prompt_token_ids=None) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=request_id, model=self.model_name, choices=choices, usage=usage,
+            return ChatCompletionChunk(id=request_id, model=model, choices=choices, usage=usage,
                                        prompt_token_ids=prompt_token_ids)
 
         # the first chunk of each choice carries the role, as OpenAI's does
         head = (chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))], None,
                       prompt_token_ids=prompt if req.return_token_ids and i == 0 else None) for i in range(params.n))
         return await self.generate(req, request, request_id, [prompt], params, choice=choice, response=response,
-                                   chunk=chunk, head=head)
+                                   chunk=chunk, head=head, lora_request=lora)
 
     # --- the small endpoints --------------------------------------------------------------
     def models(self) -> ModelList:
-        # root: the served name, not the model's path on this machine
-        return ModelList(data=[ModelCard(id=self.model_name, root=self.model_name,
-                                         max_model_len=self.max_model_len)])
+        # root: the served name, not the model's path on this machine; an adapter's parent is the base
+        # model (vLLM's cards)
+        return ModelList(data=[ModelCard(id=self.model_name, root=self.model_name, max_model_len=self.max_model_len),
+                               *(ModelCard(id=name, root=name, parent=self.model_name,
+                                           max_model_len=self.max_model_len) for name in self.lora_requests)])
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         """Size-checked, then tokenized (or the chat rendered) in a worker thread."""
@@ -921,7 +944,8 @@ class OpenAIServing:
 
 
 def create_app(engine, *, served_model_name: str, api_key: str | None = None,
-               limits: ServerLimits | None = None, log_requests: bool = True, metrics_auth: bool = True) -> FastAPI:
+               limits: ServerLimits | None = None, log_requests: bool = True, metrics_auth: bool = True,
+               lora_modules: dict[str, str] | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (an ``LLMEngine`` nothing else may use meanwhile).
 
     The engine loop starts with the app (its lifespan) and stops with it; run the app with
@@ -936,15 +960,23 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None,
         log_requests: write one access line per request.
         metrics_auth: with ``api_key``, ``/metrics`` needs the key too (False: open, for a
             scraper that cannot send one; its figures are counts and latencies, no text).
+        lora_modules: adapter name -> PEFT adapter directory (vLLM's ``--lora-modules``): a
+            request whose ``model`` is the name runs that adapter; ``/v1/models`` lists them.
+            Each is loaded now (the engine needs ``enable_lora``).
 
     Raises:
-        ValueError: ``api_key`` is the empty string (a key nobody could mean).
+        ValueError: ``api_key`` is the empty string (a key nobody could mean); an adapter
+            name that is the served model's, or an adapter that cannot be loaded.
     """
     if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
         raise ValueError(f"api_key={api_key!r} is invalid: give a non-empty key, or None for no authentication")
     limits = limits or ServerLimits()
+    if served_model_name in (lora_modules or {}):
+        raise ValueError(f"LoRA module name {served_model_name!r} is the served model's name: give it another")
     engine_loop = AsyncEngine(engine, max_waiting_requests=limits.max_waiting_requests)
-    serving = OpenAIServing(engine_loop, served_model_name, limits)
+    serving = OpenAIServing(engine_loop, served_model_name, limits, lora_modules)
+    for lora in serving.lora_requests.values():  # a bad adapter fails at start, not at its first request
+        engine.add_lora(lora)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

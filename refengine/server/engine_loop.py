@@ -245,7 +245,7 @@ class AsyncEngine:
         return len(self.engine.scheduler.waiting) + self._pending_seqs
 
     async def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                     cache_salt: str | None = None) -> RequestStream:
+                     cache_salt: str | None = None, lora_request=None) -> RequestStream:
         """Queue one engine request per prompt (``n`` sequences each); all or none are added.
 
         Args:
@@ -253,7 +253,7 @@ class AsyncEngine:
             prompts: token ids, one list per prompt.
             params: the sampling parameters of every prompt (DELTA ``output_kind`` for
                 O(new tokens) per step; the stream merges what its reader has not taken).
-            cache_salt: see ``LLMEngine.add_request``.
+            cache_salt, lora_request: see ``LLMEngine.add_request``.
         Returns:
             The stream of their outputs.
         Raises:
@@ -273,7 +273,7 @@ class AsyncEngine:
         added = asyncio.get_running_loop().create_future()
         # stamped now, so the engine's TTFT and queue time include the wait for the running step
         arrival = time.monotonic()
-        self._ops.append(("add", stream, prompts, params, arrival, cache_salt, added))
+        self._ops.append(("add", stream, prompts, params, arrival, cache_salt, lora_request, added))
         self._pending_seqs += new_seqs
         self._wakeup.set()
         await added  # a handler cancelled here cancels the future: the add is then skipped
@@ -347,7 +347,7 @@ class AsyncEngine:
             if entry is not None:
                 entry[0].fail(EngineStepError("the engine failed to abort the request"))
 
-    def _apply_add(self, stream: RequestStream, prompts, params, arrival, cache_salt, added) -> None:
+    def _apply_add(self, stream: RequestStream, prompts, params, arrival, cache_salt, lora_request, added) -> None:
         engine = self.engine
         self._pending_seqs -= len(prompts) * params.n
         if added.cancelled():
@@ -355,7 +355,8 @@ class AsyncEngine:
         done = []
         try:
             for rid, token_ids in zip(stream.request_ids, prompts):
-                engine.add_request(rid, token_ids, params, arrival_time=arrival, cache_salt=cache_salt)
+                engine.add_request(rid, token_ids, params, arrival_time=arrival, cache_salt=cache_salt,
+                                   lora_request=lora_request)
                 done.append(rid)
         except Exception as e:
             for rid in done:

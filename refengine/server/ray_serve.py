@@ -563,15 +563,15 @@ def data_parallel_app(engine_args: dict, data_parallel_size: int, *, served_mode
     Raises:
         ValueError: an invalid engine option (before anything is deployed).
     """
-    from refengine.engine_args import EngineArgs, resolve_model_dir
+    from refengine.engine_args import EngineArgs, default_served_model_name, resolve_model_dir
 
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size={data_parallel_size} must be >= 1")
     args = EngineArgs(**engine_args)
-    model_dir = resolve_model_dir(args.model).resolve()
+    model_dir = resolve_model_dir(args.model, args.gguf_file).resolve()
     _, model_config = args.model_config()  # FileNotFoundError / ValueError here, not in every replica
-    engine_args = {**engine_args, "model": str(model_dir)}
-    name = served_model_name or model_dir.name
+    engine_args = {**engine_args, "model": str(model_dir), "gguf_file": None}  # replicas load the resolved path
+    name = served_model_name or default_served_model_name(args.model, model_dir)
     limits = dict(limits or {})
     replica = serve.deployment(
         EngineReplica, name=ENGINE_DEPLOYMENT, num_replicas=data_parallel_size,

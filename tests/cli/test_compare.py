@@ -263,3 +263,33 @@ def test_default_model_passes(smollm2_dir):
     assert [p["name"] for p in report["prompts"]] == ["chat", "code", "digits", "cjk", "emoji", "long"]
     for p in report["prompts"]:
         assert p["tokenization_divergence"] is None and p["max_abs_dlogprob"] < 2e-4, p  # measured ~5e-5
+
+
+def test_lora_adapter_on_both_sides(family_dirs, tmp_path):
+    """``--lora-path``: transformers + peft against refengine with the adapter (random, non-zero
+    B), saved to a golden file that then needs the same adapter."""
+    import copy
+
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    path = family_dirs("llama")
+    torch.manual_seed(3)
+    base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    cfg = LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
+    get_peft_model(copy.deepcopy(base), cfg).save_pretrained(tmp_path / "adapter")
+    golden = tmp_path / "golden.json"
+    result, report = compare("--model", str(path), "--lora-path", str(tmp_path / "adapter"), "--save", str(golden),
+                             "def fibonacci(n):")
+    assert result.exit_code == 0, result.output
+    assert report["reference"]["lora"] == report["compared"]["lora"] == str(tmp_path / "adapter")
+    assert "peft" in report["reference"]["versions"]
+    [p] = report["prompts"]
+    assert p["max_abs_dlogprob"] < 1e-4 and p["greedy_divergence"] is None, p
+    assert json.loads(golden.read_text())["lora"]["path"] == str(tmp_path / "adapter")
+    result, report = compare("--model", str(path), "--golden", str(golden), "--lora-path", str(tmp_path / "adapter"))
+    assert result.exit_code == 0 and report["ok"], result.output
+    result, report = compare("--model", str(path), "--golden", str(golden))  # the base model is not the adapter
+    assert result.exit_code == 2 and f"was made with the LoRA adapter {tmp_path / 'adapter'}: give --lora-path" \
+        in result.output
