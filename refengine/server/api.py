@@ -372,7 +372,6 @@ class OpenAIServing:
         bad = req.unsupported()
         if bad:
             raise APIError(400, bad[1], param=bad[0])
-        return lora
         # The server's own bound per client (ServerLimits.max_n), not the engine's max_num_seqs,
         # which the engine checks itself: it must refuse before n sequences are queued.
         if req.n is not None and req.n > self.limits.max_n:
@@ -381,6 +380,7 @@ class OpenAIServing:
         self.check_token_lists(req.bad_words, req.allowed_token_ids)
         if req.cache_salt is not None and not req.cache_salt:
             raise APIError(400, "cache_salt must be a non-empty string when given", param="cache_salt")
+        return lora
 
     def check_stops(self, stop, stop_token_ids) -> None:
         """The server's bounds on stop conditions (:class:`ServerLimits`); each is checked
