@@ -142,7 +142,7 @@ class EngineArgs:
         metavar="PATH|ORG/NAME"))
     gguf_file: str | None = field(default=None, metadata=_option(
         "a .gguf file of the Hub repository --model names (transformers' gguf_file): --model org/name "
-        "--gguf-file name.Q4_K_M.gguf", metavar="FILE"))
+        "--gguf-file name.Q4_K_M.gguf (default: none, the repository's safetensors)", metavar="FILE"))
     device: str = field(default="cpu", metadata=_option(
         "where the model runs (auto: a GPU when CuPy finds one)", choices=DEVICES))
     dtype: str = field(default="auto", metadata=_option(
