@@ -96,6 +96,7 @@ class TensorParallelRunner(ModelRunner):
     def __init__(self, args, config, dequantize_gguf: bool):
         n = config.tensor_parallel_size
         self.model = self.kv_cache = None  # in the workers
+        self.lora_manager = None  # the engine refuses LoRA under tensor parallelism
         self.xp, self.block_size = np, config.block_size
         self._conns, self._launcher = [], None
         meeting = None  # on a GPU: NCCL's unique id, made here and given to every rank
@@ -162,8 +163,10 @@ class TensorParallelRunner(ModelRunner):
             raise WorkerError(f"tensor-parallel worker {rank} failed:\n{msg[1]}")
         return msg
 
-    def run_model(self, ids: np.ndarray, positions: np.ndarray, meta, rows: np.ndarray) -> np.ndarray:
+    def run_model(self, ids: np.ndarray, positions: np.ndarray, meta, rows: np.ndarray,
+                  lora=None) -> np.ndarray:
         """One step on every worker: ``logits [len(rows), vocab]`` float32 from worker 0.
+        ``lora`` is always None here (the engine refuses adapters under tensor parallelism).
 
         Raises:
             WorkerError: a worker failed or died during the step (every worker is stopped).
