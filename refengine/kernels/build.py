@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Protocol, Sequence
 
 import numpy as np
+from filelock import FileLock
 
 from refengine.kernels.plans import Launch
 from refengine.resources import build_cache_dir, cuda_source_dir
@@ -212,7 +213,8 @@ def build_emulation_library(sources: Sequence[os.PathLike | str] | None = None, 
     So an edited source rebuilds only itself, an unchanged tree is reused across
     processes, and the objects compile in parallel. Every file is written under a
     temporary name and moved into place, so concurrent builders (pytest-xdist workers)
-    never see half a file.
+    never see half a file, and each under a lock file, so they never compile the same
+    file twice.
 
     Args:
         sources: ``.cu`` files; default: :data:`KERNEL_SOURCES` in :func:`cuda_source_dir`.
@@ -250,12 +252,10 @@ def build_emulation_library(sources: Sequence[os.PathLike | str] | None = None, 
             if compiler is None:
                 raise RuntimeError("the cuda-emulated attention backend needs g++ (set CXX to another C++17 compiler)")
             out_dir.mkdir(parents=True, exist_ok=True)
-            jobs = [[compiler, *flags, *lang, "-c", str(path)] for (path, lang), obj in zip(units, objects)
-                    if not obj.exists()]
-            missing = [obj for obj in objects if not obj.exists()]
+            jobs = [([compiler, *flags, *lang, "-c", str(path)], obj) for (path, lang), obj in zip(units, objects)]
             with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-                list(pool.map(lambda job: _compile_to(job[0], job[1]), zip(jobs, missing)))
-            _compile_to([compiler, *flags, *map(str, objects)], target)
+                list(pool.map(lambda job: _build_once(*job), jobs))
+            _build_once([compiler, *flags, *map(str, objects)], target)
         lib = ctypes.CDLL(str(target))
         lib.refengine_emu_launch.restype = ctypes.c_int
         lib.refengine_emu_launch.argtypes = [ctypes.c_char_p] + [ctypes.c_uint] * 6 + [
@@ -267,15 +267,24 @@ def build_emulation_library(sources: Sequence[os.PathLike | str] | None = None, 
         return lib
 
 
-def _compile_to(cmd: list[str], output: Path) -> None:
-    """Run ``cmd -o <temporary>`` and move the result to ``output`` atomically."""
-    fd, tmp = tempfile.mkstemp(prefix=output.stem + ".", suffix=".tmp" + output.suffix, dir=output.parent)
-    os.close(fd)
-    result = subprocess.run([*cmd, "-o", tmp], capture_output=True, text=True)
-    if result.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"emulation build failed:\n$ {' '.join(cmd)}\n{result.stderr}")
-    os.replace(tmp, output)
+def _build_once(cmd: list[str], output: Path) -> None:
+    """Run ``cmd -o <temporary>`` and move the result to ``output`` atomically, unless
+    ``output`` exists.
+
+    Under a lock file beside ``output`` (``filelock``): processes that need the same file
+    at the same time (pytest-xdist workers starting on a cold cache) build it once; the
+    others wait for it instead of compiling it again.
+    """
+    with FileLock(f"{output}.lock"):
+        if output.exists():
+            return
+        fd, tmp = tempfile.mkstemp(prefix=output.stem + ".", suffix=".tmp" + output.suffix, dir=output.parent)
+        os.close(fd)
+        result = subprocess.run([*cmd, "-o", tmp], capture_output=True, text=True)
+        if result.returncode != 0:
+            os.unlink(tmp)
+            raise RuntimeError(f"emulation build failed:\n$ {' '.join(cmd)}\n{result.stderr}")
+        os.replace(tmp, output)
 
 
 SCHEDULES = {"reverse": 0, "forward": 1, "shuffle": 2}

@@ -17,13 +17,17 @@ Every test is deterministic (fixed seeds).
 from __future__ import annotations
 
 import ctypes
+import os
 import re
+import shutil
+import subprocess
+import sys
 
 import ml_dtypes
 import numpy as np
 import pytest
-from tests.helpers import (BF16, BLOCK_SIZE, TOLERANCE, decode_batch, dense_reference, fake_cupy, heads_for,
-                     load_gpu_check, make_case, mixed_batch, run_and_check)
+from tests.helpers import (BF16, BLOCK_SIZE, ROOT, TOLERANCE, decode_batch, dense_reference, fake_cupy, heads_for,
+                     load_gpu_check, make_case, mixed_batch, run_and_check, wait_until)
 
 from refengine.attention import AttentionMetadata, paged_metadata
 from refengine.attention.cuda import CudaAttention, EmulatedCudaAttention
@@ -533,8 +537,6 @@ def test_misaligned_cache_is_rejected(backend):
 
 def test_cuda_backend_code_path(monkeypatch):
     """CudaAttention (the CuPy backend) end to end on the stand-in CuPy."""
-    import sys
-
     cp = fake_cupy()
     monkeypatch.setitem(sys.modules, "cupy", cp)
     rng = np.random.default_rng(11)
@@ -561,8 +563,6 @@ def test_cuda_backend_opts_in_to_large_shared_memory(monkeypatch):
     """paged_decode at head_dim 256 carves 73 KiB of shared memory: the CuPy launcher raises
     the kernel's limit (max_dynamic_shared_size_bytes) before launching it, once; kernels
     within the 48 KiB default are left alone."""
-    import sys
-
     cp = fake_cupy()
     monkeypatch.setitem(sys.modules, "cupy", cp)
     rng = np.random.default_rng(12)
@@ -588,8 +588,6 @@ def test_cuda_backend_opts_in_to_large_shared_memory(monkeypatch):
 def test_gpu_check_script_runs(monkeypatch, capsys):
     """benchmarks/gpu_check.py's correctness section on the stand-in CuPy (small batches),
     and its exit status 2 without CuPy."""
-    import sys
-
     gpu_check = load_gpu_check()
 
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
@@ -634,8 +632,6 @@ def test_ldmatrix_fragment_layout_and_cp_async_zero_fill():
 def test_gpu_check_benchmarks_run(monkeypatch):
     """The benchmark sections of gpu_check.py (tiny shapes, stand-in CuPy): the GPU run
     must not be the first to execute them. Timings on the emulator mean nothing."""
-    import sys
-
     gpu_check = load_gpu_check()
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
     cp = sys.modules["cupy"]
@@ -764,8 +760,6 @@ def test_self_tests_are_not_in_the_production_module():
 def test_attention_and_layer_ops_share_one_module(monkeypatch):
     """On a GPU the attention backend and the layer operations launch from one compiled
     module per device (NVRTC runs once)."""
-    import sys
-
     cp = fake_cupy()
     compiled = []
     raw_module = cp.RawModule
@@ -775,3 +769,46 @@ def test_attention_and_layer_ops_share_one_module(monkeypatch):
     ops = get_layer_ops("cuda", cp)
     assert ops.kernels is attention.kernels is CudaAttention(decode_partition_size=64).kernels
     assert len(compiled) == 1
+
+
+BUILD_IN_CHILD = """
+import sys, time
+from pathlib import Path
+from refengine.kernels.build import build_emulation_library
+source, build_dir, ready, go = sys.argv[1:]
+Path(ready).touch()
+while not Path(go).exists():  # both processes start the build together
+    time.sleep(0.005)
+print(build_emulation_library([source], build_dir=build_dir).refengine_emu_list_kernels().decode())
+"""
+
+
+def test_concurrent_builds_compile_each_file_once(tmp_path):
+    """Two processes that build the same emulation library at once (the two pytest-xdist workers
+    on a cold build cache) run the compiler once per file: the second waits for the first's
+    objects and library, and both load it."""
+    source = tmp_path / "noop.cu"
+    source.write_text('#include "common.cuh"\n'
+                      'extern "C" __global__ void noop(float* x) { x[threadIdx.x] = 1.0f; }\n'
+                      "REFENGINE_EXPORT_KERNEL(noop)\n")
+    calls = tmp_path / "calls.log"
+    cxx = tmp_path / "cxx"  # g++, logging each call
+    cxx.write_text(f'#!/bin/sh\necho "$*" >> "{calls}"\nexec "{shutil.which("g++")}" "$@"\n')
+    cxx.chmod(0o755)
+    go = tmp_path / "go"
+    ready = [tmp_path / f"ready{i}" for i in range(2)]
+    children = [subprocess.Popen([sys.executable, "-c", BUILD_IN_CHILD, str(source), str(tmp_path / "build"),
+                                  str(flag), str(go)], cwd=ROOT, env={**os.environ, "CXX": str(cxx)},
+                                 stdout=subprocess.PIPE, text=True) for flag in ready]
+    try:
+        wait_until(lambda: all(flag.exists() for flag in ready) or any(c.poll() is not None for c in children),
+                   timeout=60)
+        go.touch()
+        outputs = [child.communicate(timeout=300)[0] for child in children]
+    finally:
+        for child in children:
+            child.kill()
+    assert [child.returncode for child in children] == [0, 0]
+    assert [out.split() for out in outputs] == [["noop"], ["noop"]]
+    # emu_runtime.cpp, noop.cu, the link: once each
+    assert len(calls.read_text().splitlines()) == 3, calls.read_text()

@@ -18,15 +18,34 @@ from refengine.attention.cuda import EmulatedCudaAttention
 from refengine.kernels.build import KERNEL_SOURCES, cuda_source_dir
 
 
+# The kernel of each broken file that the cases below launch (head dim 64, float32 storage;
+# float16 for the tensor-core kernel; paged_decode's merge kernel is defined on the same line).
+LAUNCHED = {"flash_prefill.cu": "flash_prefill_f32_hd64", "flash_prefill_mma.cu": "flash_prefill_mma_f16_hd64",
+            "paged_decode.cu": "paged_decode_f32_hd64"}
+
+
+def only_kernel(text: str, kernel: str) -> str:
+    """A kernel source with ``kernel``'s definition line (``DEFINE_...(kernel, ...)``) its only one.
+
+    A broken copy serves one test: g++ then builds the one kernel the test launches (the same
+    code), not every dtype, head dim and KV cache kind of the file (up to 75 kernels).
+    """
+    lines = text.splitlines(keepends=True)
+    kept = [line for line in lines if not line.startswith("DEFINE_") or f"({kernel}," in line]
+    assert sum(line.startswith("DEFINE_") for line in kept) == 1, f"no definition line of {kernel}"
+    return "".join(kept)
+
+
 def broken_backend(tmp_path: Path, file: str, old: str, new: str, count: int = 1, **kwargs) -> EmulatedCudaAttention:
-    """An emulated backend built from cuda/ with ``old`` replaced by ``new`` in ``file``."""
+    """An emulated backend built from cuda/ with ``old`` replaced by ``new`` in ``file``, whose
+    only kernel is the one the cases launch (:data:`LAUNCHED`)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     sources = []
     for name in KERNEL_SOURCES:
         text = (cuda_source_dir() / name).read_text()
         if name == file:
             assert text.count(old) == count, f"{old!r} occurs {text.count(old)} times in {file}"
-            text = text.replace(old, new)
+            text = only_kernel(text.replace(old, new), LAUNCHED[file])
         path = tmp_path / name
         path.write_text(text)
         sources.append(path)
