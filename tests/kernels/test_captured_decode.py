@@ -147,22 +147,38 @@ def _count_calls(monkeypatch) -> list[int]:
     return calls
 
 
+# Prompt lengths and greedy tokens of the engine-level runs: contexts 125-132 cross the KV block
+# starting at 128 and the decode partition added at 129; contexts 253-260 the parallel decode
+# kernel from 256, a block at 256 and a partition added at 257. The steps between two boundaries
+# replay one recording, as the few here do; a longer run would repeat them.
+BOUNDARY_PROMPTS, BOUNDARY_TOKENS = (124, 252), 8
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16", "int8"])
 def test_captured_steps_give_the_forward_bits(gguf_path, kv_cache_dtype, monkeypatch):
-    """SmolLM2's Q4_1 file with Q8_0 activations: a 120-token prompt then 150 greedy tokens
-    (contexts 121-270: partitions of 128 tokens added at 129 and 257, the parallel decode
-    kernel from 256) give the same tokens and log-probabilities captured and eager."""
-    assert DECODE_PARTITION == 128 and SERIAL_DECODE_MAX_TOKENS == 256  # the boundaries the run crosses
-    prompt = np.random.default_rng(0).integers(100, 40000, 120).tolist()
+    """SmolLM2's Q4_1 file with Q8_0 activations on two threads: a 124-token and a 252-token
+    prompt, one after the other, each then 8 greedy tokens (contexts 125-132 and 253-260:
+    partitions of 128 tokens added at 129 and 257, the parallel decode kernel from 256, new
+    blocks at 128 and 256) give the same tokens and log-probabilities captured and eager.
+
+    One engine runs both: captured, then with its runner's ``decode_capture`` set to None,
+    which is what ``enforce_eager=True`` builds (checked on the tiny model in
+    :func:`test_preempted_requests_resume_with_the_same_bits`); the same weights, pool and
+    kernels, and a second engine would cost a load and a warm-up more."""
+    assert DECODE_PARTITION == 128 and SERIAL_DECODE_MAX_TOKENS == 256  # the boundaries the runs cross
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(100, 40000, n).tolist() for n in BOUNDARY_PROMPTS]
+    llm = LLM(model=str(gguf_path), activation_dtype="q8_0", kv_cache_dtype=kv_cache_dtype, max_model_len=512,
+              enable_prefix_caching=False, num_threads=2)
+    runner = llm.llm_engine.runner
     runs = {}
-    for eager in (True, False):
-        llm = LLM(model=str(gguf_path), activation_dtype="q8_0", kv_cache_dtype=kv_cache_dtype, max_model_len=512,
-                  enable_prefix_caching=False, enforce_eager=eager, num_threads=2)
-        runner = llm.llm_engine.runner
+    for eager in (False, True):
+        if eager:
+            runner.decode_capture = None
         assert (runner.decode_capture is None) == eager
         calls = _count_calls(monkeypatch)
-        runs[eager] = _greedy(llm, [prompt], 150)
-        assert calls[0] == (0 if eager else 149)  # every step after the prompt's
+        runs[eager] = [_greedy(llm, [prompt], BOUNDARY_TOKENS) for prompt in prompts]  # batch-1 steps: one at a time
+        assert calls[0] == (0 if eager else len(prompts) * (BOUNDARY_TOKENS - 1))  # every step after the prompt's
     assert runs[False] == runs[True]
 
 
@@ -172,7 +188,9 @@ def test_preempted_requests_resume_with_the_same_bits(tiny_llama_tok_dir, monkey
     log-probabilities."""
     prompts = [list(range(3, 3 + n)) for n in (30, 21, 12)]
     kwargs = dict(max_model_len=72, enable_prefix_caching=False, num_kv_blocks=9, block_size=8, max_num_seqs=3)
-    eager = _greedy(LLM(model=str(tiny_llama_tok_dir), enforce_eager=True, **kwargs), prompts, 40)
+    eager_llm = LLM(model=str(tiny_llama_tok_dir), enforce_eager=True, **kwargs)
+    assert eager_llm.llm_engine.runner.decode_capture is None
+    eager = _greedy(eager_llm, prompts, 40)
     llm = LLM(model=str(tiny_llama_tok_dir), **kwargs)
     calls = _count_calls(monkeypatch)
     assert _greedy(llm, prompts, 40) == eager

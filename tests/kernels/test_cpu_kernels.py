@@ -25,12 +25,15 @@ import pytest
 
 pytest.importorskip("numba")
 
+from numba import njit  # noqa: E402
+
 from refengine.attention import AttentionMetadata  # noqa: E402
 from refengine.attention.kv_cache import quantize_int8
 from refengine.attention.numpy_ref import NumpyAttention  # noqa: E402
 from refengine.attention.selector import get_attention_backend  # noqa: E402
-from refengine.cpu.attention import NumbaAttention, _Plan, _soft_cap  # noqa: E402
+from refengine.cpu.attention import NumbaAttention, _Plan, _soft_cap, _transpose_keys  # noqa: E402
 from refengine.cpu.layer_ops import BLAS_MIN_ROWS, DOT_4X4_MIN_ROWS, NumbaOps, _matmul_dot  # noqa: E402
+from refengine.cpu.simd import f8_sum, v16_halves, v16_load, v16_store, v16_sums16  # noqa: E402
 from refengine.ops import get_layer_ops  # noqa: E402
 from refengine.ops.layers import RotaryEmbedding  # noqa: E402
 from refengine.ops.numpy_ops import NumpyOps  # noqa: E402
@@ -383,16 +386,28 @@ def test_backend_registry():
 # --- layer ops ------------------------------------------------------------------------
 
 
-def check_product(got, x, w):
-    """Against float64 and against BLAS, within the rounding bound of a K-term float32 sum:
-    |computed - exact| <= K * u * (|x| @ |w|) (Higham, "Accuracy and Stability", eq. 3.5;
-    both sides obey it, so they differ by at most twice that)."""
+def product_check(x, w):
+    """The check of a float32 ``x @ w``: against float64 and against BLAS, within the rounding
+    bound of a K-term float32 sum: |computed - exact| <= K * u * (|x| @ |w|) (Higham,
+    "Accuracy and Stability", eq. 3.5; both sides obey it, so they differ by at most twice
+    that). Returns the check, a function of the computed product; the bound and both
+    references are computed once, for every kernel variant checked against them."""
     k = x.shape[1]
     bound = k * U32 * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64))
     exact = x.astype(np.float64) @ w.astype(np.float64)
-    assert np.isfinite(got).all()
-    assert (np.abs(got - exact) <= bound).all()
-    assert (np.abs(got - (x @ w)) <= 2 * bound).all()
+    blas = x @ w
+
+    def check(got):
+        assert np.isfinite(got).all()
+        assert (np.abs(got - exact) <= bound).all()
+        assert (np.abs(got - blas) <= 2 * bound).all()
+
+    return check
+
+
+def check_product(got, x, w):
+    """:func:`product_check` of ``x @ w`` on ``got``."""
+    product_check(x, w)(got)
 
 
 @pytest.mark.parametrize("rows", list(range(1, 21)) + [BLAS_MIN_ROWS - 1, BLAS_MIN_ROWS])
@@ -419,12 +434,13 @@ def test_linear_kernel_writes_every_output(rows):
     for k, n in ((576, 960), (576, 3072), (1536, 576), (576, 1000), (130, 50)):
         x = rng.standard_normal((rows, k), dtype=np.float32)
         wt = rng.standard_normal((n, k), dtype=np.float32)
+        check = product_check(x, wt.T)
         for block in (4, 6, 64, n):
             for tile4x4 in (False, True):
                 for kernel in (_matmul_dot.parallel, _matmul_dot.serial):
                     out = np.full((rows, n), np.nan, np.float32)
                     kernel(x, wt, out, block, tile4x4)
-                    check_product(out, x, wt.T)
+                    check(out)
 
 
 def test_linear_does_not_depend_on_thread_count():
@@ -606,25 +622,36 @@ def test_wait_policy_is_set_only_while_numba_starts(first):
     assert layer in ("omp", "workqueue", "tbb") and at_start == GOMP_SPINCOUNT and after == "None"
 
 
+# Kernels of these tests alone, compiled once per process (every parametrization calls them
+# with the same types) and cached by numba beside this file, as the engine's kernels are.
+@njit(cache=True)
+def _copy_key_tile(kf, first, row, count, dims, ktf, j0, k_tile):  # pragma: no cover - compiled
+    """:func:`refengine.cpu.attention._transpose_keys` called as the flash kernel calls it."""
+    _transpose_keys(kf, np.uintp(first), np.uintp(row), np.uintp(count), np.uintp(dims), ktf, np.uintp(j0),
+                    np.uintp(k_tile))
+
+
+@njit(cache=True)
+def _sums_both_ways(a, at_once, one_by_one):  # pragma: no cover - compiled
+    """The sums of ``a``'s sixteen 16-lane vectors by ``v16_sums16`` into ``at_once`` and one
+    at a time by ``f8_sum(v16_halves(v))`` into ``one_by_one``."""
+    ld = lambda i: v16_load(a, np.uintp(16 * i))  # noqa: E731
+    v16_store(at_once, np.uintp(0), v16_sums16(ld(0), ld(1), ld(2), ld(3), ld(4), ld(5), ld(6), ld(7), ld(8),
+                                               ld(9), ld(10), ld(11), ld(12), ld(13), ld(14), ld(15)))
+    for i in range(16):
+        one_by_one[i] = f8_sum(v16_halves(ld(i)))
+
+
 @pytest.mark.parametrize("dims,count", [(64, 16), (64, 13), (12, 16), (8, 3)])
 def test_key_tile_transpose_is_a_copy(dims, count):
     """The flash kernel's key-tile copy (8 x 8 register transposes where ``dims`` is a
     multiple of eight, element by element otherwise and for the last keys) puts key row
     ``i`` of the cache into column ``j0 + i`` of the tile, every value bit for bit."""
-    from numba import njit
-
-    from refengine.cpu.attention import _transpose_keys
-
-    @njit
-    def copy(kf, first, row, count, dims, ktf, j0, k_tile):
-        _transpose_keys(kf, np.uintp(first), np.uintp(row), np.uintp(count), np.uintp(dims), ktf, np.uintp(j0),
-                        np.uintp(k_tile))
-
     rng = np.random.default_rng(dims * 100 + count)
     row, k_tile, j0, first = 3 * dims, 32, 5, dims  # rows of three heads, the second one's keys
     cache = rng.standard_normal(first + count * row + dims).astype(np.float32)
     tile = np.full(dims * k_tile, np.nan, dtype=np.float32)
-    copy(cache, first, row, count, dims, tile, j0, k_tile)
+    _copy_key_tile(cache, first, row, count, dims, tile, j0, k_tile)
     keys = np.stack([cache[first + i * row:first + i * row + dims] for i in range(count)])  # [count, dims]
     tile = tile.reshape(dims, k_tile)
     assert np.array_equal(tile[:, j0:j0 + count].view(np.uint32), keys.T.view(np.uint32))
@@ -634,23 +661,11 @@ def test_key_tile_transpose_is_a_copy(dims, count):
 def test_sixteen_lane_sums_at_once_equal_one_at_a_time():
     """``v16_sums16`` (the decode kernel's scores, sixteen positions at once) gives each
     vector's sum with the bits of ``f8_sum(v16_halves(v))``, the one-at-a-time sum, in order."""
-    from numba import njit
-
-    from refengine.cpu.simd import f8_sum, v16_halves, v16_load, v16_store, v16_sums16
-
-    @njit
-    def both(a, at_once, one_by_one):
-        ld = lambda i: v16_load(a, np.uintp(16 * i))  # noqa: E731
-        v16_store(at_once, np.uintp(0), v16_sums16(ld(0), ld(1), ld(2), ld(3), ld(4), ld(5), ld(6), ld(7), ld(8),
-                                                   ld(9), ld(10), ld(11), ld(12), ld(13), ld(14), ld(15)))
-        for i in range(16):
-            one_by_one[i] = f8_sum(v16_halves(ld(i)))
-
     rng = np.random.default_rng(16)
     # values of many magnitudes, so that any other order of the additions rounds differently
     a = (rng.standard_normal(256) * 10.0 ** rng.integers(-6, 7, 256)).astype(np.float32)
     at_once, one_by_one = np.empty(16, np.float32), np.empty(16, np.float32)
-    both(a, at_once, one_by_one)
+    _sums_both_ways(a, at_once, one_by_one)
     assert np.array_equal(at_once.view(np.uint32), one_by_one.view(np.uint32))
     np.testing.assert_allclose(at_once, a.reshape(16, 16).astype(np.float64).sum(axis=1), rtol=1e-5, atol=1e-3)
 

@@ -21,6 +21,9 @@ from refengine.engine_args import EngineArgs
 from tests.kernels.test_kv_cache_int8 import BS, EDGES, GQA, make_int8_batch
 
 numba_cpu = pytest.importorskip("refengine.cpu.attention")
+import numba  # noqa: E402
+
+from refengine.cpu.simd import f32_to_f16, v16_load_f16, v16_load_f16_bits, v16_store  # noqa: E402
 
 
 def test_write_rounds_like_numpy():
@@ -113,29 +116,30 @@ def test_blas_prefill(options):
     run_f16(batch, caches, batch_invariant=False, **options)
 
 
+# Kernels of the conversion test alone, cached by numba beside this file as the engine's are.
+@numba.njit(cache=True)
+def _read_halves(h, out, bits):  # pragma: no cover - compiled
+    """``out[i] = float32(h[i])`` by the 16-lane loads: ``vcvtph2ps`` or (``bits``) the bit arithmetic."""
+    for i in range(0, h.shape[0], 16):
+        v16_store(out, i, v16_load_f16_bits(h, i) if bits else v16_load_f16(h, i))
+
+
+@numba.njit(cache=True)
+def _write_halves(x, out):  # pragma: no cover - compiled
+    """``out[i]``: the float16 bits of ``x[i]`` as the cache write rounds it."""
+    for i in range(x.shape[0]):
+        out[i] = f32_to_f16(x[i])
+
+
 def test_conversions_against_numpy_on_every_half():
     """Every float16 bit pattern read by the 16-lane loads (``vcvtph2ps`` and the bit
     arithmetic fallback) as NumPy converts it; every half, every midpoint between two
     neighbours (the ties) and a spread of float32 written as NumPy rounds them."""
-    import numba
-
-    from refengine.cpu.simd import f32_to_f16, v16_load_f16, v16_load_f16_bits, v16_store
-
-    @numba.njit
-    def read(h, out, bits):
-        for i in range(0, h.shape[0], 16):
-            v16_store(out, i, v16_load_f16_bits(h, i) if bits else v16_load_f16(h, i))
-
-    @numba.njit
-    def write(x, out):
-        for i in range(x.shape[0]):
-            out[i] = f32_to_f16(x[i])
-
     halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
     want = halves.view(np.float16).astype(np.float32)
     for bits in (False, True):
         got = np.empty(1 << 16, np.float32)
-        read(halves, got, bits)
+        _read_halves(halves, got, bits)
         nan = np.isnan(want)
         assert np.isnan(got[nan]).all() and got[~nan].tobytes() == want[~nan].tobytes()
     finite = want[np.isfinite(want)].astype(np.float64)
@@ -144,7 +148,7 @@ def test_conversions_against_numpy_on_every_half():
     spread = np.random.default_rng(0).standard_normal(1 << 16).astype(np.float32) * np.float32(1e4)
     x = np.concatenate([want[np.isfinite(want)], ties, np.nextafter(ties, np.float32(np.inf)), spread])
     out = np.empty(x.shape, np.uint16)
-    write(x, out)
+    _write_halves(x, out)
     with np.errstate(over="ignore"):
         assert out.tobytes() == x.astype(np.float16).tobytes()
 
@@ -176,12 +180,14 @@ def test_pool_and_engine_options(tiny_llama_dir):
 
 def test_real_model_keeps_float32s_text(gguf_path):
     """SmolLM2's Q4_1 file: greedy tokens as with the float32 cache, prompt log-probabilities
-    close to them, and the engine idle with every block back afterwards."""
+    close to them, and the engine idle with every block back afterwards. The engines run on
+    one thread: the bits do not depend on the thread count (batch invariance), and one thread
+    spares each engine's start the warm-up of the parallel kernels (most of its CPU time)."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     runs = {}
     for kv_dtype in ("auto", "float16"):
-        llm = LLM(model=str(gguf_path), kv_cache_dtype=kv_dtype, max_model_len=256, log_stats=False)
+        llm = LLM(model=str(gguf_path), kv_cache_dtype=kv_dtype, max_model_len=256, log_stats=False, num_threads=1)
         runs[kv_dtype] = ([o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)],
                           llm.prompt_logits(llm.get_tokenizer().encode(prompts[2] * 4)))
         assert llm.llm_engine.scheduler.block_manager.num_free_blocks == llm.llm_engine.config.num_kv_blocks

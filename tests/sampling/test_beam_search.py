@@ -49,12 +49,23 @@ def hf_model64(smollm2_dir):
     return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float64, attn_implementation="eager").eval()
 
 
-def exact_logprob(model64, prompt: list[int], generated: list[int]) -> float:
-    """Sum of the generated tokens' log-probabilities, float64 forward over prompt + generated."""
-    with torch.no_grad():
-        logits = model64(torch.tensor([prompt + generated])).logits[0, len(prompt) - 1:-1]
-        lp = torch.log_softmax(logits, dim=-1)
-    return float(lp[torch.arange(len(generated)), torch.tensor(generated)].sum())
+@pytest.fixture(scope="module")
+def exact_logprob(hf_model64):
+    """``exact_logprob(prompt, generated)``: the sum of the generated tokens' log-probabilities,
+    float64 forward over prompt + generated; computed once per beam (the configurations return
+    many of the same beams)."""
+    known: dict[tuple[tuple[int, ...], tuple[int, ...]], float] = {}
+
+    def logprob(prompt: list[int], generated: list[int]) -> float:
+        key = (tuple(prompt), tuple(generated))
+        if key not in known:
+            with torch.no_grad():
+                logits = hf_model64(torch.tensor([prompt + generated])).logits[0, len(prompt) - 1:-1]
+                lp = torch.log_softmax(logits, dim=-1)
+            known[key] = float(lp[torch.arange(len(generated)), torch.tensor(generated)].sum())
+        return known[key]
+
+    return logprob
 
 
 def hf_beams(model, ids, width, length_penalty, early_stopping):
@@ -74,7 +85,10 @@ def hf_beams(model, ids, width, length_penalty, early_stopping):
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir):
-    return LLM(model=smollm2_dir, device="cpu", block_size=16, log_stats=False)
+    """The engine, on one thread: the beams do not depend on the thread count (batch
+    invariance), and one thread spares its start the warm-up of the parallel kernels (most of
+    its CPU time)."""
+    return LLM(model=smollm2_dir, device="cpu", block_size=16, log_stats=False, num_threads=1)
 
 
 CONFIGS = [  # (beam width, length_penalty, early_stopping)
@@ -87,7 +101,7 @@ CONFIGS = [  # (beam width, length_penalty, early_stopping)
 
 
 @pytest.mark.parametrize("width, length_penalty, early_stopping", CONFIGS)
-def test_beams_equal_transformers(llm, hf_model, hf_model64, prompts, width, length_penalty, early_stopping):
+def test_beams_equal_transformers(llm, hf_model, exact_logprob, prompts, width, length_penalty, early_stopping):
     params = BeamSearchParams(beam_width=width, max_tokens=MAX_TOKENS, length_penalty=length_penalty,
                               early_stopping=early_stopping)
     outs = llm.beam_search(prompts, params)
@@ -100,7 +114,7 @@ def test_beams_equal_transformers(llm, hf_model, hf_model64, prompts, width, len
         for b, (_, score) in zip(got, ref):
             n = len(b.output_token_ids)
             assert abs(b.score - score) <= 1e-4
-            assert abs(b.cum_logprob - exact_logprob(hf_model64, ids, b.output_token_ids)) <= 1e-4
+            assert abs(b.cum_logprob - exact_logprob(ids, b.output_token_ids)) <= 1e-4
             assert b.tokens[:len(ids)] == ids and b.num_prompt_tokens == len(ids)
             assert b.score == pytest.approx(b.cum_logprob / n ** length_penalty)
             assert b.finish_reason == ("stop" if b.output_token_ids[-1] == 2 else "length")
@@ -111,17 +125,21 @@ def test_beams_equal_transformers(llm, hf_model, hf_model64, prompts, width, len
     assert not engine.has_unfinished_requests() and engine.block_manager.usage == 0.0
 
 
-def test_beams_share_their_prefix_through_the_cache(smollm2_dir, prompts):
+def test_beams_share_their_prefix_through_the_cache(llm, smollm2_dir, prompts):
     """Each step's request of a beam reuses its parent's full blocks: a step computes at
     most ``block_size`` tokens per beam after the first; without caching, the same beams
-    at a far higher cost."""
+    at a far higher cost. With caching: the module's engine, its prefix cache emptied first
+    (a fresh engine's state)."""
     params = BeamSearchParams(beam_width=2, max_tokens=6)
+    assert llm.llm_engine.block_manager.enable_prefix_caching and llm.reset_prefix_cache()
     results = {}
     for caching in (True, False):
-        llm = LLM(model=smollm2_dir, device="cpu", block_size=16, log_stats=False, enable_prefix_caching=caching)
-        outs = llm.beam_search(prompts[3:], params)  # plain prompts: no early EOS
+        engine = llm if caching else LLM(model=smollm2_dir, device="cpu", block_size=16, log_stats=False,
+                                         num_threads=1, enable_prefix_caching=False)
+        computed = engine.llm_engine.metrics.total_prompt_tokens
+        outs = engine.beam_search(prompts[3:], params)  # plain prompts: no early EOS
         results[caching] = ([[b.tokens for b in o.sequences] for o in outs],
-                            llm.llm_engine.metrics.total_prompt_tokens)
+                            engine.llm_engine.metrics.total_prompt_tokens - computed)
     assert results[True][0] == results[False][0]
     prompt_len = sum(len(p) for p in prompts[3:])
     # the first step computes the prompts; each later step at most 16 tokens per live beam
