@@ -259,7 +259,8 @@ def _round_intrinsic(lanes: int, ties_to_even: bool):
             builder.store(parts[0], vector_ptr(context, builder, sig.args[3], args[3], sig.args[4], args[4], out_type),
                           align=1)
             for half in (4, 2, 1):
-                total = builder.add(total, builder.shuffle_vector(total, total, _mask([(i + half) % 8 for i in range(8)])))
+                turned = builder.shuffle_vector(total, total, _mask([(i + half) % 8 for i in range(8)]))
+                total = builder.add(total, turned)
             return builder.extract_element(total, I32(0))
 
         return types.int32(x, xo, scale, q, qo), codegen
@@ -658,8 +659,9 @@ def row_major_planes(w, rows: np.ndarray | None = None) -> dict[str, np.ndarray]
         out["scales"] = k_pack_scales_mins(pairs[..., :8], pairs[..., 8:]).reshape(rows.size, nb * 12)
         if hr.size:
             bits = np.unpackbits(hr.reshape(groups, nb, 8, 8, 8)[g], axis=-1, bitorder="little")  # [n, nb, s, j, 64]
-            bits = bits.reshape(rows.size, nb, 8, 8, GROUP, 4)[np.arange(rows.size), :, :, :, lane, :]  # [n, nb, s, j, i]
-            out["qh"] = np.packbits(bits.transpose(0, 1, 3, 4, 2), axis=-1, bitorder="little").reshape(rows.size, nb * 32)
+            bits = bits.reshape(rows.size, nb, 8, 8, GROUP, 4)[np.arange(rows.size), :, :, :, lane, :]  # n, nb, s, j, i
+            qh = np.packbits(bits.transpose(0, 1, 3, 4, 2), axis=-1, bitorder="little")  # bit s of byte 4j + i
+            out["qh"] = qh.reshape(rows.size, nb * 32)
     elif hr.size:
         bits = np.unpackbits(hr.reshape(groups, nb, 4, 2, 8)[g], axis=-1, bitorder="little")  # the rows' groups only
         bits = bits.reshape(rows.size, nb, 4, 2, GROUP, 4)[np.arange(rows.size), :, :, :, lane, :]  # [n, nb, s, h, c]
