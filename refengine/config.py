@@ -173,7 +173,8 @@ class EngineConfig:
         batch_invariant: the numba kernels in their batch-invariant mode (a row's logits the
             same bits whatever its step; :class:`refengine.cpu.layer_ops.NumbaOps`).
         activation_dtype: the input of the products with GGUF block weights, "auto" (float32)
-            or "q8_0" (ggml's Q8_0 blocks, integer dot products; :mod:`refengine.cpu.q8_products`).
+            or "q8_0" (ggml's Q8_0 blocks, Q8_K for the K-quants, integer dot products;
+            :mod:`refengine.cpu.q8_products`).
         enforce_eager: every step runs the model's forward; False: one-row decode steps on the
             numba backend are replayed from a recording of the forward (:mod:`refengine.cpu.capture`).
         gpu_memory_utilization: share of GPU memory the engine may use.

@@ -68,7 +68,8 @@ def _option(help: str, *, metavar: str | None = None, choices=None, flag: str | 
 MODEL_ALIASES = {"smollm2-135m": DEFAULT_MODEL, "gemma3-270m": "weights/gemma-3-270m-q4_k_m.gguf"}
 
 
-#: ``activation_dtype`` values: the products' float32 input, or ggml's Q8_0 blocks (:mod:`refengine.cpu.q8_products`).
+#: ``activation_dtype`` values: the products' float32 input, or ggml's Q8_0 blocks (Q8_K for the
+#: K-quants; :mod:`refengine.cpu.q8_products`).
 ACTIVATION_DTYPES = ("auto", "q8_0")
 
 
@@ -153,9 +154,10 @@ class EngineArgs:
         "float checkpoint or a GGUF file's dequantized blocks), awq or gptq (4-bit checkpoints, detected from config.json's quantization_config, "
         "which the value must match); default: as the checkpoint is", choices=QUANTIZATIONS))
     activation_dtype: str = field(default="auto", metadata=_option(
-        "input of the products with a GGUF file's Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 weights (numba backend): auto "
+        "input of the products with a GGUF file's block-quantized weights (numba backend): auto "
         "(float32, the weights' exact product) or q8_0 (llama.cpp's scheme: each row rounded to ggml's Q8_0 blocks, "
-        "integer dot products, llama.cpp's numerics, at the cost of that rounding: docs/quantization.md#activations-activation_dtypeq8_0)",
+        "Q8_K for the K-quants Q4_K/Q5_K/Q6_K, integer dot products, llama.cpp's numerics, at the cost of that "
+        "rounding: docs/quantization.md#activations-activation_dtypeq8_0)",
         choices=ACTIVATION_DTYPES))
     attention_backend: str | None = field(default=None, metadata=_option(
         "how attention (and the layer ops) are computed: numpy, numba (compiled CPU kernels) or cuda-emulated "
@@ -452,8 +454,8 @@ BATCH_INVARIANT_BACKENDS = ("numba",)
 def resolve_activation_dtype(activation_dtype: str, backend: str, model_dir: Path, dtype: str,
                              quantization: str | None) -> str:
     """``activation_dtype`` checked against the run: ``"q8_0"`` needs the numba backend and a
-    GGUF file's tensors as stored (``dtype="auto"``, no ``quantization``), whose 32-weight
-    block types it applies to.
+    GGUF file's tensors as stored (``dtype="auto"``, no ``quantization``), whose block types
+    (Q8_0 ... Q5_1, and the K-quants with Q8_K blocks) it applies to.
 
     Raises:
         ValueError: ``"q8_0"`` with another backend, a model that is not a GGUF file, an

@@ -26,7 +26,7 @@ def prepare_model(model, num_threads: int | None, *, draft: bool = False) -> Non
     The engine's model (not a ``draft``): the thread pools sized to this process's cores or
     ``num_threads`` (:func:`refengine.cpu.threads.configure_threads`; the BLAS library's own
     pool on one thread: the ops spread large products over refengine's threads). Every model:
-    with Q8_0 activations, the products of the 32-weight block types read only their
+    with Q8_0 activations, the products of the GGUF block types (K-quants too) read only their
     interleaved copies (:func:`refengine.cpu.q8_products.interleave_model`), made now over the
     loaded planes and kept alone (one copy of each matrix in memory). Then, for the engine's
     model, when every product runs in numba's kernels (:func:`layer_products_use_blas` False),
@@ -68,7 +68,7 @@ def layer_products_use_blas(model) -> bool:
     """Whether some product of ``model`` can go to BLAS at a large row count: False only
     when its layer ops take every decoder-layer matrix and the ``lm_head`` through a
     compiled kernel at every row count, which is the case of GGUF blocks with
-    ``activation_dtype="q8_0"`` where each matrix's type has a Q8_0-activation kernel
+    ``activation_dtype="q8_0"`` where each matrix's type has an integer kernel
     (:mod:`refengine.cpu.q8_products`). Such a step must keep numba's threads: its products
     run there, not in BLAS. Computed once per model."""
     try:
@@ -86,7 +86,7 @@ def layer_products_use_blas(model) -> bool:
 
         values = [value for layer in model.layers for value in vars(layer).values()]
         values.append(getattr(model, "lm_head", None))
-        q8_types = compiled_products("q8").Q8_TYPES
+        q8_types = compiled_products("q8").INTEGER_TYPES
         uses = not all(is_quantized(w) and getattr(w, "format", None) in q8_types
                        for value in values if value is not None for w in matrices(value))
     try:

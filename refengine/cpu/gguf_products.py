@@ -3,7 +3,7 @@
 ``w [out, in]`` is a :class:`refengine.quant.gguf_blocks.GGUFWeight` (Q8_0, Q4_0, Q4_1,
 Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16, BF16) kept as stored; its blocks are decoded on the fly,
 never the whole matrix. ``x`` float32 ``[T, in]``; the result float32 ``[T, out]``. Entry
-point: :func:`linear`. With Q8_0 activations the 32-weight block types take
+point: :func:`linear`. With Q8_0 (Q8_K) activations the block types take
 :mod:`refengine.cpu.q8_products` instead. This module also holds the vector types and
 intrinsics (``f32x8``, ``f32x16``, ``v16_*``, ``f8_*``, f16 conversions) that the other
 CPU kernels share.

@@ -444,8 +444,9 @@ class NumbaOps(Recordable):
     (its blocking and kernels change with them).
 
     ``activation_dtype="q8_0"``: products with GGUF Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 weights round
-    their input to ggml's Q8_0 blocks and multiply in integers at every row count
-    (:mod:`refengine.cpu.q8_products`; batch-invariant too); other weights as above.
+    their input to ggml's Q8_0 blocks, with Q4_K/Q5_K/Q6_K weights to its Q8_K blocks, and
+    multiply in integers at every row count (:mod:`refengine.cpu.q8_products`;
+    batch-invariant too); other weights as above.
 
     Every kernel runs through :meth:`Recordable._launch`, so a forward can be recorded and
     replayed (:mod:`refengine.cpu.capture`).

@@ -194,7 +194,8 @@ def q16_bits(typingctx, word, first):
 def _lane_intrinsics(fvec, f_ir, ivec=None, i_ir=None) -> SimpleNamespace:
     """The intrinsics on ``fvec`` (float32 lanes, LLVM ``f_ir``): ``zero``, ``splat``,
     ``load``, ``store``, ``mul``, ``add``, ``fma``; with ``ivec`` (int32 lanes, ``i_ir``) also
-    ``load_bytes``, ``and_``, ``add_int``, ``shr``, ``shl``, ``or_``, ``to_float`` on them.
+    ``load_bytes``, ``and_``, ``add_int``, ``mul_int``, ``imul``, ``shr``, ``shl``, ``or_``,
+    ``to_float`` on them.
     Loads and stores are not bounds-checked; ``fma`` is ``llvm.fma`` (one rounding), ``mul``
     is never fused with a later add."""
     lanes = f_ir.count
@@ -293,6 +294,7 @@ def _lane_intrinsics(fvec, f_ir, ivec=None, i_ir=None) -> SimpleNamespace:
                           add=binop("fadd", fvec, False), fma=fma)
     if ivec is not None:
         ops.__dict__.update(load_bytes=load_bytes, and_=binop("and_", ivec, True), add_int=binop("add", ivec, True),
+                            mul_int=binop("mul", ivec, True), imul=binop("mul", ivec, False),
                             shr=binop("lshr", ivec, True), shl=binop("shl", ivec, True),
                             or_=binop("or_", ivec, False), to_float=to_float)
     docs = {"zero": f"{lanes} float32 zeros.", "splat": f"``value`` (a float) in all {lanes} lanes.",
@@ -303,6 +305,7 @@ def _lane_intrinsics(fvec, f_ir, ivec=None, i_ir=None) -> SimpleNamespace:
             "load_bytes": f"Bytes ``idx .. idx + {lanes - 1}`` (flat) of a C-contiguous uint8 (zero-extended) "
                           f"or int8 (sign-extended) array, as {lanes} int32.",
             "and_": "``v & n`` lane-wise.", "add_int": "``v + n`` lane-wise.",
+            "mul_int": "``v * n`` lane-wise (int32, wrapping).", "imul": "``a * b`` lane-wise (int32, wrapping).",
             "shr": "``v >> n`` lane-wise (logical).", "shl": "``v << n`` lane-wise.", "or_": "``a | b`` lane-wise.",
             "to_float": "int32 lanes -> float32 (exact below 2**24)."}
     for name, doc in docs.items():
@@ -319,7 +322,7 @@ v16_zero, v16_splat, v16_load, v16_store = _L16.zero, _L16.splat, _L16.load, _L1
 v16_mul, v16_add, v16_fma = _L16.mul, _L16.add, _L16.fma
 q16_load_bytes, q16_and, q16_add, q16_shr, q16_shl = (_L16.load_bytes, _L16.and_, _L16.add_int, _L16.shr,
                                                        _L16.shl)
-q16_or, q16_to_f = _L16.or_, _L16.to_float
+q16_or, q16_to_f, q16_mul, q16_mul_int = _L16.or_, _L16.to_float, _L16.imul, _L16.mul_int
 
 
 def _halves_to_float(builder, h, ivec, fvec):

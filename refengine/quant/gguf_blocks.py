@@ -14,7 +14,7 @@ every value is the same float.
 
 The products with activations are compiled: :mod:`refengine.cpu.gguf_products` (float32
 activations, decoding on the fly) and, with ``activation_dtype="q8_0"``,
-:mod:`refengine.cpu.q8_products` (Q8_0 activations, integer sums), imported when
+:mod:`refengine.cpu.q8_products` (Q8_0 activations, Q8_K for the K-quants, integer sums), imported when
 :meth:`GGUFWeight.numba_linear` is first called. Their NumPy twin is
 :func:`refengine.quant.reference_linear`.
 
@@ -91,6 +91,17 @@ def k_scales_mins(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     high_sc = (s[..., 8:12] & np.uint8(0x0F)) | ((s[..., 0:4] >> np.uint8(6)) << np.uint8(4))
     high_m = (s[..., 8:12] >> np.uint8(4)) | ((s[..., 4:8] >> np.uint8(6)) << np.uint8(4))
     return np.concatenate([low[0], high_sc], axis=-1), np.concatenate([low[1], high_m], axis=-1)
+
+
+def k_pack_scales_mins(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`k_scales_mins`: eight 6-bit scales and eight 6-bit mins, two
+    uint8 ``[..., 8]``, packed into the superblocks' 12 bytes, uint8 ``[..., 12]`` (every bit
+    of the 12 bytes is one of the 96 bits, so packing is exact)."""
+    sc, mn = sc.astype(np.uint8), mn.astype(np.uint8)
+    low_sc = (sc[..., 0:4] & np.uint8(63)) | ((sc[..., 4:8] >> np.uint8(4)) << np.uint8(6))
+    low_m = (mn[..., 0:4] & np.uint8(63)) | ((mn[..., 4:8] >> np.uint8(4)) << np.uint8(6))
+    high = (sc[..., 4:8] & np.uint8(0x0F)) | ((mn[..., 4:8] & np.uint8(0x0F)) << np.uint8(4))
+    return np.concatenate([low_sc, low_m, high], axis=-1)
 
 
 class GGUFWeight(QuantizedWeight):
@@ -344,7 +355,7 @@ class GGUFWeight(QuantizedWeight):
         ``x``: float32 (cast to C-contiguous float32 otherwise). ``batch_invariant``: the
         fused dot kernels at every row count (a row's results the same bits in any batch).
         ``activation_dtype="q8_0"``: ``x`` rounded to ggml's Q8_0 blocks and integer
-        products for the 32-weight block types (:mod:`refengine.cpu.q8_products`).
+        products for the block types (Q8_K for the K-quants; :mod:`refengine.cpu.q8_products`).
 
         Raises:
             ValueError: ``x`` not 2-D with ``in_features`` columns, or an ``activation_dtype``
@@ -357,12 +368,12 @@ class GGUFWeight(QuantizedWeight):
         return compiled_products("gguf").linear(x, self, batch_invariant=batch_invariant)
 
     def row_product(self, threads: int):
-        """This weight's one-row product with Q8_0 activations on ``threads`` numba threads,
+        """This weight's one-row product with Q8_0 (Q8_K) activations on ``threads`` numba threads,
         every argument but the row bound (:class:`refengine.cpu.q8_products.RowProduct`:
         ``run(x [1, in_features])``, C-contiguous float32, unchecked), or None for a type
-        without a Q8_0-activation kernel. A fresh one each call, owning its buffers."""
+        without an integer kernel. A fresh one each call, owning its buffers."""
         q8 = compiled_products("q8")
-        return q8.RowProduct(self, threads) if self.format in q8.Q8_TYPES else None
+        return q8.RowProduct(self, threads) if self.format in q8.INTEGER_TYPES else None
 
     def __getstate__(self) -> dict:
         """Pickled without the kernels' product plans (compiled functions and scratch kept on
@@ -453,35 +464,50 @@ def _k_nibbles(qs, n, nb):
     return (q & np.uint8(0x0F)).reshape(n, nb, 8, 32)
 
 
+def _k_quants(p, n, nb):
+    """Q4_K/Q5_K quants ``[n, nb, 8, 32]`` (sub-block, weight), uint8: the 4-bit ``0..15``,
+    or for Q5_K (a ``qh`` plane) the 5-bit ``0..31``, whose fifth bit for weight ``l`` of
+    sub-block ``s`` is bit ``s`` of ``qh[l]``."""
+    q = _k_nibbles(p["qs"], n, nb)
+    if "qh" in p:
+        high = (p["qh"].reshape(n, nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & np.uint8(1)
+        q = q | (high << np.uint8(4))
+    return q
+
+
 def _dequant_q4_k(p, n, nb):
     """Q4_K: ``y = (d * sc) * q - dmin * m`` per 32-weight sub-block, ``q`` the 4-bit
     ``0..15`` (ggml's ``dequantize_row_q4_K``)."""
     d1, m1 = _k_sub_scales(p, n, nb)
-    return d1 * _k_nibbles(p["qs"], n, nb).astype(np.float32) - m1
+    return d1 * _k_quants(p, n, nb).astype(np.float32) - m1
 
 
 def _dequant_q5_k(p, n, nb):
-    """Q5_K: as Q4_K with 5-bit ``q``: the fifth bit of weight ``l`` of sub-block ``s`` is bit
-    ``s`` of ``qh[l]`` (ggml's ``dequantize_row_q5_K``)."""
+    """Q5_K: as Q4_K with 5-bit ``q`` (:func:`_k_quants`; ggml's ``dequantize_row_q5_K``)."""
     d1, m1 = _k_sub_scales(p, n, nb)
-    high = (p["qh"].reshape(n, nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & np.uint8(1)
-    q = _k_nibbles(p["qs"], n, nb) | (high << np.uint8(4))
-    return d1 * q.astype(np.float32) - m1
+    return d1 * _k_quants(p, n, nb).astype(np.float32) - m1
 
 
-def _dequant_q6_k(p, n, nb):
-    """Q6_K: ``y = (d * sc) * (q - 32)`` per 16-weight group, ``q`` the 6-bit ``0..63``
-    (ggml's ``dequantize_row_q6_K``). Per half ``h`` of a superblock (weights ``128h ..``)
-    and quarter ``k``, weight ``128h + 32k + l`` takes its low four bits from
-    ``ql[64h + 32(k % 2) + l]`` (low nibble for ``k < 2``, high for ``k >= 2``) and its top
-    two from bits ``2k, 2k + 1`` of ``qh[32h + l]``; its scale is ``scales[weight // 16]``."""
+def _q6_k_quants(p, n, nb):
+    """Q6_K quants ``q - 32`` ``[n, nb, 16, 16]`` (16-weight group, weight), int8 in
+    ``-32..31``. Per half ``h`` of a superblock (weights ``128h ..``) and quarter ``k``,
+    weight ``128h + 32k + l`` takes its low four bits from ``ql[64h + 32(k % 2) + l]`` (low
+    nibble for ``k < 2``, high for ``k >= 2``) and its top two from bits ``2k, 2k + 1`` of
+    ``qh[32h + l]`` (ggml's ``dequantize_row_q6_K``)."""
     ql = p["ql"].reshape(n, nb, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
     ql = (ql & np.uint8(0x0F)).reshape(n, nb, 2, 4, 32)  # [half, quarter k = 2 * nibble + (l >= 32), l]
     qh = p["qh"].reshape(n, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
     q = (ql | ((qh & np.uint8(3)) << np.uint8(4))).astype(np.int8) - np.int8(32)
+    return q.reshape(n, nb, 16, 16)
+
+
+def _dequant_q6_k(p, n, nb):
+    """Q6_K: ``y = (d * sc) * (q - 32)`` per 16-weight group, ``q`` the 6-bit ``0..63``
+    (:func:`_q6_k_quants`; ggml's ``dequantize_row_q6_K``); the scale of a weight is
+    ``scales[weight // 16]``."""
     d = f16_to_f32(p["d"]).reshape(n, nb, 1)
     scale = (d * p["scales"].reshape(n, nb, 16).astype(np.float32)).reshape(n, nb, 16, 1)
-    return scale * q.reshape(n, nb, 16, 16).astype(np.float32)
+    return scale * _q6_k_quants(p, n, nb).astype(np.float32)
 
 
 _DECODERS = {
@@ -490,3 +516,92 @@ _DECODERS = {
     "Q5_0": _dequant_q5_0, "Q5_1": _dequant_q5_1,
     "Q4_K": _dequant_q4_k, "Q5_K": _dequant_q5_k, "Q6_K": _dequant_q6_k,
 }
+
+
+# -------------------------------------------------------------------------------------
+# Q8_K activations with the K-quants: the NumPy twin of refengine.cpu.q8_products' kernels.
+
+#: The K-quant types whose products take Q8_K activations (:func:`reference_q8_k_linear`).
+Q8_K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def reference_quantize_q8_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``x [T, K]`` (float32, ``K`` a multiple of 256) as ggml's Q8_K blocks, written from
+    ``quantize_row_q8_K_ref`` (``ggml-quants.c``; x86's ``quantize_row_q8_K`` calls it).
+
+    Per block of 256: ``top`` the first value of largest magnitude (with its sign),
+    ``iscale = -127 / top``, ``q = nearest_int(iscale * x)`` (round half to even: ggml adds
+    ``1.5 * 2**23``), at most 127, ``d = 1 / iscale`` (float32, not f16: the value ``q``
+    stands for is ``d * q``), and ``bsums`` the sums of the quants in groups of 16. A block
+    of zeros has ``d = 0`` and zero quants.
+
+    Returns:
+        ``(q, d, bsums)``: int8 ``[T, K]`` in ``[-127, 127]``, float32 ``[T, K/256]``, int32
+        ``[T, K/16]``.
+    Raises:
+        ValueError: ``x`` not 2-D, or ``K`` not a multiple of 256.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] % 256:
+        raise ValueError(f"x must be [T, K] with K a multiple of 256, got {x.shape}")
+    rows, k = x.shape
+    blocks = x.reshape(rows, k // 256, 256)
+    mag = np.abs(blocks)
+    amax = mag.max(axis=-1, initial=np.float32(0.0))
+    first = np.argmax(mag == amax[..., None], axis=-1)  # ggml's scan keeps the first of the largest
+    top = np.take_along_axis(blocks, first[..., None], axis=-1)[..., 0]
+    zero = amax == 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        iscale = np.float32(-127.0) / np.where(zero, np.float32(1.0), top)
+        q = np.minimum(np.rint(blocks * iscale[..., None]), np.float32(127.0))
+    q[zero] = 0
+    q = q.astype(np.int8).reshape(rows, k)
+    d = np.where(zero, np.float32(0.0), np.float32(1.0) / iscale).astype(np.float32)
+    bsums = q.reshape(rows, k // 16, 16).sum(axis=-1, dtype=np.int32)
+    return q, d, bsums
+
+
+def reference_q8_k_linear(x: np.ndarray, w: GGUFWeight) -> np.ndarray:
+    """``x [T, in] @ w.T`` -> float32 ``[T, out]`` with ``x`` rounded to Q8_K
+    (:func:`reference_quantize_q8_k`) and a Q4_K, Q5_K or Q6_K ``w``: ggml's
+    ``ggml_vec_dot_q4_K_q8_K`` ... ``_q6_K_q8_K`` in integers, the float32 steps in the order
+    of :mod:`refengine.cpu.q8_products`' kernels, so that they give these bits.
+
+    Per output ``(t, j)`` and superblock ``b``, exact integers: ``isum`` the sum over
+    sub-blocks of ``sc * dot(q_w, q_x)`` (Q6_K: over its 16-weight groups, ``q_w - 32``), and
+    for Q4_K/Q5_K ``msum = sum_s m_s * (bsums[2s] + bsums[2s + 1])`` (the minimums meet only
+    the activations' sums). Then, in float32, one rounding each:
+    ``acc = acc + float(isum) * (d_w * d_x)`` and ``accm = accm + float(msum) * (dmin_w *
+    -d_x)`` over ``b`` in order, and ``acc + accm``. (ggml's own AVX2 kernels fold the same
+    integers in another float order.)
+
+    Raises:
+        ValueError: ``w`` not of those types, or ``x`` not ``[T, in]``.
+    """
+    if w.format not in Q8_K_TYPES:
+        raise ValueError(f"no Q8_K product for GGUF type {w.format!r}; types: {', '.join(Q8_K_TYPES)}")
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"x must be [T, {w.shape[1]}] for a {w.format} weight {w.shape}, got {x.shape}")
+    q, dx, bsums = reference_quantize_q8_k(x)
+    p, (n, _k), nb, rows = w.planes, w.shape, w.blocks_per_row, x.shape[0]
+    if w.format == "Q6_K":
+        dots = np.einsum("tbgl,nbgl->tnbg", q.reshape(rows, nb, 16, 16).astype(np.int64),
+                         _q6_k_quants(p, n, nb).astype(np.int64))
+        isum = (dots * p["scales"].reshape(1, n, nb, 16).astype(np.int64)).sum(axis=-1)
+        msum, dmin = np.zeros_like(isum), np.zeros((n, nb), np.float32)
+    else:
+        dots = np.einsum("tbsl,nbsl->tnbs", q.reshape(rows, nb, 8, 32).astype(np.int64),
+                         _k_quants(p, n, nb).astype(np.int64))
+        sc, mn = k_scales_mins(p["scales"].reshape(n, nb, 12))
+        isum = (dots * sc.astype(np.int64)).sum(axis=-1)
+        pairs = bsums.reshape(rows, 1, nb, 8, 2).sum(axis=-1, dtype=np.int64)  # the sub-blocks' activation sums
+        msum = (pairs * mn.astype(np.int64)).sum(axis=-1)
+        dmin = f16_to_f32(p["dmin"])
+    d = f16_to_f32(p["d"])
+    acc = np.zeros((rows, n), np.float32)
+    accm = np.zeros((rows, n), np.float32)
+    for b in range(nb):
+        acc = acc + isum[:, :, b].astype(np.float32) * (d[None, :, b] * dx[:, b, None])
+        accm = accm + msum[:, :, b].astype(np.float32) * (dmin[None, :, b] * -dx[:, b, None])
+    return acc + accm

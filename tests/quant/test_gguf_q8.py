@@ -220,24 +220,24 @@ def test_layer_ops_bind_one_row_products(q8_weights, name):
 
 
 def test_other_types_keep_their_float_products():
-    """q8_products.linear sends a type without a Q8-activation kernel to the float32 products."""
+    """q8_products.linear sends a type without an integer kernel (F16, BF16) to the float32 products."""
     from refengine.cpu import gguf_products, q8_products
 
     rng = np.random.default_rng(6)
-    w = GGUFWeight.from_raw("Q6_K", random_raw("Q6_K", 5, 256, rng), (5, 256))
+    w = GGUFWeight.from_raw("F16", random_raw("F16", 5, 256, rng), (5, 256))
     x = rng.standard_normal((3, 256)).astype(np.float32)
     assert np.array_equal(bits(q8_products.linear(x, w)), bits(gguf_products.linear(x, w)))
-    with pytest.raises(ValueError, match="Q6_K"):
+    with pytest.raises(ValueError, match="F16"):
         q8_linear(x, w)
     with pytest.raises(ValueError, match=r"\[T, 256\]"):
         q8_linear(np.zeros((2, 128), np.float32), GGUFWeight.from_raw("Q8_0", random_raw("Q8_0", 4, 256, rng), (4, 256)))
 
 
 def test_q8_steps_keep_numba_threads():
-    """With Q8_0 activations every product of a Q4_1/Q8_0 model runs in numba's kernels at
-    every row count, so a long chunk is no BLAS step (which would leave those kernels one
-    thread) and the attention then keeps its compiled prefill; a Q6_K matrix, float32
-    activations or a float matrix bring BLAS back."""
+    """With Q8_0 activations every product of a Q4_1/Q8_0 model (K-quants too) runs in
+    numba's kernels at every row count, so a long chunk is no BLAS step (which would leave
+    those kernels one thread) and the attention then keeps its compiled prefill; an F16
+    matrix, float32 activations or a float matrix bring BLAS back."""
     import types
 
     from refengine.cpu.engine_hooks import is_blas_step, layer_products_use_blas
@@ -257,7 +257,8 @@ def test_q8_steps_keep_numba_threads():
     assert not layer_products_use_blas(q8)
     assert not is_blas_step(q8, 512, 1) and is_blas_step(q8, 512, 512)  # the attention's own BLAS chunk
     assert layer_products_use_blas(model("auto", weight("Q4_1")))
-    assert layer_products_use_blas(model("q8_0", weight("Q4_1"), weight("Q6_K")))
+    assert not layer_products_use_blas(model("q8_0", weight("Q4_1"), weight("Q6_K"), weight("Q4_K")))
+    assert layer_products_use_blas(model("q8_0", weight("Q4_1"), weight("F16")))
     assert layer_products_use_blas(model("q8_0", weight("Q4_1"), np.zeros((256, 4), np.float32)))
     float_head = model("q8_0", weight("Q4_1"))
     float_head.lm_head = np.zeros((256, 4), np.float32)  # every row's logits would go to BLAS
