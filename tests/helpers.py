@@ -12,6 +12,8 @@ is a package, so same-named files in two folders do not clash).
   :func:`metric`: a server over loopback HTTP in this process, and what its tests read back;
 * :func:`shuffled_block_tables`: a paged batch's block tables over shuffled physical blocks.
 * :func:`random_adapter`: a PEFT LoRA adapter with random weights for a model directory.
+* :func:`shared_models`: engines built inside it share their loaded model, with no warm-up;
+* :func:`torch_threads`: PyTorch on one thread for a transformers reference.
 
 Tolerances: float32 storage differs from the float64 reference only by float32
 accumulation and exp rounding over at most a few hundred keys: rtol=atol=2e-5 is
@@ -300,6 +302,28 @@ def assert_logits_match(ours: np.ndarray, ref, ids: list[int]) -> None:
     np.testing.assert_array_equal(ours.argmax(-1), want.argmax(-1))
 
 
+@contextlib.contextmanager
+def torch_threads(num_threads: int = 1):
+    """PyTorch's intra-op threads set to ``num_threads`` inside the block, restored after.
+
+    For a transformers reference: the suite runs two pytest workers on two cores, and
+    PyTorch's default (a thread per core) has each worker's OpenMP threads spin-waiting for
+    one that the other worker holds off its core: the same greedy generations took about
+    nine times the CPU seconds of one thread. The thread count is no part of a reference
+    (it already varies with the machine): SmolLM2's greedy tokens for the prompts of
+    tests/core/test_scheduler_invariance.py and test_prefix_cache_model.py are the same at
+    1 and 2 threads, their logits the same bits or within 5e-5.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def hf_greedy(model, ids, n):
     """``n`` greedy tokens of a transformers model after ``ids``, one full forward each."""
     import torch
@@ -351,6 +375,77 @@ def random_adapter(path: Path, model_dir: Path, r: int = 8, seed: int = 0) -> Pa
         "peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": ["q_proj", "v_proj", "down_proj"],
         "bias": "none", "use_rslora": False}))
     return path
+
+
+# --- engines that share one loaded model ---------------------------------------------------
+
+#: EngineConfig fields that only the scheduler, the block manager, the KV pool, speculative
+#: decoding or the logs read: engines that differ only in these can run the same model object
+#: (``scheduler_config`` holds ``max_model_len`` too, which the model's RoPE tables read: it
+#: is in the key on its own).
+SCHEDULE_ONLY_FIELDS = frozenset({
+    "block_size", "num_kv_blocks", "bytes_per_block", "enable_prefix_caching", "gpu_memory_utilization",
+    "max_logprobs", "log_stats", "trace", "scheduler_config", "speculative_config", "draft_model_config",
+    "draft_bytes_per_block"})
+
+
+@contextlib.contextmanager
+def shared_models(max_models: int = 2):
+    """Engines built inside the block share their model, and skip the kernel warm-up.
+
+    An engine's model (weights, attention backend, layer ops) is a function of the engine
+    options outside :data:`SCHEDULE_ONLY_FIELDS` (and ``max_model_len``), and no step
+    changes it (the KV cache, the decode capture and every per-request state belong to the
+    engine). So two engines whose options differ only in the schedule (block size, pool
+    size, token budget, chunked prefill, prefix caching, speculative decoding) compute the
+    same bits with one model object as with two: ``refengine.core.engine.build_model`` is
+    replaced by a cache of the ``max_models`` models used last (each SmolLM2 copy holds
+    about 0.5 GB), and a model taken from it is prepared for its new engine as a new one is
+    (:meth:`refengine.ops.LayerOps.prepare_model`: the process-wide thread pools).
+
+    The kernel warm-up (:func:`refengine.cpu.engine_hooks.warm_up`: forward passes at engine
+    start that make numba compile or load its kernel variants before the first request,
+    about 12 CPU seconds on SmolLM2) is skipped: each variant then compiles or loads at its
+    first use, and the outputs are the same bits either way.
+
+    Shared only among engines that leave ``num_threads`` unset (the pools are the process's,
+    set when a model is prepared), keep ``activation_dtype="auto"`` (Q8_0 activations
+    interleave the weights as the model is prepared) and run in this process; any other
+    engine builds a model of its own.
+    """
+    import dataclasses
+
+    import pytest
+
+    import refengine.core.engine as engine_module
+
+    real_build = engine_module.build_model
+    built: dict[tuple, object] = {}  # key -> model, the least recently used first
+    no_warm_up: set[type] = set()  # layer-ops classes whose warm_up is patched out
+
+    def build(config, dequantize_gguf, partition=None, **kwargs):
+        if config.num_threads is not None or config.activation_dtype != "auto" or partition is not None:
+            model = real_build(config, dequantize_gguf, partition, **kwargs)  # a model of its own
+        else:
+            key = (config.max_model_len, dequantize_gguf, tuple(
+                (f.name, repr(getattr(config, f.name))) for f in dataclasses.fields(config)
+                if f.name not in SCHEDULE_ONLY_FIELDS))
+            model = built.pop(key, None)
+            if model is None:
+                if len(built) >= max_models:
+                    built.pop(next(iter(built)))
+                model = real_build(config, dequantize_gguf, **kwargs)
+            else:
+                model.ops.prepare_model(model, config)
+            built[key] = model
+        if type(model.ops) not in no_warm_up:  # the engine calls ops.warm_up right after
+            no_warm_up.add(type(model.ops))
+            patch.setattr(type(model.ops), "warm_up", lambda self, *args, **kwargs: None)
+        return model
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine_module, "build_model", build)
+        yield
 
 
 # --- servers over loopback HTTP ------------------------------------------------------------

@@ -2,13 +2,13 @@
 
 A sequence's log-probabilities must be the same bits whatever else is in its step (alone,
 or among 200 other requests: steps of more than ``BLAS_MIN_ROWS`` rows, where BLAS would
-take over), however its prompt is chunked (7 and 512 tokens a step), whether its prefix
+take over; among 24 at 7 tokens a step), however its prompt is chunked (7 and 512 tokens a step), whether its prefix
 came from the prefix cache or was computed, and on 1 or 2 threads. Checked on the tiny
 Llama and on a tiny Gemma 3 (sliding windows shorter than the prompt, so key tiles start
 inside the context), with ``batch_invariant=False`` as the control that the crowd does
 change the bits when BLAS is allowed.
 
-The module takes a few minutes: 12 engine runs per model, 6 of them among a crowd of 200
+The module takes a minute: 12 engine runs per model, 4 of them among a crowd of 200
 requests, which must be large enough for steps beyond ``BLAS_MIN_ROWS`` rows.
 """
 
@@ -26,6 +26,10 @@ from refengine.cpu.layer_ops import BLAS_MIN_ROWS
 PROMPT_LEN = 45  # several chunks of 7; not a multiple of the block size
 MAX_TOKENS = 6
 CROWD = 200
+#: The crowd at 7 tokens a step, where no step holds more than 7 rows whatever the crowd's
+#: size: 24 others give the target the same company as 200 (other prompts' chunks and
+#: decodes, before and after its own), in an eighth of the steps.
+CHUNKED_CROWD = 24
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
@@ -66,7 +70,7 @@ def _run(model_dir, *, crowd: bool, budget: int, threads: int, cached: bool, bat
     a step; ``cached``: the target's prompt was served before, so its full blocks come
     from the prefix cache (then no prompt logprobs, which never take cache hits).
 
-    A run is deterministic and a crowd run serves 201 requests, so a configuration that two
+    A run is deterministic and a crowd run serves up to 201 requests, so a configuration that two
     tests use (``test_cold_and_cached_prefix_agree`` takes two of the first test's) runs
     once (``functools.cache``)."""
     llm = LLM(model=str(model_dir), num_threads=threads, max_num_batched_tokens=budget, max_num_seqs=256,
@@ -76,7 +80,7 @@ def _run(model_dir, *, crowd: bool, budget: int, threads: int, cached: bool, bat
                             prompt_logprobs=None if cached else 5)
     if cached:
         llm.generate([target], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
-    others = _crowd() if crowd else []
+    others = _crowd(CROWD if budget >= BLAS_MIN_ROWS else CHUNKED_CROWD) if crowd else []
     at = len(others) // 2
     prompts = others[:at] + [target] + others[at:]
     plain = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.helpers import shared_models, torch_threads
 
 from refengine import LLM, SamplingParams
 from refengine.cli import chat_turn
@@ -27,6 +28,14 @@ PREFIX_TEXT = ("You are a helpful assistant for a library. The library opens at 
                "a book club meets on the last Friday of every month. Donations of books in good condition "
                "are welcome at the front desk during opening hours. Answer briefly.")
 MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_model():
+    """The three engines differ in prefix caching only: they share the loaded model and skip
+    the warm-up (:func:`tests.helpers.shared_models`), which changes no output."""
+    with shared_models():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +65,7 @@ def shared_prefix_reference(smollm2_dir, shared_prefix_prompts) -> list[list[int
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32, attn_implementation="eager").eval()
     model.generation_config.eos_token_id = None
-    with torch.no_grad():
+    with torch.no_grad(), torch_threads(1):
         return [model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
                                pad_token_id=2)[0, len(ids):].tolist() for ids in shared_prefix_prompts]
 

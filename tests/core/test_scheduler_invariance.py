@@ -1,4 +1,4 @@
-"""The output never depends on the schedule (real model, greedy).
+"""The output never depends on the schedule (greedy).
 
 Every run here is compared token for token with transformers' greedy output for the
 same prompt alone: batch company, chunk size, block size, preemption and aborts of
@@ -9,20 +9,54 @@ Every test runs with prefix caching off and on (the ``caching`` fixture): with i
 module-wide engine also serves later tests from blocks cached by earlier ones.
 ``test_prefix_reuse_at_every_alignment`` checks the reuse itself: which prompt reuses how
 many tokens, and that the output still equals transformers'.
+
+Two models (the ``model`` parameter): SmolLM2 (``smollm2``), and for some of a property's
+cases a tiny random Llama (``tiny``) with the same kernels, whose runs cost next to
+nothing. Every property keeps at least one SmolLM2 case; each tiny case says why it is
+one. The tiny model's weights are drawn wide (``initializer_range=0.2``), so its greedy
+continuation changes token at almost every step (17 to 20 distinct tokens of 20 for its
+prompts), with top-2 margins of at least 3e-3 in logits up to about 9, hundreds of times
+what float32 rounding moves them: a key or value read from the wrong slot, a lost chunk
+or a stale block changes its tokens as surely as SmolLM2's, and rounding cannot.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
+from tests.helpers import save_tiny_llama, shared_models, torch_threads
 
 from refengine import LLM, SamplingParams
+
+pytestmark = pytest.mark.xdist_group("scheduler_invariance")  # one worker loads the models and references
 
 TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age "
         "of foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the season "
         "of Light, it was the season of Darkness, it was the spring of hope, it was the winter of despair.")
 MAX_TOKENS = 20
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@dataclass
+class Model:
+    """A model directory, its prompts (by name, the same names and lengths for both models)
+    and transformers' greedy continuation of each."""
+
+    path: Path
+    prompts: dict[str, list[int]]
+    reference: dict[str, list[int]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_models():
+    """The module's engines differ in their schedule only: those of one model share it, and
+    none warms up (:func:`tests.helpers.shared_models`), which changes no output."""
+    with shared_models(max_models=3):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -44,19 +78,48 @@ def prompts(tokenizer) -> dict[str, list[int]]:
     }
 
 
-@pytest.fixture(scope="module")
-def reference(smollm2_dir, prompts) -> dict[str, list[int]]:
-    """transformers' greedy continuation of each prompt, alone."""
+def hf_reference(path, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+    """transformers' greedy continuation of each prompt, alone (float32, eager)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     model.generation_config.eos_token_id = None
     ref = {}
-    with torch.no_grad():
+    with torch.no_grad(), torch_threads(1):
         for name, ids in prompts.items():
             out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=2)
             ref[name] = out[0, len(ids):].tolist()
     return ref
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_dir, prompts) -> dict[str, list[int]]:
+    return hf_reference(smollm2_dir, prompts)
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dir, prompts, reference) -> Model:
+    return Model(smollm2_dir, prompts, reference)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Model:
+    """The tiny random Llama (vocab 211, 3 layers, 4/2 heads, head_dim 32) with wide weights
+    (see the module docstring) and a context of 4096 (as ``test_chunk_sizes`` asks); its
+    prompts are random ids, ``p31``-``p33`` prefixes of ``long`` as SmolLM2's are."""
+    path = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-wide"), initializer_range=0.2,
+                           max_position_embeddings=4096)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, 211, size=61).tolist()
+    prompts = {"short": rng.integers(3, 211, size=5).tolist(), "p31": ids[:31], "p32": ids[:32], "p33": ids[:33],
+               "long": ids, "question": rng.integers(3, 211, size=11).tolist()}
+    return Model(path, prompts, hf_reference(path, prompts))
+
+
+@pytest.fixture(scope="module")
+def model(request) -> Model:
+    """``smollm2`` or ``tiny``, by the test's ``model`` parameter (indirect)."""
+    return request.getfixturevalue(request.param)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["no-prefix-cache", "prefix-cache"])
@@ -64,9 +127,9 @@ def caching(request) -> bool:
     return request.param
 
 
-def make_llm(smollm2_dir, caching: bool, **kw) -> LLM:
+def make_llm(path, caching: bool, **kw) -> LLM:
     kw.setdefault("log_stats", False)
-    return LLM(model=smollm2_dir, device="cpu", enable_prefix_caching=caching, **kw)
+    return LLM(model=path, device="cpu", enable_prefix_caching=caching, **kw)
 
 
 def check(outputs, names, reference):
@@ -84,49 +147,71 @@ def assert_idle(llm: LLM):
 
 
 @pytest.fixture(scope="module")
-def llm16(smollm2_dir, caching):
-    return make_llm(smollm2_dir, caching, block_size=16)
+def llm16(caching):
+    """The module-wide engine of each model (block size 16), made when first asked for."""
+    engines = {}
+
+    def get(model: Model) -> LLM:
+        if model.path not in engines:
+            engines[model.path] = make_llm(model.path, caching, block_size=16)
+        return engines[model.path]
+    return get
 
 
-@pytest.mark.parametrize("copies", [1, 2, 7, 20])
-def test_batch_company(llm16, prompts, reference, copies):
-    outs = llm16.generate([prompts["p33"]] * copies, GREEDY, use_tqdm=False)
-    check(outs, ["p33"] * copies, reference)
-    assert_idle(llm16)
+# 2 and 20 copies on the tiny model: SmolLM2 keeps 1 (alone) and 7 (company in every step);
+# 2- and 20-row steps run the same kernels on either model.
+@pytest.mark.parametrize("model, copies", [("smollm2", 1), ("tiny", 2), ("smollm2", 7), ("tiny", 20)],
+                         indirect=["model"])
+def test_batch_company(llm16, model, copies):
+    llm = llm16(model)
+    outs = llm.generate([model.prompts["p33"]] * copies, GREEDY, use_tqdm=False)
+    check(outs, ["p33"] * copies, model.reference)
+    assert_idle(llm)
 
 
-def test_mixed_lengths_together(llm16, prompts, reference):
-    names = list(prompts) * 2
-    outs = llm16.generate([prompts[n] for n in names], GREEDY, use_tqdm=False)
-    check(outs, names, reference)
-    assert_idle(llm16)
+def test_mixed_lengths_together(llm16, smollm2):
+    llm = llm16(smollm2)
+    names = list(smollm2.prompts) * 2
+    outs = llm.generate([smollm2.prompts[n] for n in names], GREEDY, use_tqdm=False)
+    check(outs, names, smollm2.reference)
+    assert_idle(llm)
 
 
-@pytest.mark.parametrize("backend", ["numpy", "numba"])
-def test_mixed_lengths_together_with_backend(smollm2_dir, caching, prompts, reference, backend):
+# numba on the tiny model: every other SmolLM2 test of this module runs the numba backend
+# (the default); NumPy's only case here is SmolLM2's.
+@pytest.mark.parametrize("backend, model", [("numpy", "smollm2"), ("numba", "tiny")], indirect=["model"])
+def test_mixed_lengths_together_with_backend(caching, model, backend):
     """The numba CPU kernels (attention and layer ops) under the same schedule test."""
-    llm = make_llm(smollm2_dir, caching, block_size=16, max_num_batched_tokens=48, attention_backend=backend)
-    names = list(prompts) * 2
-    outs = llm.generate([prompts[n] for n in names], GREEDY, use_tqdm=False)
-    check(outs, names, reference)
+    llm = make_llm(model.path, caching, block_size=16, max_num_batched_tokens=48, attention_backend=backend)
+    names = list(model.prompts) * 2
+    outs = llm.generate([model.prompts[n] for n in names], GREEDY, use_tqdm=False)
+    check(outs, names, model.reference)
     assert_idle(llm)
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 16, 17, 4096])
-def test_chunk_sizes(smollm2_dir, caching, prompts, reference, chunk):
-    llm = make_llm(smollm2_dir, caching, block_size=16, max_num_batched_tokens=chunk, max_model_len=4096)
+# SmolLM2 keeps a chunk of 17 tokens: chunks that end inside blocks, in steps that mix
+# prefill chunks and decodes. The tiny model runs the same kernels on the others: 1 (every
+# token its own step, the decodes one a step too), 5, 16 (block-aligned) and 4096 (whole
+# prompts, as SmolLM2 prefills them in the other tests).
+@pytest.mark.parametrize("chunk, model", [(1, "tiny"), (5, "tiny"), (16, "tiny"), (17, "smollm2"),
+                                          (4096, "tiny")], indirect=["model"])
+def test_chunk_sizes(caching, model, chunk):
+    llm = make_llm(model.path, caching, block_size=16, max_num_batched_tokens=chunk, max_model_len=4096)
     names = ["long", "short", "p31"]
-    outs = llm.generate([prompts[n] for n in names], GREEDY, use_tqdm=False)
-    check(outs, names, reference)
+    outs = llm.generate([model.prompts[n] for n in names], GREEDY, use_tqdm=False)
+    check(outs, names, model.reference)
     assert_idle(llm)
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_block_sizes(smollm2_dir, caching, prompts, reference, block_size):
-    llm = make_llm(smollm2_dir, caching, block_size=block_size, max_num_batched_tokens=40)
+# Block sizes 16 and 32 on the tiny model: SmolLM2 keeps 8, the size with the most block
+# boundaries inside these prompts and their continuations (and runs block size 16 in every
+# other test of this module).
+@pytest.mark.parametrize("block_size, model", [(8, "smollm2"), (16, "tiny"), (32, "tiny")], indirect=["model"])
+def test_block_sizes(caching, model, block_size):
+    llm = make_llm(model.path, caching, block_size=block_size, max_num_batched_tokens=40)
     names = ["p31", "p32", "p33", "long"]  # cross block boundaries in prefill and decode
-    outs = llm.generate([prompts[n] for n in names], GREEDY, use_tqdm=False)
-    check(outs, names, reference)
+    outs = llm.generate([model.prompts[n] for n in names], GREEDY, use_tqdm=False)
+    check(outs, names, model.reference)
     assert_idle(llm)
 
 

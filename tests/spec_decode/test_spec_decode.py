@@ -27,9 +27,19 @@ from refengine.core.engine import LLMEngine
 from refengine.engine_args import EngineArgs
 from refengine.stop import StopChecker
 from tests.core.test_scheduler_invariance import GREEDY, prompts, tokenizer  # noqa: F401 (fixtures)
+from tests.helpers import shared_models
 from tests.spec_decode.test_spec_decode_unit import chi2_sf
 
 ALPHA = 1e-3  # significance of each chi-square test
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_models():
+    """Engines of one target model that differ in their schedule or speculation only share
+    the loaded target, and none warms up (:func:`tests.helpers.shared_models`), which
+    changes no output."""
+    with shared_models():
+        yield
 
 
 def save_llama(path, seed: int, **config) -> str:
