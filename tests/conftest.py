@@ -46,14 +46,29 @@ def gemma3_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
-def hf_gemma3(gemma3_gguf):
+def hf_gemma3_config(gemma3_gguf):
+    """transformers' config for the Gemma 3 GGUF file (``AutoConfig``: a ``Gemma3TextConfig``),
+    read once: transformers reads this architecture's metadata with gguf-py's ``GGUFReader``,
+    item by item over the 262,144-token vocabulary, the slow part of every load from the file."""
+    import transformers
+
+    return transformers.AutoConfig.from_pretrained(gemma3_gguf.parent, gguf_file=gemma3_gguf.name)
+
+
+@pytest.fixture(scope="session")
+def hf_gemma3(gemma3_gguf, hf_gemma3_config):
     """transformers' ``Gemma3ForCausalLM`` loaded from the same GGUF file (dequantized to
-    float32, eager attention): the reference of the Gemma 3 golden tests, loaded once."""
+    float32, eager attention): the reference of the Gemma 3 golden tests, loaded once.
+
+    ``config=`` is what ``AutoModelForCausalLM`` would build first from the same file (its
+    own ``AutoConfig`` call, deep-copied by ``from_pretrained``), so the metadata is not
+    read again; the model and its config are the same as without it."""
     import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        gemma3_gguf.parent, gguf_file=gemma3_gguf.name, dtype=torch.float32, attn_implementation="eager")
+        gemma3_gguf.parent, gguf_file=gemma3_gguf.name, config=hf_gemma3_config, dtype=torch.float32,
+        attn_implementation="eager")
     return model.eval()
 
 

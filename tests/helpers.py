@@ -6,8 +6,9 @@ is a package, so same-named files in two folders do not clash).
   attention backend's output is compared with, at :data:`TOLERANCE`;
 * :func:`fake_cupy`: a stand-in CuPy whose ``RawModule`` runs the CPU emulator;
 * :func:`load_gpu_check`: ``benchmarks/gpu_check.py`` as a module;
-* :func:`assert_logits_match`, :func:`hf_greedy`: a model's logits and greedy tokens
-  against a transformers model (float32, eager) on the same ids.
+* :func:`assert_logits_match`, :func:`assert_logits_close`, :func:`hf_greedy`: a model's
+  logits and greedy tokens against a transformers model (float32, eager) on the same ids;
+  :func:`torch_threads`: the references' torch thread count.
 * :class:`ServerThread`, :func:`http_server`, :func:`client`, :func:`wait_until`,
   :func:`metric`: a server over loopback HTTP in this process, and what its tests read back;
 * :func:`shuffled_block_tables`: a paged batch's block tables over shuffled physical blocks.
@@ -298,6 +299,13 @@ def assert_logits_match(ours: np.ndarray, ref, ids: list[int]) -> None:
 
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0].numpy()
+    assert_logits_close(ours, want)
+
+
+def assert_logits_close(ours: np.ndarray, want: np.ndarray) -> None:
+    """Our prompt logits against transformers' ``want`` for the same ids, computed already
+    (``[len(ids), vocab]`` float32): within 1e-4 relative and 1e-4 of the largest logit,
+    and the same argmax in every row."""
     np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     np.testing.assert_array_equal(ours.argmax(-1), want.argmax(-1))
 

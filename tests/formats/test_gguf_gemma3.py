@@ -4,8 +4,9 @@ against what ``transformers`` builds from the same file.
 
 The references, all loaded from the one file: ``AutoConfig`` (a ``Gemma3TextConfig``),
 ``AutoTokenizer`` (transformers' GGUF Gemma converter), and ``AutoModelForCausalLM``
-(``Gemma3ForCausalLM``, float32, loaded once for the module). No forward pass: that is the
-model class's test. The tests skip when the file is absent.
+(``Gemma3ForCausalLM``, float32), each loaded once for the session (``conftest.py``) and shared
+with ``tests/models/test_golden_gemma3.py``. No forward pass: that is the model class's test.
+The tests skip when the file is absent.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from refengine.formats.gguf_file import GGUFFile, _gemma3_config, build_tokenize
 
 
 slow = pytest.mark.slow
+# One pytest-xdist worker (make test: --dist loadgroup) runs this file and the golden Gemma 3
+# tests, so transformers' config, tokenizer and model are loaded by one worker, once.
+pytestmark = pytest.mark.xdist_group("gemma3")
 
 TEXTS = [
     "Hello, world!",
@@ -105,12 +109,6 @@ def gguf(gemma3_gguf) -> GGUFFile:
 
 
 @pytest.fixture(scope="module")
-def hf_config(gemma3_gguf):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoConfig.from_pretrained(gemma3_gguf.parent, gguf_file=gemma3_gguf.name)
-
-
-@pytest.fixture(scope="module")
 def tok(gguf):
     return gguf.tokenizer()
 
@@ -134,35 +132,35 @@ SAME_FIELDS = [
 
 
 @slow
-def test_config_fields_equal_transformers(gguf, hf_config):
+def test_config_fields_equal_transformers(gguf, hf_gemma3_config):
     ours = gguf.config
-    assert type(hf_config).__name__ == "Gemma3TextConfig"
+    assert type(hf_gemma3_config).__name__ == "Gemma3TextConfig"
     assert ours["architectures"] == ["Gemma3ForCausalLM"]  # transformers leaves it None; its class is this
     for key in SAME_FIELDS:
-        assert ours[key] == getattr(hf_config, key), key
+        assert ours[key] == getattr(hf_gemma3_config, key), key
     # Same float32 (GGUF stores float32; we write its shortest decimal, 1e-06).
-    assert np.float32(ours["rms_norm_eps"]) == np.float32(hf_config.rms_norm_eps)
+    assert np.float32(ours["rms_norm_eps"]) == np.float32(hf_gemma3_config.rms_norm_eps)
     assert ours["rms_norm_eps"] == 1e-6
     # transformers 5 keeps the two RoPE bases in rope_parameters, by layer type.
-    rope = hf_config.rope_parameters
+    rope = hf_gemma3_config.rope_parameters
     assert ours["rope_theta"] == rope["full_attention"]["rope_theta"] == 1_000_000.0
     assert ours["rope_local_base_freq"] == rope["sliding_attention"]["rope_theta"] == 10_000.0
     assert ours["rope_scaling"] is None
     assert rope["full_attention"]["rope_type"] == rope["sliding_attention"]["rope_type"] == "default"
-    assert ours["sliding_window_pattern"] == hf_config._sliding_window_pattern == 6
+    assert ours["sliding_window_pattern"] == hf_gemma3_config._sliding_window_pattern == 6
     assert ours["layer_types"].count("full_attention") == 3
 
 
 @slow
-def test_transformers_reads_our_config_as_its_own(gguf, hf_config):
+def test_transformers_reads_our_config_as_its_own(gguf, hf_gemma3_config):
     """Our config.json, read by transformers (the Hub spelling: rope_theta,
     rope_local_base_freq, sliding_window_pattern), gives the config it builds from the GGUF."""
     transformers = pytest.importorskip("transformers")
     mine = transformers.Gemma3TextConfig(**{k: v for k, v in gguf.config.items() if k != "model_type"})
-    theirs = hf_config.to_dict()
+    theirs = hf_gemma3_config.to_dict()
     for key in SAME_FIELDS + ["rope_parameters"]:
         assert mine.to_dict()[key] == theirs[key], key
-    assert np.float32(mine.rms_norm_eps) == np.float32(hf_config.rms_norm_eps)
+    assert np.float32(mine.rms_norm_eps) == np.float32(hf_gemma3_config.rms_norm_eps)
 
 
 @slow

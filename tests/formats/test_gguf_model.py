@@ -19,9 +19,27 @@ PROMPT = ("The history of the printing press begins in the fifteenth century, wh
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 
 
+# One pytest-xdist worker (make test: --dist loadgroup) runs this file, so its engines and
+# the float32 references below are built once, not by each worker.
+pytestmark = pytest.mark.xdist_group("gguf_model")
+
+
 @pytest.fixture(scope="module")
 def float_llm(smollm2_dir):
     return LLM(model=smollm2_dir, block_size=16, log_stats=False)
+
+
+@pytest.fixture(scope="module")
+def float_prompt_logits(float_llm) -> np.ndarray:
+    """The float32 directory's logits for every row of PROMPT (each backend is compared with them)."""
+    return float_llm.prompt_logits(float_llm.get_tokenizer().encode(PROMPT))
+
+
+@pytest.fixture(scope="module")
+def float_greedy(float_llm) -> list[list[int]]:
+    """The float32 directory's 24 greedy tokens after each of PROMPTS."""
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in float_llm.generate(PROMPTS, sp, use_tqdm=False)]
 
 
 @pytest.fixture(scope="module", params=["numba", "numpy"])
@@ -29,11 +47,11 @@ def gguf_llm(request, gguf_path):
     return LLM(model=gguf_path, attention_backend=request.param, block_size=16, log_stats=False)
 
 
-def test_dequantized_gguf_is_the_converted_directory(gguf_path, float_llm):
+def test_dequantized_gguf_is_the_converted_directory(gguf_path, float_llm, float_prompt_logits):
     """``dtype="float32"`` dequantizes at load: the very weights ``convert-gguf`` writes."""
     llm = LLM(model=gguf_path, dtype="float32", block_size=16, log_stats=False)
     ids = float_llm.get_tokenizer().encode(PROMPT)
-    np.testing.assert_array_equal(llm.prompt_logits(ids), float_llm.prompt_logits(ids))
+    np.testing.assert_array_equal(llm.prompt_logits(ids), float_prompt_logits)
 
 
 def test_weights_stay_in_their_stored_types(gguf_path):
@@ -59,18 +77,17 @@ def test_tokenizer_and_template_from_metadata(gguf_path, smollm2_dir, float_llm)
         ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
-def test_logits_as_stored_match_float32(gguf_llm, float_llm):
+def test_logits_as_stored_match_float32(gguf_llm, float_llm, float_prompt_logits):
     ids = float_llm.get_tokenizer().encode(PROMPT)
-    ours, ref = gguf_llm.prompt_logits(ids), float_llm.prompt_logits(ids)
+    ours, ref = gguf_llm.prompt_logits(ids), float_prompt_logits
     assert np.abs(ours - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())
     np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
 
 
-def test_greedy_text_as_stored_matches_float32(gguf_llm, float_llm):
+def test_greedy_text_as_stored_matches_float32(gguf_llm, float_greedy):
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in gguf_llm.generate(PROMPTS, sp, use_tqdm=False)]
-    ref = [o.outputs[0].token_ids for o in float_llm.generate(PROMPTS, sp, use_tqdm=False)]
-    assert ours == ref
+    assert ours == float_greedy
 
 
 def test_decode_rows_match_prefill_rows(gguf_llm):
