@@ -7,7 +7,8 @@ is a package, so same-named files in two folders do not clash).
 * :func:`fake_cupy`: a stand-in CuPy whose ``RawModule`` runs the CPU emulator;
 * :func:`load_gpu_check`: ``benchmarks/gpu_check.py`` as a module;
 * :func:`assert_logits_match`, :func:`hf_greedy`: a model's logits and greedy tokens
-  against a transformers model (float32, eager) on the same ids.
+  against a transformers model (float32, eager) on the same ids; :func:`one_torch_thread`:
+  torch on one thread while a reference runs;
 * :class:`ServerThread`, :func:`http_server`, :func:`client`, :func:`wait_until`,
   :func:`metric`: a server over loopback HTTP in this process, and what its tests read back;
 * :func:`shuffled_block_tables`: a paged batch's block tables over shuffled physical blocks.
@@ -308,6 +309,28 @@ def hf_greedy(model, ids, n):
         for _ in range(n):
             out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
     return out[len(ids):]
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """torch's operations on one thread in this block (``torch.set_num_threads``), then as
+    many as before; nothing without torch.
+
+    The suite runs one pytest worker per core, so torch's second thread waits for a core the
+    other worker holds, spinning meanwhile: the same forward costs several times the CPU
+    time. The results can differ in float32 rounding only, far inside the tests' tolerances.
+    """
+    try:
+        import torch
+    except ImportError:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def save_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
