@@ -14,7 +14,6 @@ is a package, so same-named files in two folders do not clash).
 * :func:`shuffled_block_tables`: a paged batch's block tables over shuffled physical blocks.
 * :func:`random_adapter`: a PEFT LoRA adapter with random weights for a model directory.
 * :func:`shared_models`: engines built inside it share their loaded model, with no warm-up;
-* :func:`torch_threads`: PyTorch on one thread for a transformers reference.
 
 Tolerances: float32 storage differs from the float64 reference only by float32
 accumulation and exp rounding over at most a few hundred keys: rtol=atol=2e-5 is

@@ -427,8 +427,10 @@ def test_bench_single_smoke(tmp_path, smollm2_dir):
 def test_bench_spec_smoke(tmp_path, smollm2_dir):
     """refengine bench spec at tiny sizes: both sides run, the outputs agree, every figure is there."""
     out = tmp_path / "spec.json"
+    # a context of 160 holds every prompt with its tokens and proposals (up to ~125), and bounds
+    # the prefill that each of the command's three engines runs to warm up (the default, 300 rows)
     res = CliRunner().invoke(bench, ["spec", "--model", str(smollm2_dir), "--max-tokens", "6", "--runs", "2",
-                                     "--repeats", "1", "--json", str(out)])
+                                     "--repeats", "1", "--max-model-len", "160", "--json", str(out)])
     assert res.exit_code == 0, res.output + repr(res.exception)
     doc = json.loads(out.read_text())
     for name in ("grounded", "free"):

@@ -9,8 +9,18 @@ needs an extra the environment lacks (``--compare-transformers`` needs torch) mu
 a one-line error naming the extra. Finally the README's Python example runs from another
 directory.
 
-This takes minutes, and must: a new environment, a non-editable install, and a first run
-that compiles the numba kernels in that install, as a new user's does.
+The wheel is conftest's ``refengine_wheel``, the one test_wheel.py checks. The commands run
+as a returning user's do, with numba's kernels compiled: the fresh install gets the
+checkout's compiled kernels (numba's cache is filed by the source files' paths but checked
+against their contents, which are the same; ``installs.share_numba_cache``), and the kernels
+the commands compile go back to the checkout. A new user's first run, which compiles them in
+the installed copy, says so once and leaves them for the next process, is test_wheel.py's
+``test_installed_wheel_runs_outside_the_checkout``; compiling each kernel again here (the
+GGUF Q4_1 products alone take minutes of CPU) would check nothing more.
+
+This takes minutes, and must: a new environment with its dependencies, and eight commands
+and the example, each a new process that loads the model and warms its engine up (the
+perplexity command runs two engines over four 512-token windows).
 """
 
 from __future__ import annotations
@@ -24,7 +34,9 @@ from pathlib import Path
 
 import pytest
 
-# both modules pip-install this checkout, which builds in its build/ folder: one worker runs them
+from tests.packaging.installs import share_numba_cache
+
+# both modules install the session's one wheel of this checkout (conftest): one worker runs them
 pytestmark = pytest.mark.xdist_group("pip-install")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,12 +55,19 @@ def python_example() -> str:
 
 
 @pytest.fixture(scope="module")
-def fresh_env(tmp_path_factory) -> Path:
+def fresh_env(tmp_path_factory, refengine_wheel) -> Path:
     venv = tmp_path_factory.mktemp("fresh") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    subprocess.run(pip + [f"{ROOT}[plot,serve]"], check=True, cwd=tmp_path_factory.getbasetemp())
-    return venv
+    python = str(venv / "bin" / "python")
+    pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    # not from the checkout: `python -m` puts the working directory first on sys.path
+    subprocess.run(pip + [f"{refengine_wheel}[plot,serve]"], check=True, cwd=tmp_path_factory.getbasetemp())
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    installed = Path(site) / "refengine"
+    share_numba_cache(ROOT / "refengine", installed)
+    yield venv
+    share_numba_cache(installed, ROOT / "refengine")
 
 
 def test_readme_commands_in_order(fresh_env, smollm2_dir, gguf_path, tmp_path):

@@ -2,8 +2,9 @@
 sources and the benchmark corpus, and refengine installed from it (not editable) runs
 from outside the checkout, the emulated CUDA kernels included.
 
-The wheel is built from a copy of the checkout's files (tracked and untracked-but-not-
-ignored, as a fresh clone would have them), so a stale ``build/`` cannot leak into it.
+The wheel (conftest's ``refengine_wheel``, the one test_readme.py installs too) is built from
+a copy of the checkout's files (tracked and untracked-but-not-ignored, as a fresh clone would
+have them), so a stale ``build/`` cannot leak into it.
 
 This takes minutes, and must: building and installing a wheel, and an installed package
 compiles its numba kernels afresh (numba's cache is keyed by the source files' paths, so the
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -25,8 +25,9 @@ import pytest
 from refengine import LLM, SamplingParams, resources
 from refengine.bench.workload import load_corpus
 from refengine.kernels.build import EMULATION_SUPPORT, KERNEL_SOURCES, SELF_TEST_SOURCES
+from tests.packaging.installs import pip
 
-# both modules pip-install this checkout, which builds in its build/ folder: one worker runs them
+# both modules install the session's one wheel of this checkout (conftest): one worker runs them
 pytestmark = pytest.mark.xdist_group("pip-install")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,50 +36,16 @@ ENGINE_KW = dict(block_size=8, max_num_batched_tokens=24, log_stats=False)  # ch
 MAX_TOKENS = 8
 
 
-def pip(*args: str) -> None:
-    """``python -m pip ARGS``, offline and quiet; fails the test with pip's output."""
-    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-    r = subprocess.run([sys.executable, "-m", "pip", *args, "-q"], capture_output=True, text=True, env=env)
-    assert r.returncode == 0, f"pip {' '.join(args)} failed:\n{r.stdout}\n{r.stderr}"
-
-
-def copy_checkout(dest: Path) -> None:
-    """The checkout's files as a clone has them: git's tracked and untracked-not-ignored files
-    (symlinks, such as linked weights, left out); without git, a copy minus build outputs."""
-    try:
-        out = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                             capture_output=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        shutil.copytree(ROOT, dest, symlinks=True, ignore=shutil.ignore_patterns(
-            ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "weights", "*.so", "*.o"))
-        return
-    for name in out.decode().split("\0"):
-        src = ROOT / name
-        if not name or src.is_symlink() or not src.is_file():  # deleted but not yet staged, or a link
-            continue
-        (dest / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src, dest / name)
-
-
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("wheel")
-    copy_checkout(tmp / "src")
-    pip("wheel", str(tmp / "src"), "--no-deps", "--no-build-isolation", "--no-index", "-w", str(tmp / "dist"))
-    (path,) = (tmp / "dist").glob("refengine-*.whl")
-    return path
-
-
-@pytest.fixture(scope="module")
-def site_dir(wheel, tmp_path_factory) -> Path:
+def site_dir(refengine_wheel, tmp_path_factory) -> Path:
     """The wheel installed (not editable) into a directory of its own."""
     site = tmp_path_factory.mktemp("site")
-    pip("install", "--no-deps", "--no-index", "--target", str(site), str(wheel))
+    pip("install", "--no-deps", "--no-index", "--target", str(site), str(refengine_wheel))
     return site
 
 
-def test_wheel_has_kernel_emulator_and_corpus_files(wheel):
-    names = set(zipfile.ZipFile(wheel).namelist())
+def test_wheel_has_kernel_emulator_and_corpus_files(refengine_wheel):
+    names = set(zipfile.ZipFile(refengine_wheel).namelist())
     cuda = [p.name for p in sorted((ROOT / "cuda").iterdir())
             if p.suffix in (".cu", ".cuh") or p.name in ("cuda_emu.h", "emu_runtime.cpp", "README.md")]
     # the checkout's files and every file the CUDA backend reads
