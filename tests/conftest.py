@@ -19,6 +19,27 @@ GEMMA3_GGUF = ROOT / "weights" / "gemma-3-270m-q4_k_m.gguf"
 _FETCH_HINT = "run `python weights/fetch_smollm2.py`"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _torch_on_one_thread():
+    """Every transformers reference of the suite runs on one torch thread.
+
+    ``make test`` runs one pytest worker per core, so torch's default (a thread per core)
+    has each worker's OpenMP threads spin-waiting for a core the other worker holds: the
+    same greedy generations took about nine times the CPU seconds of one thread. The thread
+    count is no part of a reference (it varies with the machine anyway), and one count for
+    every run makes the references the same under one worker and under two.
+    """
+    try:
+        import torch
+    except ImportError:  # the tests that need torch skip without it
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The converted SmolLM2-135M-Instruct directory (HF layout, float32 safetensors)."""

@@ -7,8 +7,7 @@ is a package, so same-named files in two folders do not clash).
 * :func:`fake_cupy`: a stand-in CuPy whose ``RawModule`` runs the CPU emulator;
 * :func:`load_gpu_check`: ``benchmarks/gpu_check.py`` as a module;
 * :func:`assert_logits_match`, :func:`assert_logits_close`, :func:`hf_greedy`: a model's
-  logits and greedy tokens against a transformers model (float32, eager) on the same ids;
-  :func:`torch_threads`: the references' torch thread count.
+  logits and greedy tokens against a transformers model (float32, eager) on the same ids.
 * :class:`ServerThread`, :func:`http_server`, :func:`client`, :func:`wait_until`,
   :func:`metric`: a server over loopback HTTP in this process, and what its tests read back;
 * :func:`shuffled_block_tables`: a paged batch's block tables over shuffled physical blocks.
@@ -307,28 +306,6 @@ def assert_logits_close(ours: np.ndarray, want: np.ndarray) -> None:
     and the same argmax in every row."""
     np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     np.testing.assert_array_equal(ours.argmax(-1), want.argmax(-1))
-
-
-@contextlib.contextmanager
-def torch_threads(num_threads: int = 1):
-    """PyTorch's intra-op threads set to ``num_threads`` inside the block, restored after.
-
-    For a transformers reference: the suite runs two pytest workers on two cores, and
-    PyTorch's default (a thread per core) has each worker's OpenMP threads spin-waiting for
-    one that the other worker holds off its core: the same greedy generations took about
-    nine times the CPU seconds of one thread. The thread count is no part of a reference
-    (it already varies with the machine): SmolLM2's greedy tokens for the prompts of
-    tests/core/test_scheduler_invariance.py and test_prefix_cache_model.py are the same at
-    1 and 2 threads, their logits the same bits or within 5e-5.
-    """
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def hf_greedy(model, ids, n):

@@ -52,16 +52,7 @@ def build_family(family: str, path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def torch_on_one_thread():
-    """transformers' references of this module on one torch thread (tests.helpers.torch_threads)."""
-    from tests.helpers import torch_threads
-
-    with torch_threads(1):
-        yield
-
-
-@pytest.fixture(scope="module")
-def family_dirs(tmp_path_factory, tiny_llama_tok_dir, torch_on_one_thread):
+def family_dirs(tmp_path_factory, tiny_llama_tok_dir):
     out = {}
 
     def get(family: str) -> Path:
@@ -263,7 +254,7 @@ def test_a_near_tie_flip_passes_and_a_clear_one_fails():
     assert any("the most likely token differs at position 0" in f for f in clear.failures), clear.failures
 
 
-def test_default_model_passes(smollm2_dir, torch_on_one_thread):
+def test_default_model_passes(smollm2_dir):
     """The real default model (marked slow by conftest): every built-in prompt, tokenizer included.
     The suite's longest single test (minutes on a shared 2-core machine): the command's
     default run, both engines over all six prompts, the long one included."""

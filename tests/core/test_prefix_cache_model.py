@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers import shared_models, torch_threads
+from tests.helpers import shared_models
 
 from refengine import LLM, SamplingParams
 from refengine.cli import chat_turn
@@ -65,7 +65,7 @@ def shared_prefix_reference(smollm2_dir, shared_prefix_prompts) -> list[list[int
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32, attn_implementation="eager").eval()
     model.generation_config.eos_token_id = None
-    with torch.no_grad(), torch_threads(1):
+    with torch.no_grad():
         return [model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
                                pad_token_id=2)[0, len(ids):].tolist() for ids in shared_prefix_prompts]
 

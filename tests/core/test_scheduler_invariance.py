@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tests.helpers import save_tiny_llama, shared_models, torch_threads
+from tests.helpers import save_tiny_llama, shared_models
 
 from refengine import LLM, SamplingParams
 
@@ -85,7 +85,7 @@ def hf_reference(path, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     model.generation_config.eos_token_id = None
     ref = {}
-    with torch.no_grad(), torch_threads(1):
+    with torch.no_grad():
         for name, ids in prompts.items():
             out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=2)
             ref[name] = out[0, len(ids):].tolist()

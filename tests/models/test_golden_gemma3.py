@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tests.helpers import assert_logits_close, torch_threads
+from tests.helpers import assert_logits_close
 from tests.formats.test_gguf_gemma3 import GEMMA3_CHAT_TEMPLATE
 
 from refengine import LLM, SamplingParams
@@ -58,7 +58,7 @@ def hf_run(hf_gemma3, prompts) -> dict[str, tuple[np.ndarray, list[int]]]:
     import transformers
 
     out = {}
-    with torch.no_grad(), torch_threads(1):
+    with torch.no_grad():
         for name, ids in prompts.items():
             cache = transformers.DynamicCache(config=hf_gemma3.config)
             logits = hf_gemma3(torch.tensor([ids]), cache=cache).logits[0]

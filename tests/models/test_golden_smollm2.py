@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from refengine import LLM, SamplingParams
-from tests.helpers import torch_threads
 
 # One pytest-xdist worker (make test: --dist loadgroup) runs this file: the engine and
 # transformers' model are loaded once, not by each worker.
@@ -37,7 +36,7 @@ def llm(smollm2_dir):
 
 
 def hf_logits(model, ids: list[int]) -> np.ndarray:
-    with torch.no_grad(), torch_threads(1):
+    with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float().numpy()
 
 
@@ -54,7 +53,7 @@ def test_prompt_logits_match_transformers(llm, hf_model):
 def test_greedy_continuation_matches_transformers(llm, hf_model):
     ids = llm.get_tokenizer().encode("The capital of France is")
     hf_model.generation_config.eos_token_id = None  # a pure 40-token greedy run, as ignore_eos
-    with torch.no_grad(), torch_threads(1):
+    with torch.no_grad():
         ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False, pad_token_id=2)
     ref = ref[0, len(ids):].tolist()
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
