@@ -50,9 +50,10 @@ proportional to it, not to the context: decode partitions cover only the last W 
 (built per window by :class:`_Plan`, shared by the layers of a step), flash prefill starts at
 the key tile of its first row's window and each row reads only its own window, and the BLAS
 path scores only keys from its tile's first window start. The cap is applied to the scaled
-scores before the max and ``exp`` by :func:`_soft_cap` (vectorised ``tanh``); numba compiles
-the uncapped path without it (``cap=None``, pruned at compile time). The window is always an
-int to the kernels (:data:`_NO_WINDOW` for none): one compiled version serves every window.
+scores before the max and ``exp`` by :func:`_soft_cap` (vectorised ``tanh``). The window is
+always an int to the kernels (:data:`_NO_WINDOW` for none) and the cap always a float
+(:data:`_NO_CAP` for none, a branch per row or tile): one compiled version of each kernel
+serves every window and cap, where ``None`` would make numba compile a second one.
 
 Decode rows and prefill sequences of one batch go to their kernels (one parallel launch
 each per layer, plus the BLAS products of long chunks).
@@ -121,6 +122,8 @@ SOFTMAX_ROWS_PER_TASK = 32
 
 #: The kernels' window when there is none: larger than any context (``p - W + 1`` stays far from overflow in int64).
 _NO_WINDOW = 1 << 40
+#: The kernels' soft-cap when there is none (a cap is positive).
+_NO_CAP = 0.0
 
 _FM = {"contract", "reassoc"}
 #: The paged decode kernel's flags: its sums are written as explicit vector operations, and
@@ -440,8 +443,8 @@ def _decode_partition(p, q, k_cache, v_cache, k_scale, v_scale, block_tables, se
     hardware prefetcher cannot run ahead across them (hence the hints).
 
     int8 caches (``k_scale``/``v_scale`` given): score = ``k_scale * (q . k_int8)``, and each
-    probability is multiplied by its value row's scale before ``P V``. ``cap`` (float or None):
-    the scaled scores are soft-capped before their max.
+    probability is multiplied by its value row's scale before ``P V``. ``cap`` (float;
+    :data:`_NO_CAP` for none): the scaled scores are soft-capped before their max.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
@@ -472,7 +475,7 @@ def _decode_partition(p, q, k_cache, v_cache, k_scale, v_scale, block_tables, se
                     scores[i * nn + j + t] *= k_scale[block, off + t, i // _U(group)]
     for i in range(num_heads):
         sc = scores[i * n:(i + 1) * n]
-        if cap is not None:
+        if cap > 0.0:
             _soft_cap(sc, n, 1.0, cap, scratch)
         m = _prefix_max(sc, n)
         part_max[p, i // group, i % group] = m
@@ -515,7 +518,7 @@ def paged_decode_kernel(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq
             ``part_start[p] : part_end[p]`` of decode sequence ``part_seq[p]``; the partitions
             of one sequence are consecutive and cover the positions it attends to (its whole
             context, or the last ``W`` positions with a sliding window).
-        cap: ``logits_soft_cap`` (float), or None.
+        cap: ``logits_soft_cap`` (float), or :data:`_NO_CAP`.
         out: ``[T, H, D]`` float32; the rows ``rows`` are written.
     """
     num_parts = part_seq.shape[0]
@@ -698,7 +701,7 @@ def _prefill_task(task, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq
                     qd = qr[d]
                     for j in range(n_valid):
                         s[j] += qd * kt[d, j0 + j]
-                if cap is not None:
+                if cap > 0.0:
                     _soft_cap(s, n_valid, 1.0, cap, scratch)
                 m_old = row_max[r, g]
                 m_new = max(m_old, _prefix_max(s, n_valid))
@@ -740,7 +743,7 @@ def _flash_prefill(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens
         tile_seq, tile_q0: ``[n]`` int32: tile ``i`` is query rows ``tile_q0[i] : tile_q0[i] + q_tile``
             (clipped to the sequence) of sequence ``tile_seq[i]``, counted from its first row.
         window: keys per query (int; :data:`_NO_WINDOW` for none).
-        cap: ``logits_soft_cap`` (float), or None.
+        cap: ``logits_soft_cap`` (float), or :data:`_NO_CAP`.
         out: ``[T, H, D]`` float32, the tiles' rows are written.
     """
     num_kv = k_cache.shape[2]
@@ -763,7 +766,7 @@ def _softmax_rows(s, first_pos, group, scale32, window, cap, r0, r1):  # pragma:
         for j in range(j0):  # behind the window
             row[j] = 0.0
         head = row[j0:j1]
-        if cap is None:
+        if cap <= 0.0:  # no cap (_NO_CAP)
             m = _prefix_max(head, n)
             exp_affine(head, scale32, -scale32 * m, head, scratch)  # exp(scale * (s - max))
         else:  # the cap needs the scaled scores: scale, cap, then exp(s - max)
@@ -784,7 +787,7 @@ def _softmax_rows(s, first_pos, group, scale32, window, cap, r0, r1):  # pragma:
 def _causal_softmax(s, first_pos, group, scale, window, cap, rows_per_task):  # pragma: no cover - compiled
     """In place: row ``i`` of ``s [R, K]`` float32 (raw scores ``q . k`` over keys ``0 .. K - 1``,
     row ``i`` the query at key position ``p = first_pos + i // group``) becomes the softmax of
-    ``scale * s[i, j0:p + 1]`` (soft-capped first when ``cap`` is a float), ``j0 = max(0, p - window + 1)``,
+    ``scale * s[i, j0:p + 1]`` (soft-capped first when ``cap`` is not :data:`_NO_CAP`), ``j0 = max(0, p - window + 1)``,
     and 0 elsewhere (behind the window and the future)."""
     scale32 = np.float32(scale)
     num_rows = s.shape[0]
@@ -1077,6 +1080,7 @@ class NumbaAttention(Recordable):
         elif out.shape != q.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
             raise ValueError(f"out must be a C-contiguous float32 array of shape {q.shape}")
         window = _NO_WINDOW if sliding_window is None else sliding_window
+        cap = _NO_CAP if logits_soft_cap is None else logits_soft_cap
         kc, vc = kernel_views(k_cache, v_cache)
         if plan.decode_seqs.shape[0]:
             parts = plan.decode_parts(sliding_window)
@@ -1084,18 +1088,18 @@ class NumbaAttention(Recordable):
             for tokens, seq, start, end in parts.launch_args:
                 decode = paged_decode_kernel.serial if tokens < SERIAL_DECODE_MAX_TOKENS else paged_decode_kernel
                 self._launch(decode, q, kc, vc, k_scale, v_scale, plan.block_tables, plan.decode_seqs,
-                             plan.decode_rows, seq, start, end, scale, logits_soft_cap, out)
+                             plan.decode_rows, seq, start, end, scale, cap, out)
         if plan.tile_seq.shape[0]:
             self._launch(_flash_prefill, q, kc, vc, k_scale, v_scale, plan.block_tables, plan.seq_lens,
-                         plan.query_start_loc, plan.tile_seq, plan.tile_q0, float(scale), window, logits_soft_cap,
+                         plan.query_start_loc, plan.tile_seq, plan.tile_q0, float(scale), window, cap,
                          PREFILL_Q_TILE, PREFILL_K_TILE, out)
         for i in plan.blas_prefill:
             self._launch(self._blas_prefill, q, k_cache, v_cache, k_scale, v_scale, plan, i, scale, window,
-                         logits_soft_cap, out)
+                         cap, out)
         return out
 
     def _blas_prefill(self, q, k_cache, v_cache, k_scale, v_scale, plan: _Plan, i: int, scale: float, window: int,
-                      cap: float | None, out: np.ndarray) -> None:
+                      cap: float, out: np.ndarray) -> None:
         """Sequence ``i``'s chunk by BLAS tiles (module docstring): for each KV head and tile of
         query rows, ``S = Q K^T`` over the keys from the window start of the tile's first row
         to the tile's last position, the masked softmax in place, ``O = S V``. Only the blocks
