@@ -6,6 +6,7 @@ fetches them, so the unit tests still run on a fresh checkout.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -193,12 +194,51 @@ def _numba_compile_listener():
     return CompileTimes()
 
 
+def _compile_once_across_workers() -> None:
+    """Numba compiles a cached kernel version in one pytest worker at a time.
+
+    Two workers that start on a cold cache need the same kernels at about the same time, and
+    each compiled them (a fresh clone's run compiled 28 versions twice: 488 s of CPU, most of
+    it the GGUF product kernels at ~45 s each). So ``Dispatcher.compile`` of a function with
+    an on-disk cache takes a lock file beside that cache's index (``filelock``) around numba's
+    own compile, which first looks in the disk cache: the worker that waited loads what the
+    other compiled. The file lock is taken inside numba's process-wide compiler lock (the
+    order numba itself uses for nested compiles), and callees are compiled while their
+    callers' locks are held, in call-graph order, so no two workers wait for each other.
+    """
+    import threading
+
+    from filelock import FileLock
+    from numba.core.caching import FunctionCache
+    from numba.core.compiler_lock import global_compiler_lock
+    from numba.core.dispatcher import Dispatcher
+
+    compile_alone = Dispatcher.compile
+    locks: dict[str, FileLock] = {}
+    guard = threading.Lock()
+
+    def compile(self, sig):
+        cache = getattr(self, "_cache", None)
+        if not isinstance(cache, FunctionCache):
+            return compile_alone(self, sig)
+        path = cache._cache_file._index_path + ".lock"
+        with global_compiler_lock:
+            with guard:
+                lock = locks.setdefault(path, FileLock(path, thread_local=False))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with lock:
+                return compile_alone(self, sig)
+
+    Dispatcher.compile = compile
+
+
 def pytest_configure(config):
     try:
         from numba.core import event
     except ImportError:  # pragma: no cover - numba is a dependency
         return
     event.register("numba:compile", _numba_compile_listener())
+    _compile_once_across_workers()
     config._numba_compiles = {}  # controller: worker id -> that worker's _compile_seconds
 
 
