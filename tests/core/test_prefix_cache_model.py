@@ -61,13 +61,23 @@ def shared_prefix_prompts(tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def shared_prefix_reference(smollm2_dir, shared_prefix_prompts) -> list[list[int]]:
+    """transformers' greedy tokens after each prompt. Its KV cache of the shared 256 tokens
+    is computed once and a copy continues each prompt (transformers' own prompt reuse,
+    ``generate(cache=copy.deepcopy(prefix_cache))``), so the reference costs one
+    prefix, not eight."""
+    import copy
+
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32, attn_implementation="eager").eval()
     model.generation_config.eos_token_id = None
+    prefix = shared_prefix_prompts[0][:256]
+    assert all(ids[:256] == prefix for ids in shared_prefix_prompts)
     with torch.no_grad():
-        return [model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                               pad_token_id=2)[0, len(ids):].tolist() for ids in shared_prefix_prompts]
+        prefix_cache = model(torch.tensor([prefix]), use_cache=True).cache
+        return [model.generate(torch.tensor([ids]), cache=copy.deepcopy(prefix_cache),
+                               max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=2)[0, len(ids):].tolist()
+                for ids in shared_prefix_prompts]
 
 
 def test_shared_256_token_prefix(smollm2_dir, shared_prefix_prompts, shared_prefix_reference):

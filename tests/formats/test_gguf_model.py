@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from refengine import LLM, SamplingParams
+from refengine.core.engine import load_tokenizer
 from refengine.quant import StackedWeight, is_quantized
 
 PROMPT = ("The history of the printing press begins in the fifteenth century, when Johannes "
@@ -23,10 +24,16 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 # the float32 references below are built once, not by each worker.
 pytestmark = pytest.mark.xdist_group("gguf_model")
 
+# Every engine here: one numba thread (the bits do not depend on the thread count: batch
+# invariance; one thread spares each start the warm-up of the parallel kernels) and a
+# context of 128 tokens (the longest sequence here is PROMPT plus 12 tokens, about 50; the
+# warm-up's passes are bounded by it).
+SMALL = dict(num_threads=1, max_model_len=128, log_stats=False)
+
 
 @pytest.fixture(scope="module")
 def float_llm(smollm2_dir):
-    return LLM(model=smollm2_dir, block_size=16, log_stats=False)
+    return LLM(model=smollm2_dir, block_size=16, **SMALL)
 
 
 @pytest.fixture(scope="module")
@@ -44,18 +51,18 @@ def float_greedy(float_llm) -> list[list[int]]:
 
 @pytest.fixture(scope="module", params=["numba", "numpy"])
 def gguf_llm(request, gguf_path):
-    return LLM(model=gguf_path, attention_backend=request.param, block_size=16, log_stats=False)
+    return LLM(model=gguf_path, attention_backend=request.param, block_size=16, **SMALL)
 
 
 def test_dequantized_gguf_is_the_converted_directory(gguf_path, float_llm, float_prompt_logits):
     """``dtype="float32"`` dequantizes at load: the very weights ``convert-gguf`` writes."""
-    llm = LLM(model=gguf_path, dtype="float32", block_size=16, log_stats=False)
+    llm = LLM(model=gguf_path, dtype="float32", block_size=16, **SMALL)
     ids = float_llm.get_tokenizer().encode(PROMPT)
     np.testing.assert_array_equal(llm.prompt_logits(ids), float_prompt_logits)
 
 
 def test_weights_stay_in_their_stored_types(gguf_path):
-    llm = LLM(model=gguf_path, attention_backend="numpy", log_stats=False)
+    llm = LLM(model=gguf_path, attention_backend="numpy", **SMALL)
     model = llm.llm_engine.model
     assert is_quantized(model.embed) and model.embed.format == "Q8_0"
     assert model.lm_head is model.embed  # tied: the Q8_0 rows are read as they are
@@ -68,7 +75,9 @@ def test_weights_stay_in_their_stored_types(gguf_path):
 
 
 def test_tokenizer_and_template_from_metadata(gguf_path, smollm2_dir, float_llm):
-    ours = LLM(model=gguf_path, dtype="float32", log_stats=False).get_tokenizer()
+    """The tokenizer an engine of the GGUF file builds (``load_tokenizer``, which ``LLM``
+    calls: no weights needed) against the converted directory's ``tokenizer.json``."""
+    ours = load_tokenizer(gguf_path, float_llm.llm_engine.model_config.vocab_size)
     ref = float_llm.get_tokenizer()
     for text in (PROMPT, "12345 digits, emoji 🙂 and 中文", "<|im_start|>user\nhi<|im_end|>"):
         assert ours.encode(text) == ref.encode(text)

@@ -18,6 +18,9 @@ the installed copy, says so once and leaves them for the next process, is test_w
 ``test_installed_wheel_runs_outside_the_checkout``; compiling each kernel again here (the
 GGUF Q4_1 products alone take minutes of CPU) would check nothing more.
 
+Each command runs on one core (:func:`one_core`), as a returning user's on a one-core
+machine would: the same outputs, without the parallel kernels' warm-up in every process.
+
 This takes minutes, and must: a new environment with its dependencies, and eight commands
 and the example, each a new process that loads the model and warms its engine up (the
 perplexity command runs two engines over four 512-token windows).
@@ -70,6 +73,14 @@ def fresh_env(tmp_path_factory, refengine_wheel) -> Path:
     share_numba_cache(installed, ROOT / "refengine")
 
 
+def one_core() -> None:
+    """Run a child process on one of this process's cores (``preexec_fn``): its engines then
+    see one usable core and warm up only the serial kernels; the commands and their outputs
+    are the same (the bits do not depend on the thread count: batch invariance), and the
+    suite's other worker keeps the other core."""
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+
+
 def test_readme_commands_in_order(fresh_env, smollm2_dir, gguf_path, tmp_path):
     env = {**os.environ, "REFENGINE_MODEL": str(smollm2_dir), "REFENGINE_CACHE_DIR": str(tmp_path / "cache")}
     commands = quick_start_commands()
@@ -81,7 +92,8 @@ def test_readme_commands_in_order(fresh_env, smollm2_dir, gguf_path, tmp_path):
         if argv[1] == "convert-gguf":
             argv[2:4] = [str(gguf_path), str(tmp_path / "converted")]
         stdin = "Hi\n/exit\n" if argv[1] == "chat" else None
-        res = subprocess.run(argv, input=stdin, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+        res = subprocess.run(argv, input=stdin, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600,
+                             preexec_fn=one_core)
         out = res.stdout + res.stderr
         assert "Traceback" not in out, (command, out)
         if "--compare-transformers" in argv:  # torch is a test extra: the one-line message names it
@@ -95,6 +107,6 @@ def test_readme_commands_in_order(fresh_env, smollm2_dir, gguf_path, tmp_path):
 def test_readme_python_example_from_another_directory(fresh_env, smollm2_dir, tmp_path):
     env = {**os.environ, "REFENGINE_MODEL": str(smollm2_dir), "REFENGINE_CACHE_DIR": str(tmp_path / "cache")}
     res = subprocess.run([str(fresh_env / "bin" / "python"), "-c", python_example()], capture_output=True, text=True,
-                         cwd=tmp_path, env=env, timeout=600)
+                         cwd=tmp_path, env=env, timeout=600, preexec_fn=one_core)
     assert res.returncode == 0, res.stderr
     assert "Paris" in res.stdout

@@ -211,8 +211,10 @@ def test_killed_replica_is_restarted_and_no_request_is_lost(endpoint):
         deadline = time.monotonic() + 60
         while _gauge(endpoint, victim, "refengine:num_requests_running") < 1 and time.monotonic() < deadline:
             time.sleep(0.05)  # until it runs on the victim
-        futures = [pool.submit(_complete, endpoint, (prefix if i % 2 else _prefix(50 + i)) + [i, 9], 8)
-                   for i in range(8)]  # half affine to the victim, racing the kill
+        # half affine to the victim, racing the kill; the other half of distinct 2-block
+        # prefixes (routed by rendezvous hashing like any prefix, a quarter of the prefill)
+        futures = [pool.submit(_complete, endpoint, (prefix if i % 2 else _prefix(50 + i, 2 * BLOCK)) + [i, 9], 8)
+                   for i in range(8)]
         os.kill(replicas[victim]["pid"], signal.SIGKILL)
         answers = [f.result() for f in futures]  # every one answered 200
         rerun = running.result()  # non-streamed, nothing had reached the client: sent again, to the survivor

@@ -178,7 +178,9 @@ SEEDS = (0, 1, 2)
 
 @pytest.fixture(scope="module")
 def smol(smollm2_dir):
-    return LLM(model=smollm2_dir, max_model_len=1024, log_stats=False)
+    """SmolLM2 on one numba thread: the sampled tokens do not depend on the thread count
+    (batch invariance), and one thread spares its start the warm-up of the parallel kernels."""
+    return LLM(model=smollm2_dir, max_model_len=1024, log_stats=False, num_threads=1)
 
 
 def chat_prompt(llm, text: str) -> list[int]:

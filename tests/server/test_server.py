@@ -40,8 +40,11 @@ MAX_TOKENS = 4
 
 @pytest.fixture(scope="module")
 def smol(smollm2_dir):
-    """One SmolLM2 engine: reference outputs from ``LLM.generate`` first, then served."""
-    llm = LLM(model=smollm2_dir, max_model_len=512, num_kv_blocks=192, log_stats=False)  # the tool calls' 25 sequences
+    """One SmolLM2 engine: reference outputs from ``LLM.generate`` first, then served. On one
+    numba thread: the bits do not depend on the thread count (batch invariance), and one
+    thread spares its start the warm-up of the parallel kernels."""
+    llm = LLM(model=smollm2_dir, max_model_len=512, num_kv_blocks=192, log_stats=False,  # the tool calls' 25 sequences
+              num_threads=1)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2)
     chat_ids = llm.get_tokenizer().apply_chat_template(CHAT, tokenize=True)
     refs = llm.generate(PROMPTS + [chat_ids], greedy, use_tqdm=False)
