@@ -28,6 +28,7 @@ perplexity command runs two engines over four 512-token windows).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -73,12 +74,22 @@ def fresh_env(tmp_path_factory, refengine_wheel) -> Path:
     share_numba_cache(installed, ROOT / "refengine")
 
 
-def one_core() -> None:
-    """Run a child process on one of this process's cores (``preexec_fn``): its engines then
-    see one usable core and warm up only the serial kernels; the commands and their outputs
-    are the same (the bits do not depend on the thread count: batch invariance), and the
-    suite's other worker keeps the other core."""
-    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+@contextlib.contextmanager
+def one_core():
+    """Child processes started inside the block run on one of this process's cores: its
+    engines then see one usable core and warm up only the serial kernels; the commands and
+    their outputs are the same (the bits do not depend on the thread count: batch
+    invariance), and the suite's other worker keeps the other core.
+
+    Linux's affinity (``sched_setaffinity(0, ...)``) is the calling thread's, and a child
+    inherits its parent thread's: only this thread is pinned meanwhile, and no Python runs
+    between fork and exec (as ``preexec_fn`` would, unsafe with other threads alive)."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(before)})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def test_readme_commands_in_order(fresh_env, smollm2_dir, gguf_path, tmp_path):
@@ -92,8 +103,9 @@ def test_readme_commands_in_order(fresh_env, smollm2_dir, gguf_path, tmp_path):
         if argv[1] == "convert-gguf":
             argv[2:4] = [str(gguf_path), str(tmp_path / "converted")]
         stdin = "Hi\n/exit\n" if argv[1] == "chat" else None
-        res = subprocess.run(argv, input=stdin, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600,
-                             preexec_fn=one_core)
+        with one_core():
+            res = subprocess.run(argv, input=stdin, capture_output=True, text=True, cwd=tmp_path, env=env,
+                                 timeout=600)
         out = res.stdout + res.stderr
         assert "Traceback" not in out, (command, out)
         if "--compare-transformers" in argv:  # torch is a test extra: the one-line message names it
@@ -106,7 +118,8 @@ def test_readme_commands_in_order(fresh_env, smollm2_dir, gguf_path, tmp_path):
 
 def test_readme_python_example_from_another_directory(fresh_env, smollm2_dir, tmp_path):
     env = {**os.environ, "REFENGINE_MODEL": str(smollm2_dir), "REFENGINE_CACHE_DIR": str(tmp_path / "cache")}
-    res = subprocess.run([str(fresh_env / "bin" / "python"), "-c", python_example()], capture_output=True, text=True,
-                         cwd=tmp_path, env=env, timeout=600, preexec_fn=one_core)
+    with one_core():
+        res = subprocess.run([str(fresh_env / "bin" / "python"), "-c", python_example()], capture_output=True,
+                             text=True, cwd=tmp_path, env=env, timeout=600)
     assert res.returncode == 0, res.stderr
     assert "Paris" in res.stdout
