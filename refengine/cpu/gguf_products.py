@@ -88,9 +88,16 @@ _U = np.uintp  # unsigned indices: no negative-index wraparound in the address a
 
 # ---------------------------------------------------------------------------------------
 # Shared pieces of the fused kernels.
+#
+# numba's own inliner (``inline="always"``) re-runs its passes on the callee at every call
+# site, and again inside every inlined caller: the helpers with loops that several sites
+# call (the minimum terms, the f16 scale rows) are plain cached functions instead, compiled
+# once for every type and inlined by LLVM all the same. ``inline="always"`` stays on the
+# type-generic bodies (``kind`` must be a constant for their branches to fold away) and on
+# the loop-free pieces of the inner loops.
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _f16_plane_rows(plane, j0, j1, out):  # pragma: no cover - compiled
     """``out[(j - j0) * n + b] = f16(plane[j, b])`` for rows ``j0 <= j < j1`` of a uint16
     plane ``[rows, n]`` (``out``: float32 ``[>= (j1 - j0) * n + 8]``): the rows' scales in one
@@ -105,7 +112,7 @@ def _f16_plane_rows(plane, j0, j1, out):  # pragma: no cover - compiled
         out[b] = f16_to_f32(flat[base + b])
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _weighted_sum(a, ao, xs, xo, n):  # pragma: no cover - compiled
     """``sum_b a[ao + b] * xs[xo + b]`` for ``b < n`` (flat arrays): eight lanes, :func:`f8_sum`,
     then the tail in order."""
@@ -120,7 +127,7 @@ def _weighted_sum(a, ao, xs, xo, n):  # pragma: no cover - compiled
     return s
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _weighted_sum_f16(m, mo, xs, n):  # pragma: no cover - compiled
     """:func:`_weighted_sum` of the f16 plane ``m`` (flat, from
     ``mo``) with ``xs[0 : n]``, each minimum converted as it is read: the same values in the
@@ -502,7 +509,7 @@ def _q5_1_dequant(d, m, qh, qs, j0, j1, buf):  # pragma: no cover - compiled
 Q4_K, Q5_K = 0, 1
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _k_sub_scales(d, dmin, scales, j, sd, sm):  # pragma: no cover - compiled
     """Row ``j``'s sub-block scales ``sd[8i + s] = d * sc`` and negated minimums
     ``sm[8i + s] = -(dmin * m)`` (ggml's ``get_scale_min_k4``; the products rounded as in
@@ -659,7 +666,7 @@ def _q5_k_dequant(d, dmin, scales, qh, qs, j0, j1, buf, scratch):  # pragma: no 
 # Q6_K: superblocks of 256, sixteen groups of 16 with an int8 scale each, one f16 d.
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _q6_scales(d, scales, j, sd):  # pragma: no cover - compiled
     """Row ``j``'s group scales ``sd[16i + g] = d * scales[g]`` (rounded as ``dequantize_row_q6_K``)."""
     nb = _U(d.shape[1])
