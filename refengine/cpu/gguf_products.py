@@ -509,7 +509,7 @@ def _q5_1_dequant(d, m, qh, qs, j0, j1, buf):  # pragma: no cover - compiled
 Q4_K, Q5_K = 0, 1
 
 
-@njit(cache=True)
+@njit(inline="always")
 def _k_sub_scales(d, dmin, scales, j, sd, sm):  # pragma: no cover - compiled
     """Row ``j``'s sub-block scales ``sd[8i + s] = d * sc`` and negated minimums
     ``sm[8i + s] = -(dmin * m)`` (ggml's ``get_scale_min_k4``; the products rounded as in
@@ -666,7 +666,7 @@ def _q5_k_dequant(d, dmin, scales, qh, qs, j0, j1, buf, scratch):  # pragma: no 
 # Q6_K: superblocks of 256, sixteen groups of 16 with an int8 scale each, one f16 d.
 
 
-@njit(cache=True)
+@njit(inline="always")
 def _q6_scales(d, scales, j, sd):  # pragma: no cover - compiled
     """Row ``j``'s group scales ``sd[16i + g] = d * scales[g]`` (rounded as ``dequantize_row_q6_K``)."""
     nb = _U(d.shape[1])
