@@ -127,7 +127,7 @@ def _weighted_sum(a, ao, xs, xo, n):  # pragma: no cover - compiled
     return s
 
 
-@njit(cache=True)
+@njit(inline="always")
 def _weighted_sum_f16(m, mo, xs, n):  # pragma: no cover - compiled
     """:func:`_weighted_sum` of the f16 plane ``m`` (flat, from
     ``mo``) with ``xs[0 : n]``, each minimum converted as it is read: the same values in the
