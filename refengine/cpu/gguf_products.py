@@ -88,9 +88,16 @@ _U = np.uintp  # unsigned indices: no negative-index wraparound in the address a
 
 # ---------------------------------------------------------------------------------------
 # Shared pieces of the fused kernels.
+#
+# numba's own inliner (``inline="always"``) re-runs its passes on the callee at every call
+# site, and again inside every inlined caller: the helpers with loops that several sites
+# call (the minimum terms, the f16 scale rows) are plain cached functions instead, compiled
+# once for every type and inlined by LLVM all the same. ``inline="always"`` stays on the
+# type-generic bodies (``kind`` must be a constant for their branches to fold away) and on
+# the loop-free pieces of the inner loops.
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _f16_plane_rows(plane, j0, j1, out):  # pragma: no cover - compiled
     """``out[(j - j0) * n + b] = f16(plane[j, b])`` for rows ``j0 <= j < j1`` of a uint16
     plane ``[rows, n]`` (``out``: float32 ``[>= (j1 - j0) * n + 8]``): the rows' scales in one
@@ -105,7 +112,7 @@ def _f16_plane_rows(plane, j0, j1, out):  # pragma: no cover - compiled
         out[b] = f16_to_f32(flat[base + b])
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _weighted_sum(a, ao, xs, xo, n):  # pragma: no cover - compiled
     """``sum_b a[ao + b] * xs[xo + b]`` for ``b < n`` (flat arrays): eight lanes, :func:`f8_sum`,
     then the tail in order."""

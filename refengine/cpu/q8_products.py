@@ -761,9 +761,15 @@ def _interleave(fmt: str, p: dict, n: int, in_place: bool = False) -> tuple[np.n
 
 # ---------------------------------------------------------------------------------------
 # The kernels.
+#
+# numba's own inliner (``inline="always"``) re-runs its passes on the callee at every call
+# site, dead branches included: the K-quants' superblock pieces and the group store are
+# plain cached functions, compiled once for every type (``kind`` an argument there, folded
+# when LLVM inlines them into each kernel, as it does), so a kernel of one type no longer
+# carries the others' inlined bodies through numba's passes.
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _k_group_isum(kind, qr, hr, sr, blk, xq, xo):  # pragma: no cover - compiled
     """Superblock ``blk`` of a group, Q4_K or Q5_K: the sixteen rows' ``sum_s sc_s * dot_s``
     over the eight sub-blocks of 32, ``dot_s`` the exact int32 dot of the sub-block's quants
@@ -790,7 +796,7 @@ def _k_group_isum(kind, qr, hr, sr, blk, xq, xo):  # pragma: no cover - compiled
     return isum
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _q6_group_isum(qr, hr, sr, blk, xq, xo):  # pragma: no cover - compiled
     """Superblock ``blk`` of a group, Q6_K: the sixteen rows' ``sum_g sc_g * dot_g`` over the
     sixteen groups of 16 weights, ``dot_g`` the int32 dot of the unsigned 6-bit quants (the
@@ -851,7 +857,7 @@ def _group_isum(kind, qr, hr, sr, blk, xq, xo):  # pragma: no cover - compiled
     return q16_sum(i0, i1)
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _k_block_step(kind, isum, bs, dx, t, b, sr, dr, mr, blk, acc, accm):  # pragma: no cover - compiled
     """Superblock ``b`` of activation row ``t`` into that row's accumulators, K-quants (the
     module docstring's chain): Q4_K/Q5_K's minimums meet only the activations' sums,
@@ -896,7 +902,7 @@ def _block_step(kind, isum, qsum, dx, xsq, t, b, sr, dr, mr, blk, acc, accm):  #
     return acc, accm
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _store_group(of, t, j, n, acc, accm, tmp):  # pragma: no cover - compiled
     """``out[t, j : j + 16] = acc + accm`` (``of``: ``out [T, n]`` flat), only the columns
     below ``n`` (a last, partial group through ``tmp``)."""
