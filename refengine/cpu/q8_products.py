@@ -309,19 +309,31 @@ def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     Raises:
         ValueError: ``x`` not 2-D, or ``K`` not a multiple of 32.
     """
+    return _quantize_activations(x, 32, 32, np.float32, _quantize_rows, _quantize_task)
+
+
+def _quantize_activations(x: np.ndarray, block: int, group: int, sums_dtype, rows_kernel, task):
+    """The driver of :func:`quantize_q8_0` and :func:`quantize_q8_k`: ``x [T, K]`` checked,
+    the outputs allocated (int8 quants ``[T, K]``, float32 scales ``[T, K/block]``, sums
+    ``[T, K/group]`` of ``sums_dtype``), the rows quantized by ``task`` on this thread or by
+    ``rows_kernel`` (a :class:`ParallelKernel` over tasks of rows) on numba's threads.
+
+    Raises:
+        ValueError: ``x`` not 2-D, or ``K`` not a multiple of ``block``.
+    """
     x = np.ascontiguousarray(x, dtype=np.float32)
-    if x.ndim != 2 or x.shape[1] % 32:
-        raise ValueError(f"x must be [T, K] with K a multiple of 32, got {x.shape}")
+    if x.ndim != 2 or x.shape[1] % block:
+        raise ValueError(f"x must be [T, K] with K a multiple of {block}, got {x.shape}")
     rows, k = x.shape
     xq = np.empty((rows, k), dtype=np.int8)
-    dx = np.empty((rows, k // 32), dtype=np.float32)
-    xsq = np.empty((rows, k // 32), dtype=np.float32)
+    dx = np.empty((rows, k // block), dtype=np.float32)
+    sums = np.empty((rows, k // group), dtype=sums_dtype)
     threads = get_num_threads()
     if threads > 1 and rows >= QUANTIZE_PARALLEL_MIN_ROWS:
-        _quantize_rows.parallel(x, xq, dx, xsq, -(-rows // (4 * threads)))
+        rows_kernel.parallel(x, xq, dx, sums, -(-rows // (4 * threads)))
     elif rows:
-        _quantize_task(x, xq, dx, xsq, 0, rows)
-    return xq, dx, xsq
+        task(x, xq, dx, sums, 0, rows)
+    return xq, dx, sums
 
 
 # ---------------------------------------------------------------------------------------
@@ -380,19 +392,7 @@ def quantize_q8_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     Raises:
         ValueError: ``x`` not 2-D, or ``K`` not a multiple of 256.
     """
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if x.ndim != 2 or x.shape[1] % 256:
-        raise ValueError(f"x must be [T, K] with K a multiple of 256, got {x.shape}")
-    rows, k = x.shape
-    xq = np.empty((rows, k), dtype=np.int8)
-    dx = np.empty((rows, k // 256), dtype=np.float32)
-    bs = np.empty((rows, k // 16), dtype=np.int32)
-    threads = get_num_threads()
-    if threads > 1 and rows >= QUANTIZE_PARALLEL_MIN_ROWS:
-        _quantize_k_rows.parallel(x, xq, dx, bs, -(-rows // (4 * threads)))
-    elif rows:
-        _quantize_k_task(x, xq, dx, bs, 0, rows)
-    return xq, dx, bs
+    return _quantize_activations(x, 256, 16, np.int32, _quantize_k_rows, _quantize_k_task)
 
 
 # ---------------------------------------------------------------------------------------
