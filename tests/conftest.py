@@ -25,9 +25,8 @@ def _torch_on_one_thread():
     """Every transformers reference of the suite runs on one torch thread.
 
     ``make test`` runs one pytest worker per core, so torch's default (a thread per core)
-    has each worker's OpenMP threads spin-waiting for a core the other worker holds: the
-    same greedy generations took about nine times the CPU seconds of one thread. The thread
-    count is no part of a reference (it varies with the machine anyway), and one count for
+    has each worker's OpenMP threads spin-waiting for a core the other worker holds, CPU time
+    that buys nothing. The thread count is no part of a reference (it varies with the machine anyway), and one count for
     every run makes the references the same under one worker and under two.
     """
     try:
@@ -198,35 +197,31 @@ def _compile_once_across_workers() -> None:
     """Numba compiles a cached kernel version in one pytest worker at a time.
 
     Two workers that start on a cold cache need the same kernels at about the same time, and
-    each compiled them (a fresh clone's run compiled 28 versions twice: 488 s of CPU, most of
-    it the GGUF product kernels at ~45 s each). So ``Dispatcher.compile`` of a function with
+    each compiled them. So ``Dispatcher.compile`` of a function with
     an on-disk cache takes a lock file beside that cache's index (``filelock``) around numba's
     own compile, which first looks in the disk cache: the worker that waited loads what the
     other compiled. The file lock is taken inside numba's process-wide compiler lock (the
     order numba itself uses for nested compiles), and callees are compiled while their
     callers' locks are held, in call-graph order, so no two workers wait for each other.
     """
-    import threading
-
     from filelock import FileLock
     from numba.core.caching import FunctionCache
     from numba.core.compiler_lock import global_compiler_lock
     from numba.core.dispatcher import Dispatcher
 
     compile_alone = Dispatcher.compile
-    locks: dict[str, FileLock] = {}
-    guard = threading.Lock()
+    locks: dict[str, FileLock] = {}  # one per index, so a nested compile of the same function re-enters it
 
     def compile(self, sig):
         cache = getattr(self, "_cache", None)
         if not isinstance(cache, FunctionCache):
             return compile_alone(self, sig)
         path = cache._cache_file._index_path + ".lock"
-        with global_compiler_lock:
-            with guard:
-                lock = locks.setdefault(path, FileLock(path, thread_local=False))
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with lock:
+        with global_compiler_lock:  # numba's reentrant process-wide lock: it also guards ``locks``
+            if path not in locks:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                locks[path] = FileLock(path, thread_local=False)
+            with locks[path]:
                 return compile_alone(self, sig)
 
     Dispatcher.compile = compile
