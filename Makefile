@@ -18,9 +18,11 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[plot,serve]'
 	touch $@
 
-$(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
+# one pip run for everything (each run resolves the whole environment again); it also
+# stands for `install`'s, so `weights` does not install a second time
+$(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[test,plot,serve]'
-	touch $@
+	touch $(VENV)/.installed $@
 
 install: $(VENV)/.installed
 
