@@ -67,17 +67,65 @@ def gemma3_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
-def hf_gemma3_config(gemma3_gguf):
-    """transformers' config for the Gemma 3 GGUF file (``AutoConfig``: a ``Gemma3TextConfig``),
-    read once: transformers reads this architecture's metadata with gguf-py's ``GGUFReader``,
-    item by item over the 262,144-token vocabulary, the slow part of every load from the file."""
-    import transformers
+def shared_gguf_reader():
+    """``reader(path)``: gguf-py's ``GGUFReader`` of a file, built once for the session.
 
-    return transformers.AutoConfig.from_pretrained(gemma3_gguf.parent, gguf_file=gemma3_gguf.name)
+    Building one makes numpy views for every string of every array: for Gemma 3's
+    262,144-token vocabulary, most of each transformers load from the file. The reader is
+    read-only (a ``mode="r"`` memmap), so every user gets the same fields and tensors; a
+    file rewritten in place (another size or mtime) gets a fresh reader.
+    """
+    import gguf
+
+    build = gguf.GGUFReader
+    readers: dict[tuple, object] = {}
+
+    def reader(path, mode="r"):
+        stat = os.stat(path)
+        key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns, mode)
+        if key not in readers:
+            readers[key] = build(path, mode)
+        return readers[key]
+
+    return reader
 
 
 @pytest.fixture(scope="session")
-def hf_gemma3(gemma3_gguf, hf_gemma3_config):
+def _one_gguf_reader(shared_gguf_reader):
+    """A context manager under which transformers gets :func:`shared_gguf_reader`'s readers.
+
+    transformers' ``load_gguf_checkpoint`` builds a ``GGUFReader`` on every call
+    (``AutoConfig``, ``AutoTokenizer``'s config lookup and ``AutoModelForCausalLM`` each make
+    one). Only transformers' calls inside the ``with`` see the shared reader; refengine's code
+    never does.
+    """
+    import contextlib
+
+    import gguf
+
+    @contextlib.contextmanager
+    def one_reader():
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(gguf, "GGUFReader", shared_gguf_reader)
+            yield
+
+    return one_reader
+
+
+@pytest.fixture(scope="session")
+def hf_gemma3_config(gemma3_gguf, _one_gguf_reader):
+    """transformers' config for the Gemma 3 GGUF file (``AutoConfig``: a ``Gemma3TextConfig``),
+    read once: transformers reads this architecture's metadata with gguf-py's ``GGUFReader``,
+    item by item over the 262,144-token vocabulary, the slow part of every load from the file
+    (shared with ``hf_tok`` and ``hf_gemma3`` by ``_one_gguf_reader``)."""
+    import transformers
+
+    with _one_gguf_reader():
+        return transformers.AutoConfig.from_pretrained(gemma3_gguf.parent, gguf_file=gemma3_gguf.name)
+
+
+@pytest.fixture(scope="session")
+def hf_gemma3(gemma3_gguf, hf_gemma3_config, _one_gguf_reader):
     """transformers' ``Gemma3ForCausalLM`` loaded from the same GGUF file (dequantized to
     float32, eager attention): the reference of the Gemma 3 golden tests, loaded once.
 
@@ -87,18 +135,20 @@ def hf_gemma3(gemma3_gguf, hf_gemma3_config):
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        gemma3_gguf.parent, gguf_file=gemma3_gguf.name, config=hf_gemma3_config, dtype=torch.float32,
-        attn_implementation="eager")
+    with _one_gguf_reader():
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            gemma3_gguf.parent, gguf_file=gemma3_gguf.name, config=hf_gemma3_config, dtype=torch.float32,
+            attn_implementation="eager")
     return model.eval()
 
 
 @pytest.fixture(scope="session")
-def hf_tok(gemma3_gguf):
+def hf_tok(gemma3_gguf, _one_gguf_reader):
     """transformers' tokenizer for the same file (its GGUF Gemma converter)."""
     import transformers
 
-    return transformers.AutoTokenizer.from_pretrained(gemma3_gguf.parent, gguf_file=gemma3_gguf.name)
+    with _one_gguf_reader():
+        return transformers.AutoTokenizer.from_pretrained(gemma3_gguf.parent, gguf_file=gemma3_gguf.name)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -16,7 +16,7 @@ import json
 import numpy as np
 import pytest
 
-from refengine.formats.gguf_file import GGUFFile, _gemma3_config, build_tokenizer
+from refengine.formats.gguf_file import GGUFFile, _gemma3_config
 
 
 slow = pytest.mark.slow
@@ -210,10 +210,13 @@ def test_config_optional_keys():
 
 
 @slow
-def test_tokenizer_pipeline_is_transformers(gguf, hf_tok):
+def test_tokenizer_pipeline_is_transformers(tok, hf_tok):
     """The whole tokenizers pipeline, serialized: vocabulary, the 514,906 rebuilt merges,
-    normalizer, pre-tokenizer, decoder, post-processor and added tokens."""
-    ours = json.loads(build_tokenizer(gguf.meta).to_str())
+    normalizer, pre-tokenizer, decoder, post-processor and added tokens.
+
+    ``tok`` wraps ``build_tokenizer(gguf.meta)`` (``GGUFFile.tokenizer``), the pipeline
+    ``convert_gguf`` saves too, so it is not rebuilt here."""
+    ours = json.loads(tok._tok.to_str())
     theirs = json.loads(hf_tok.backend_tokenizer.to_str())
     assert len(ours["model"]["merges"]) == len(theirs["model"]["merges"]) > 500_000
     for key in theirs:
@@ -258,12 +261,18 @@ def test_file_has_no_chat_template(gguf, tok, hf_tok):
 
 
 @slow
-def test_chat_template_renders_as_transformers(gemma3_gguf, hf_tok):
+def test_chat_template_renders_as_transformers(gguf, tok, hf_tok):
     """With Gemma 3's template in the metadata, the rendering (bos_token variable, trim,
-    roles) and its ids equal transformers' apply_chat_template with that template."""
-    gguf = GGUFFile(gemma3_gguf)  # not the shared one: its metadata is edited
-    gguf.meta["tokenizer.chat_template"] = GEMMA3_CHAT_TEMPLATE
-    tok = gguf.tokenizer()
+    roles) and its ids equal transformers' apply_chat_template with that template.
+
+    The tokenizer is built as ``GGUFFile.tokenizer`` builds it, from metadata that adds the
+    template (``tokenizer_config``), around the shared ``tok``'s pipeline: the template key
+    plays no part in ``build_tokenizer``, so the vocabulary and merges are not rebuilt."""
+    from refengine.formats.gguf_file import tokenizer_config
+    from refengine.tokenizer import Tokenizer
+
+    meta = {**gguf.meta, "tokenizer.chat_template": GEMMA3_CHAT_TEMPLATE}
+    tok = Tokenizer(tok._tok, tokenizer_config(meta, gguf.config), gguf.generation_config)
     for messages in (CONVERSATION, CONVERSATION[1:]):
         text = tok.apply_chat_template(messages, add_generation_prompt=True)
         expected = hf_tok.apply_chat_template(messages, chat_template=GEMMA3_CHAT_TEMPLATE,

@@ -34,9 +34,10 @@ def _flat(value):
     return value
 
 
-def assert_same_as_gguf_reader(path):
+def assert_same_as_gguf_reader(path, theirs=None):
+    """``theirs``: ``gguf.GGUFReader(path)``, built here unless given."""
     ours = read_gguf_header(path)
-    theirs = gguf.GGUFReader(path)
+    theirs = gguf.GGUFReader(path) if theirs is None else theirs
     assert ours.version == theirs.fields["GGUF.version"].contents()
     assert ours.byte_order == ("<" if theirs.endianess == gguf.GGUFEndian.LITTLE else ">")
     assert ours.alignment == theirs.alignment and ours.data_offset == theirs.data_offset
@@ -77,8 +78,11 @@ def test_smollm2_file_reads_as_gguf_reader(gguf_path):
     assert {t.tensor_type.name for t in ours.tensors} >= {"Q4_1", "F32"}
 
 
-def test_gemma3_file_reads_as_gguf_reader(gemma3_gguf):
-    ours, _ = assert_same_as_gguf_reader(gemma3_gguf)
+@pytest.mark.xdist_group("gemma3")
+def test_gemma3_file_reads_as_gguf_reader(gemma3_gguf, shared_gguf_reader):
+    """Against the session's reader of the file (``conftest.py``), the one transformers'
+    Gemma 3 references are loaded with: the worker of the ``gemma3`` group builds it once."""
+    ours, _ = assert_same_as_gguf_reader(gemma3_gguf, shared_gguf_reader(gemma3_gguf))
     tokens = ours.fields["tokenizer.ggml.tokens"]
     assert len(tokens.value) == 262144 and tokens.types == (GGUFValueType.ARRAY, GGUFValueType.STRING)
     scores = ours.fields["tokenizer.ggml.scores"].value

@@ -77,6 +77,30 @@ def reference(hf_run) -> dict[str, list[int]]:
     return {name: tokens for name, (_, tokens) in hf_run.items()}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_tokenizer():
+    """The module's five engines share the tokenizer the first one loads from the GGUF.
+
+    ``load_tokenizer`` builds it from the metadata (the 262,144-token vocabulary and the
+    514,906 merges rebuilt from it), about half of each engine's start; the tokenizer holds no
+    per-engine state, so later engines get the same object the real loader built for the file.
+    """
+    import refengine.core.engine as engine
+
+    load = engine.load_tokenizer
+    loaded: dict[tuple, object] = {}
+
+    def load_once(model_dir, vocab_size):
+        key = (str(model_dir), vocab_size)
+        if key not in loaded:
+            loaded[key] = load(model_dir, vocab_size)
+        return loaded[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine, "load_tokenizer", load_once)
+        yield
+
+
 @pytest.fixture(scope="module")
 def llm(gemma3_gguf) -> LLM:
     return LLM(model=str(gemma3_gguf), log_stats=False)
@@ -110,7 +134,10 @@ def test_greedy_alone_and_batched(llm, prompts, reference):
 
 @pytest.mark.parametrize("chunk", [WINDOW // 2, WINDOW, WINDOW + 188])
 def test_long_prompt_under_chunked_prefill(gemma3_gguf, prompts, reference, chunk):
-    llm = LLM(model=str(gemma3_gguf), enable_chunked_prefill=True, max_num_batched_tokens=chunk, log_stats=False)
+    """The long prompt and the chat one under a token budget below, at and above the window.
+    On one thread (the serial kernels), so the start warms one thread count, not two."""
+    llm = LLM(model=str(gemma3_gguf), enable_chunked_prefill=True, max_num_batched_tokens=chunk, log_stats=False,
+              num_threads=1)
     assert greedy(llm, [prompts["long"], prompts["chat"]]) == [reference["long"], reference["chat"]]
 
 
@@ -118,6 +145,6 @@ def test_greedy_under_preemption(gemma3_gguf, prompts, reference):
     """Blocks of 4 tokens, 10 in the pool: the three short prompts are admitted together and
     outgrow the pool while decoding, so some are preempted and recomputed."""
     names = ["chat", "code", "france"]
-    llm = LLM(model=str(gemma3_gguf), block_size=4, num_kv_blocks=10, log_stats=False)
+    llm = LLM(model=str(gemma3_gguf), block_size=4, num_kv_blocks=10, log_stats=False, num_threads=1)
     assert greedy(llm, [prompts[n] for n in names]) == [reference[n] for n in names]
     assert llm.llm_engine.metrics.total_preemptions > 0
