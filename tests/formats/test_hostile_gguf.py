@@ -173,6 +173,8 @@ def test_the_tiny_files_load(tmp_path):
     ("llama", {"tokenizer.ggml.tokens": ([1, 2, 3], T.INT32)}, r"'tokenizer.ggml.tokens' must be a non-empty array "
                                                                r"of strings"),
     ("gemma3", {"tokenizer.ggml.token_type": [1, 1]}, r"'tokenizer.ggml.token_type' must be an array of 15 integers"),
+    ("gemma3", {"tokenizer.ggml.token_type": ([1.0] * 15, T.FLOAT32)}, r"'tokenizer.ggml.token_type' must be an "
+                                                                        r"array of 15 integers"),
     ("llama", {"tokenizer.ggml.pre": (["smollm"], T.STRING)}, r"unsupported GGUF pre-tokenizer \['smollm'\]"),
 ])
 def test_hostile_metadata_is_refused(tmp_path, arch, changes, message):
