@@ -16,12 +16,15 @@ cases compared with transformers' scores.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from refengine import LLM, BeamSearchParams
 
 MAX_TOKENS = 12
+BLOCK_SIZE = 4
 CHAT = ["What is the capital of France? Answer in one word.", "Name one primary color.", "Say hello."]
 PLAIN = ["The capital of France is", "Once upon a time, there was a"]
 
@@ -51,18 +54,28 @@ def hf_model64(smollm2_dir):
 
 @pytest.fixture(scope="module")
 def exact_logprob(hf_model64):
-    """``exact_logprob(prompt, generated)``: the sum of the generated tokens' log-probabilities,
-    float64 forward over prompt + generated; computed once per beam (the configurations return
-    many of the same beams)."""
+    """``exact_logprob(prompt, generated)``: the sum of the generated tokens' log-probabilities
+    in a float64 forward; computed once per beam (the configurations return many of the same
+    beams). The prompt's forward is run once and its KV cache shared by the prompt's beams:
+    a beam's forward then covers only its own tokens (the same values up to float64 rounding)."""
     known: dict[tuple[tuple[int, ...], tuple[int, ...]], float] = {}
+    prefills: dict[tuple[int, ...], tuple[object, torch.Tensor]] = {}
 
     def logprob(prompt: list[int], generated: list[int]) -> float:
         key = (tuple(prompt), tuple(generated))
         if key not in known:
             with torch.no_grad():
-                logits = hf_model64(torch.tensor([prompt + generated])).logits[0, len(prompt) - 1:-1]
-                lp = torch.log_softmax(logits, dim=-1)
-            known[key] = float(lp[torch.arange(len(generated)), torch.tensor(generated)].sum())
+                if key[0] not in prefills:
+                    out = hf_model64(torch.tensor([prompt]), use_cache=True)
+                    prefills[key[0]] = (out.cache, torch.log_softmax(out.logits[0, -1], dim=-1))
+                cache, first = prefills[key[0]]
+                total = first[generated[0]]
+                if len(generated) > 1:  # the rest, after the prompt's cached keys and values
+                    logits = hf_model64(torch.tensor([generated[:-1]]), cache=copy.deepcopy(cache),
+                                        use_cache=True).logits[0]
+                    lp = torch.log_softmax(logits, dim=-1)
+                    total = total + lp[torch.arange(len(generated) - 1), torch.tensor(generated[1:])].sum()
+            known[key] = float(total)
         return known[key]
 
     return logprob
@@ -87,8 +100,10 @@ def hf_beams(model, ids, width, length_penalty, early_stopping):
 def llm(smollm2_dir):
     """The engine, on one thread: the beams do not depend on the thread count (batch
     invariance), and one thread spares its start the warm-up of the parallel kernels (most of
-    its CPU time)."""
-    return LLM(model=smollm2_dir, device="cpu", block_size=16, log_stats=False, num_threads=1)
+    its CPU time). Small blocks: each step's request of a beam recomputes the tokens after
+    its parent's last full block, so most of the search's compute is up to ``block_size - 1``
+    tokens per beam per step; the beams are the same at any block size (batch invariance)."""
+    return LLM(model=smollm2_dir, device="cpu", block_size=BLOCK_SIZE, log_stats=False, num_threads=1)
 
 
 CONFIGS = [  # (beam width, length_penalty, early_stopping)
@@ -134,7 +149,7 @@ def test_beams_share_their_prefix_through_the_cache(llm, smollm2_dir, prompts):
     assert llm.llm_engine.block_manager.enable_prefix_caching and llm.reset_prefix_cache()
     results = {}
     for caching in (True, False):
-        engine = llm if caching else LLM(model=smollm2_dir, device="cpu", block_size=16, log_stats=False,
+        engine = llm if caching else LLM(model=smollm2_dir, device="cpu", block_size=BLOCK_SIZE, log_stats=False,
                                          num_threads=1, enable_prefix_caching=False)
         computed = engine.llm_engine.metrics.total_prompt_tokens
         outs = engine.beam_search(prompts[3:], params)  # plain prompts: no early EOS
@@ -142,8 +157,8 @@ def test_beams_share_their_prefix_through_the_cache(llm, smollm2_dir, prompts):
                             engine.llm_engine.metrics.total_prompt_tokens - computed)
     assert results[True][0] == results[False][0]
     prompt_len = sum(len(p) for p in prompts[3:])
-    # the first step computes the prompts; each later step at most 16 tokens per live beam
-    assert results[True][1] <= prompt_len + 5 * 2 * 2 * 16
+    # the first step computes the prompts; each later step at most block_size tokens per live beam
+    assert results[True][1] <= prompt_len + 5 * 2 * 2 * BLOCK_SIZE
     assert results[False][1] > prompt_len * 2 * 5  # every step recomputes every beam
 
 
