@@ -327,7 +327,14 @@ def _kv1_impl(cache, i):
     return lambda cache, i: np.float32(cache[i])
 
 
-@njit(inline="always")
+# numba's own inliner (``inline="always"``) re-runs its passes on the callee at every call
+# site, and again inside every inlined caller: the dot of 64 dimensions (seventeen sites) and
+# the prefetch loop (four) are plain cached functions instead, compiled once per cache type
+# and inlined by LLVM all the same. The block loops stay numba-inlined: LLVM keeps them as
+# calls when they are functions of their own.
+
+
+@njit(cache=True)
 def _dot64(q0, q1, q2, q3, kf, kb):  # pragma: no cover - compiled
     """The lane partials of ``q . k[kb : kb + 64]`` (``q`` as four vectors, ``kf`` the flat cache)."""
     t = v16_mul(q0, _kv16(kf, kb))
@@ -495,7 +502,7 @@ def _decode_partition(p, q, k_cache, v_cache, k_scale, v_scale, block_tables, se
                           ob + i * dims)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _prefetch_row(cache, first, length):  # pragma: no cover - compiled
     """Prefetch ``length`` elements of ``cache`` from flat element ``first``, one hint per
     64-byte line (16 float32, 32 float16 or 64 int8 elements)."""
@@ -525,8 +532,9 @@ def paged_decode_kernel(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq
     part_max, part_sum, part_acc = _decode_scratch(num_parts, k_cache.shape[2], q.shape[1], q.shape[2])
     scale32 = np.float32(scale)
     for p in prange(num_parts):
-        _decode_partition(p, q, k_cache, v_cache, k_scale, v_scale, block_tables, seqs, rows, part_seq, part_start,
-                          part_end, scale32, cap, part_max, part_sum, part_acc)
+        # int64 in both versions (prange's index is uint64 in the parallel one): one compiled task function
+        _decode_partition(np.int64(p), q, k_cache, v_cache, k_scale, v_scale, block_tables, seqs, rows, part_seq,
+                          part_start, part_end, scale32, cap, part_max, part_sum, part_acc)
     _merge_partitions(part_seq, rows, part_max, part_sum, part_acc, out)
 
 
@@ -749,8 +757,9 @@ def _flash_prefill(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens
     num_kv = k_cache.shape[2]
     scale32 = np.float32(scale)
     for task in prange(tile_seq.shape[0] * num_kv):
-        _prefill_task(task, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, tile_seq,
-                      tile_q0, scale32, window, cap, q_tile, k_tile, out)
+        # int64 in both versions (prange's index is uint64 in the parallel one): one compiled task function
+        _prefill_task(np.int64(task), q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc,
+                      tile_seq, tile_q0, scale32, window, cap, q_tile, k_tile, out)
 
 
 @njit(cache=True, fastmath=_FM)

@@ -38,7 +38,9 @@ class ParallelKernel:
     Why both: a parallel launch hands the work to pool threads even at one thread, and a
     woken thread waits for a core; on a busy machine that wait (milliseconds) dwarfs a
     decode kernel (microseconds). The serial twin is a separate function to numba (its own
-    name, so its own on-disk cache entry).
+    name, so its own on-disk cache entry). A task function that takes the loop index itself
+    gets it as ``np.int64(i)``: the index is uint64 in the parallel version and int64 in
+    the serial one, and each argument type is a compile of the task function of its own.
     """
 
     def __init__(self, py_func, **options):
