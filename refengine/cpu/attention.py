@@ -225,10 +225,13 @@ def _slot(slot_mapping, t, cache):  # pragma: no cover - compiled
 @njit(cache=True)
 def _write_kv(k_cache, v_cache, k, v, slot_mapping):  # pragma: no cover - compiled
     """``k_cache[slot // bs, slot % bs] = k[t]`` (and ``v``) for each token ``t``."""
+    num_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
     for t in range(slot_mapping.shape[0]):
         block, off = _slot(slot_mapping, t, k_cache)
-        k_cache[block, off] = k[t]
-        v_cache[block, off] = v[t]
+        for h in range(num_kv):  # explicit loops: numba's broadcasting slice assignment takes seconds to compile
+            for d in range(head_dim):
+                k_cache[block, off, h, d] = k[t, h, d]
+                v_cache[block, off, h, d] = v[t, h, d]
 
 
 def kernel_views(k_cache: np.ndarray, v_cache: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -130,7 +130,13 @@ def _lanes():  # pragma: no cover - compiled
     return carray(stack_f32(LANES), (LANES,))
 
 
-@njit(fastmath=_FMA, inline="always")
+# _fold and _dot_tail are plain cached functions, not numba-inlined (``inline="always"``
+# re-runs numba's passes on the callee at each of their twenty call sites): compiled once,
+# and LLVM inlines them all the same (no call left in the tiles' code), flags and bits unchanged.
+# _lanes must stay numba-inlined: its stack array belongs to the caller's frame.
+
+
+@njit(cache=True, fastmath=_FMA)
 def _fold(acc):  # pragma: no cover - compiled
     """The sum of the ``LANES`` partial sums in a fixed tree: halves added lane-wise (16 -> 8 -> 4 -> 2 -> 1)."""
     for lane in range(_U(8)):
@@ -142,7 +148,7 @@ def _fold(acc):  # pragma: no cover - compiled
     return acc[0] + acc[1]
 
 
-@njit(fastmath=_FMA, inline="always")
+@njit(cache=True, fastmath=_FMA)
 def _dot_tail(x, wt, t, j, k_lanes, s):  # pragma: no cover - compiled
     """``s`` plus ``x[t, i] * wt[j, i]`` for the last ``K % LANES`` columns, in order."""
     for i in range(k_lanes, _U(x.shape[1])):
@@ -259,7 +265,7 @@ def _dot_rows_4x4(x, wt, out, j0, j1):  # pragma: no cover - compiled
                 _store_4(x, wt, out, t1, j, k_lanes, b0, b1, b2, b3)
                 _store_4(x, wt, out, t0, j, k_lanes, a0, a1, a2, a3)
     if j4 < _U(j1):
-        _dot_rows_4x1(x, wt, out, j4, j1)
+        _dot_rows_4x1(x, wt, out, np.int64(j4), j1)  # int64 as _matmul_dot passes it: one compiled version
 
 
 @parallel_kernel()
