@@ -19,6 +19,13 @@ from refengine.quant import StackedWeight, compiled_products, is_quantized
 
 logger = logging.getLogger(__name__)
 
+# Rows of the warm-up's prefill chunk: the most rows at which a compiled kernel is chosen in
+# place of another (the attention's BLAS prefill at 64; the GGUF tiles, the int4 and int8
+# tiles, the parallel elementwise layers and the 4x4 dot below it; a test keeps it so). A
+# longer chunk runs the same kernel versions, only for longer: under batch invariance (no
+# BLAS) a chunk as long as the warm-up's context was most of an engine's start.
+WARM_UP_PREFILL_ROWS = 64
+
 
 def prepare_model(model, num_threads: int | None, *, draft: bool = False) -> None:
     """Once per loaded ``model`` of numba layer ops (:meth:`refengine.ops.LayerOps.prepare_model`).
@@ -103,8 +110,8 @@ def warm_up(model, kv_cache, max_rows: int, max_model_len: int) -> None:
     installing or changing a kernel) says once how long compiling took.
 
     The passes: with numba on one thread (the serial twins, which run when other processes
-    hold the other cores) a prefill chunk of :func:`warm_up_prefill_rows` rows, a decode row
-    and a 2-row chunk; then the same with numba at the engine's most threads
+    hold the other cores) a prefill chunk of :data:`WARM_UP_PREFILL_ROWS` rows (or the ops'
+    ``blas_min_rows``, where BLAS takes over), a decode row and a 2-row chunk; then the same with numba at the engine's most threads
     (:func:`refengine.cpu.threads.max_threads`: the parallel kernels), plus a chunk of the
     ops' ``elementwise_parallel_min_rows`` rows (parallel elementwise layers). The thread
     counts are set outright, not adapted to the load, so the set of variants compiled is
@@ -125,7 +132,7 @@ def warm_up(model, kv_cache, max_rows: int, max_model_len: int) -> None:
         positions = np.arange(seq_len - q_len, seq_len, dtype=np.int64)
         model.forward(np.zeros(q_len, dtype=np.int64), positions, kv_cache, meta, np.array([q_len - 1]))
 
-    prefill = min(warm_up_prefill_rows(model.ops.blas_min_rows), max_rows, context)
+    prefill = min(max(model.ops.blas_min_rows, 2), WARM_UP_PREFILL_ROWS, max_rows, context)
     cores = max_threads()
     for numba_threads in sorted({1, cores}):
         use_threads(1, numba_threads)
@@ -142,19 +149,3 @@ def warm_up(model, kv_cache, max_rows: int, max_model_len: int) -> None:
                        "runs load them in about a second", misses, time.perf_counter() - t0,
                        numba_support.kernel_cache_dirs())
 
-
-def warm_up_prefill_rows(blas_min_rows: int) -> int:
-    """Rows of the warm-up's prefill chunk: the most rows at which a compiled kernel is chosen
-    in place of another (the attention's BLAS prefill, the GGUF and int4 tiles, the int8 tile,
-    the parallel elementwise layers, the 4x4 dot), or the layer ops' ``blas_min_rows`` when
-    smaller (from there the products run in BLAS, which compiles nothing). A longer chunk
-    runs the same kernel versions, only for longer: under batch invariance (no BLAS) a chunk
-    as long as the warm-up's context cost most of an engine's start."""
-    from refengine.cpu.attention import BLAS_PREFILL_MIN_ROWS
-    from refengine.cpu.gguf_products import PREFILL_MIN_ROWS
-    from refengine.cpu.int_products import INT4_BLAS_MIN_ROWS, INT8_TILE_MIN_ROWS
-    from refengine.cpu.layer_ops import DOT_4X4_MIN_ROWS, ELEMENTWISE_PARALLEL_MIN_ROWS
-
-    switches = (BLAS_PREFILL_MIN_ROWS, PREFILL_MIN_ROWS, INT4_BLAS_MIN_ROWS, INT8_TILE_MIN_ROWS,
-                ELEMENTWISE_PARALLEL_MIN_ROWS, DOT_4X4_MIN_ROWS)
-    return max(2, min(blas_min_rows, max(switches)))

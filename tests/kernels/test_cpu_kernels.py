@@ -751,6 +751,20 @@ def test_warm_up_says_once_what_compiling_took(tiny_llama_dir, monkeypatch, capl
     assert numba_support.kernel_cache_dirs()  # where they are cached is known
 
 
+def test_warm_up_prefill_reaches_every_row_switch():
+    """The warm-up's prefill chunk is at least every row count from which a compiled kernel
+    replaces another, so it runs the versions any longer chunk would."""
+    from refengine.cpu.attention import BLAS_PREFILL_MIN_ROWS
+    from refengine.cpu.engine_hooks import WARM_UP_PREFILL_ROWS
+    from refengine.cpu.gguf_products import PREFILL_MIN_ROWS
+    from refengine.cpu.int_products import INT4_BLAS_MIN_ROWS, INT8_TILE_MIN_ROWS
+    from refengine.cpu.layer_ops import DOT_4X4_MIN_ROWS, ELEMENTWISE_PARALLEL_MIN_ROWS
+
+    switches = [BLAS_PREFILL_MIN_ROWS, PREFILL_MIN_ROWS, INT4_BLAS_MIN_ROWS, INT8_TILE_MIN_ROWS,
+                ELEMENTWISE_PARALLEL_MIN_ROWS, DOT_4X4_MIN_ROWS]
+    assert WARM_UP_PREFILL_ROWS == max(switches)
+
+
 @pytest.mark.parametrize("rows,k,n", [(64, 576, 1536), (161, 131, 77), (512, 64, 300), (31, 16, 8)])
 def test_blas_matmul_over_own_threads(rows, k, n):
     """Row blocks over refengine's threads, each a one-thread BLAS call, give ``a @ b`` into
