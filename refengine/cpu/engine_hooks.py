@@ -111,11 +111,11 @@ def warm_up(model, kv_cache, max_rows: int, max_model_len: int) -> None:
 
     The passes: with numba on one thread (the serial twins, which run when other processes
     hold the other cores) a prefill chunk of :data:`WARM_UP_PREFILL_ROWS` rows (or the ops'
-    ``blas_min_rows``, where BLAS takes over), a decode row and a 2-row chunk; then the same with numba at the engine's most threads
-    (:func:`refengine.cpu.threads.max_threads`: the parallel kernels), plus a chunk of the
-    ops' ``elementwise_parallel_min_rows`` rows (parallel elementwise layers). The thread
-    counts are set outright, not adapted to the load, so the set of variants compiled is
-    the same on a busy machine as on a quiet one. ``max_rows`` (the token budget) and
+    ``blas_min_rows``, where BLAS takes over), a decode row and a 2-row chunk; then the same
+    with numba at the engine's most threads (:func:`refengine.cpu.threads.max_threads`: the
+    parallel kernels), plus a chunk of the ops' ``elementwise_parallel_min_rows`` rows
+    (parallel elementwise layers). The thread counts are set outright, not adapted to the
+    load, so the set of variants compiled is the same on a busy machine as on a quiet one. ``max_rows`` (the token budget) and
     ``max_model_len`` bound the passes; the tokens are id 0. Writes K/V into the pool's
     first blocks, which no sequence holds yet.
     """
@@ -148,4 +148,3 @@ def warm_up(model, kv_cache, max_rows: int, max_model_len: int) -> None:
         logger.warning("compiled %d numba CPU kernels in %.1f s on first use; numba caches them (%s), so later "
                        "runs load them in about a second", misses, time.perf_counter() - t0,
                        numba_support.kernel_cache_dirs())
-
