@@ -14,14 +14,18 @@ TEST_WORKERS ?= 2
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
+# --no-compile: pip would byte-compile every file of every package (torch's thousands: half of
+# its time); Python compiles a module when it is first imported, and keeps the result
+PIP_INSTALL := $(BIN)/python -m pip install -q --no-compile
+
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[plot,serve]'
+	$(PIP_INSTALL) -e '.[plot,serve]'
 	touch $@
 
 # one pip run for everything (each run resolves the whole environment again); it also
 # stands for `install`'s, so `weights` does not install a second time
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[test,plot,serve]'
+	$(PIP_INSTALL) -e '.[test,plot,serve]'
 	touch $(VENV)/.installed $@
 
 install: $(VENV)/.installed
@@ -42,10 +46,11 @@ kernels:
 	@if command -v nvcc >/dev/null 2>&1; then bash cuda/check_nvcc.sh; \
 	else echo "nvcc not found: skipping the sm_90 compile check"; fi
 
-# --dist loadgroup: tests marked xdist_group("...") share a worker (the ones that pip-install this checkout);
+# --dist loadscope: a test module is a unit of work, its fixtures built by one worker (tests/conftest.py
+# refines it: modules sharing big session fixtures go together, the NVRTC shares split);
 # --durations: the slowest 30, so every CI log says where the suite's time went
 test: test-deps weights
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=30
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=30
 
 # Batch 1 and offline throughput against transformers; each writes its section of docs/PERFORMANCE.md.
 bench: weights

@@ -158,6 +158,51 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+# --- how `make test`'s two pytest-xdist workers share the suite ------------------------------
+# A unit of work is a test module, as with xdist's `--dist loadscope`: its module fixtures
+# (models, engines, transformers references, servers, replicas) are built once, on one worker.
+# With the per-test distribution of `--dist load`, both workers build them, and a worker that
+# runs another module's test in between builds them again. Two refinements, below.
+#
+# (xdist's own `xdist_group` marks reach its scheduler by rewriting each test's node id, which
+# pytest 9.2's structured node ids ignore: https://github.com/pytest-dev/pytest-xdist/issues/1386.
+# The scheduler only sees node ids, so the groups are declared here, by file.)
+
+# Modules that share session fixtures of the same big files run on one worker: Gemma 3's
+# GGUF reader, transformers model and tokenizer; the wheel of this checkout.
+XDIST_GROUPS = {
+    "tests/formats/test_gguf_gemma3.py": "gemma3",
+    "tests/formats/test_gguf_reader.py": "gemma3",
+    "tests/models/test_golden_gemma3.py": "gemma3",
+    "tests/packaging/test_readme.py": "pip-install",
+    "tests/packaging/test_wheel.py": "pip-install",
+}
+# Modules whose tests are units of their own, handed out before every module: the four shares
+# of the sm_90 compile (minutes of CPU, no fixture worth sharing) run on both workers at once.
+XDIST_SPLIT = ("tests/kernels/test_nvrtc.py",)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadscope`` (``make test``) with :data:`XDIST_GROUPS` and :data:`XDIST_SPLIT`."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return nodeid if module in XDIST_SPLIT else XDIST_GROUPS.get(module, module)
+
+        def _assign_work_unit(self, node) -> None:
+            # xdist orders the units by their number of tests, most first; the split ones go first
+            split = [scope for scope in self.workqueue if scope.split("::", 1)[0] in XDIST_SPLIT]
+            for scope in reversed(split):
+                self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
+
+    return ModuleScheduling(config, log)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     """A tiny random-weight LlamaForCausalLM saved by transformers (vocab 211, 3 layers, 4/2 heads, head_dim 32).

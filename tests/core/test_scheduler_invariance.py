@@ -32,8 +32,6 @@ from tests.helpers import save_tiny_llama, shared_models
 
 from refengine import LLM, SamplingParams
 
-pytestmark = pytest.mark.xdist_group("scheduler_invariance")  # one worker loads the models and references
-
 TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age "
         "of foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the season "
         "of Light, it was the season of Darkness, it was the spring of hope, it was the winter of despair.")

@@ -20,10 +20,6 @@ from refengine.formats.gguf_file import GGUFFile, _gemma3_config
 
 
 slow = pytest.mark.slow
-# One pytest-xdist worker (make test: --dist loadgroup) runs this file and the golden Gemma 3
-# tests, so transformers' config, tokenizer and model are loaded by one worker, once.
-pytestmark = pytest.mark.xdist_group("gemma3")
-
 TEXTS = [
     "Hello, world!",
     "The quick brown fox jumps over the lazy dog.",

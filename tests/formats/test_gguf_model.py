@@ -20,10 +20,6 @@ PROMPT = ("The history of the printing press begins in the fifteenth century, wh
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 
 
-# One pytest-xdist worker (make test: --dist loadgroup) runs this file, so its engines and
-# the float32 references below are built once, not by each worker.
-pytestmark = pytest.mark.xdist_group("gguf_model")
-
 # Every engine here: one numba thread (the bits do not depend on the thread count: batch
 # invariance; one thread spares each start the warm-up of the parallel kernels) and a
 # context of 128 tokens (the longest sequence here is PROMPT plus 12 tokens, about 50; the

@@ -78,7 +78,6 @@ def test_smollm2_file_reads_as_gguf_reader(gguf_path):
     assert {t.tensor_type.name for t in ours.tensors} >= {"Q4_1", "F32"}
 
 
-@pytest.mark.xdist_group("gemma3")
 def test_gemma3_file_reads_as_gguf_reader(gemma3_gguf, shared_gguf_reader):
     """Against the session's reader of the file (``conftest.py``), the one transformers'
     Gemma 3 references are loaded with: the worker of the ``gemma3`` group builds it once."""

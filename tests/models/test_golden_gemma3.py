@@ -19,10 +19,6 @@ from tests.formats.test_gguf_gemma3 import GEMMA3_CHAT_TEMPLATE
 
 from refengine import LLM, SamplingParams
 
-# One pytest-xdist worker (make test: --dist loadgroup) runs this file and
-# tests/formats/test_gguf_gemma3.py: transformers' model and tokenizer are loaded once.
-pytestmark = pytest.mark.xdist_group("gemma3")
-
 WINDOW = 512
 NEW_TOKENS = 10
 LONG_TEXT = " ".join(f"Fact {i}: the number {i} squared is {i * i}." for i in range(60))

@@ -12,10 +12,6 @@ import torch
 
 from refengine import LLM, SamplingParams
 
-# One pytest-xdist worker (make test: --dist loadgroup) runs this file: the engine and
-# transformers' model are loaded once, not by each worker.
-pytestmark = pytest.mark.xdist_group("golden_smollm2")
-
 PROMPT = ("The history of the printing press begins in the fifteenth century, when Johannes "
           "Gutenberg combined movable type with an oil-based ink and a wooden press.")
 

@@ -40,9 +40,6 @@ import pytest
 
 from tests.packaging.installs import share_numba_cache
 
-# both modules install the session's one wheel of this checkout (conftest): one worker runs them
-pytestmark = pytest.mark.xdist_group("pip-install")
-
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 
@@ -63,7 +60,7 @@ def fresh_env(tmp_path_factory, refengine_wheel) -> Path:
     venv = tmp_path_factory.mktemp("fresh") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = str(venv / "bin" / "python")
-    pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile"]  # as `make run`
     # not from the checkout: `python -m` puts the working directory first on sys.path
     subprocess.run(pip + [f"{refengine_wheel}[plot,serve]"], check=True, cwd=tmp_path_factory.getbasetemp())
     site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], check=True,

@@ -27,9 +27,6 @@ from refengine.bench.workload import load_corpus
 from refengine.kernels.build import EMULATION_SUPPORT, KERNEL_SOURCES, SELF_TEST_SOURCES
 from tests.packaging.installs import pip
 
-# both modules install the session's one wheel of this checkout (conftest): one worker runs them
-pytestmark = pytest.mark.xdist_group("pip-install")
-
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [list(range(3, 40)), [5, 9, 17]]  # 37 and 3 tokens: block edges at 8
 # chunked prefill mixed with decodes; one numba thread and a context of 64 tokens (the
