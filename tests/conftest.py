@@ -162,7 +162,7 @@ def pytest_collection_modifyitems(config, items):
 # A unit of work is a test module, as with xdist's `--dist loadscope`: its module fixtures
 # (models, engines, transformers references, servers, replicas) are built once, on one worker.
 # With the per-test distribution of `--dist load`, both workers build them, and a worker that
-# runs another module's test in between builds them again. Two refinements, below.
+# runs another module's test in between builds them again. Three refinements, below.
 #
 # (xdist's own `xdist_group` marks reach its scheduler by rewriting each test's node id, which
 # pytest 9.2's structured node ids ignore: https://github.com/pytest-dev/pytest-xdist/issues/1386.
@@ -177,16 +177,24 @@ XDIST_GROUPS = {
     "tests/packaging/test_readme.py": "pip-install",
     "tests/packaging/test_wheel.py": "pip-install",
 }
-# Modules whose tests are units of their own, handed out before every module: the four shares
-# of the sm_90 compile (minutes of CPU, no fixture worth sharing) run on both workers at once.
+# Modules whose tests are units of their own: the four shares of the sm_90 compile (minutes of
+# CPU, no fixture worth sharing) run on both workers at once.
 XDIST_SPLIT = ("tests/kernels/test_nvrtc.py",)
+# The units that take minutes, handed out first and longest first (xdist's own order is by the
+# number of tests, which put the wheel's few long tests last: one worker idled a minute at the end).
+XDIST_FIRST = ("tests/kernels/test_nvrtc.py", "gemma3", "pip-install", "tests/parallel/test_data_parallel.py",
+               "tests/core/test_scheduler_invariance.py", "tests/sampling/test_beam_search.py")
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadscope`` (``make test``) with :data:`XDIST_GROUPS` and :data:`XDIST_SPLIT`."""
+    """``--dist loadscope`` (``make test``) with :data:`XDIST_GROUPS`, :data:`XDIST_SPLIT` and :data:`XDIST_FIRST`."""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
+
+    def rank(scope: str) -> int:
+        name = scope.split("::", 1)[0]
+        return XDIST_FIRST.index(name) if name in XDIST_FIRST else len(XDIST_FIRST)
 
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
@@ -194,10 +202,9 @@ def pytest_xdist_make_scheduler(config, log):
             return nodeid if module in XDIST_SPLIT else XDIST_GROUPS.get(module, module)
 
         def _assign_work_unit(self, node) -> None:
-            # xdist orders the units by their number of tests, most first; the split ones go first
-            split = [scope for scope in self.workqueue if scope.split("::", 1)[0] in XDIST_SPLIT]
-            for scope in reversed(split):
-                self.workqueue.move_to_end(scope, last=False)
+            for scope in sorted(self.workqueue, key=rank, reverse=True):  # stable: the rest keep xdist's order
+                if rank(scope) < len(XDIST_FIRST):
+                    self.workqueue.move_to_end(scope, last=False)
             super()._assign_work_unit(node)
 
     return ModuleScheduling(config, log)
