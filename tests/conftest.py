@@ -182,8 +182,11 @@ XDIST_GROUPS = {
 XDIST_SPLIT = ("tests/kernels/test_nvrtc.py",)
 # The units that take minutes, handed out first and longest first (xdist's own order is by the
 # number of tests, which put the wheel's few long tests last: one worker idled a minute at the end).
-XDIST_FIRST = ("tests/kernels/test_nvrtc.py", "gemma3", "pip-install", "tests/parallel/test_data_parallel.py",
-               "tests/core/test_scheduler_invariance.py", "tests/sampling/test_beam_search.py")
+# The NVRTC shares by their test's name: the tests that read all four come in xdist's order, later,
+# rather than first, waiting for the shares the other worker compiles.
+XDIST_FIRST = ("tests/kernels/test_nvrtc.py::test_nvrtc_build_spills_no_registers", "gemma3", "pip-install",
+               "tests/parallel/test_data_parallel.py", "tests/core/test_scheduler_invariance.py",
+               "tests/sampling/test_beam_search.py")
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -193,7 +196,7 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     def rank(scope: str) -> int:
-        name = scope.split("::", 1)[0]
+        name = scope.split("[", 1)[0]  # a split unit's test, without its parameters
         return XDIST_FIRST.index(name) if name in XDIST_FIRST else len(XDIST_FIRST)
 
     class ModuleScheduling(LoadScopeScheduling):
@@ -202,7 +205,9 @@ def pytest_xdist_make_scheduler(config, log):
             return nodeid if module in XDIST_SPLIT else XDIST_GROUPS.get(module, module)
 
         def _assign_work_unit(self, node) -> None:
-            for scope in sorted(self.workqueue, key=rank, reverse=True):  # stable: the rest keep xdist's order
+            # to the front, the last first, so units of one rank keep their order (the NVRTC shares
+            # one to four); the rest keep xdist's
+            for scope in reversed(sorted(self.workqueue, key=rank)):
                 if rank(scope) < len(XDIST_FIRST):
                     self.workqueue.move_to_end(scope, last=False)
             super()._assign_work_unit(node)
