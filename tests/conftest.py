@@ -180,17 +180,17 @@ XDIST_GROUPS = {
 # Modules whose tests are units of their own: the four shares of the sm_90 compile (minutes of
 # CPU, no fixture worth sharing) run on both workers at once.
 XDIST_SPLIT = ("tests/kernels/test_nvrtc.py",)
-# The units that take minutes, handed out first and longest first (xdist's own order is by the
-# number of tests, which put the wheel's few long tests last: one worker idled a minute at the end).
-# The NVRTC shares by their test's name: the tests that read all four come in xdist's order, later,
-# rather than first, waiting for the shares the other worker compiles.
-XDIST_FIRST = ("tests/kernels/test_nvrtc.py::test_nvrtc_build_spills_no_registers", "gemma3", "pip-install",
-               "tests/parallel/test_data_parallel.py", "tests/core/test_scheduler_invariance.py",
-               "tests/sampling/test_beam_search.py")
+# Units handed out before all others, in this order: the NVRTC shares, by their test's name (the
+# tests that read all four come later, in xdist's order, rather than wait for the shares the other
+# worker compiles). Not the other long units: those whose subprocesses load the checkout's kernels
+# (the Ray replicas, the README's commands) ran 1.6-1.8x longer first, compiling in each process
+# what the workers' lock compiles once; the rest come early in xdist's order (most tests first).
+XDIST_FIRST = ("tests/kernels/test_nvrtc.py::test_nvrtc_build_spills_no_registers",)
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadscope`` (``make test``) with :data:`XDIST_GROUPS`, :data:`XDIST_SPLIT` and :data:`XDIST_FIRST`."""
+    """``--dist loadscope`` (``make test``) with :data:`XDIST_GROUPS`, :data:`XDIST_SPLIT` and
+    :data:`XDIST_FIRST`."""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
