@@ -180,11 +180,11 @@ XDIST_GROUPS = {
 # Modules whose tests are units of their own: the four shares of the sm_90 compile (minutes of
 # CPU, no fixture worth sharing) run on both workers at once.
 XDIST_SPLIT = ("tests/kernels/test_nvrtc.py",)
-# Units handed out before all others, in this order: the NVRTC shares, by their test's name (the
-# tests that read all four come later, in xdist's order, rather than wait for the shares the other
-# worker compiles). Not the other long units: those whose subprocesses load the checkout's kernels
-# (the Ray replicas, the README's commands) ran 1.6-1.8x longer first, compiling in each process
-# what the workers' lock compiles once; the rest come early in xdist's order (most tests first).
+# Units handed out before all others: the NVRTC shares, by their test's name (the tests that read
+# all four come later, in xdist's order, rather than wait for the shares the other worker
+# compiles). Not the other long units: those whose subprocesses load the checkout's kernels (the
+# Ray replicas, the README's commands) ran 1.6-1.8x longer first, compiling in each process what
+# the workers' lock compiles once; the rest come early in xdist's order (most tests first).
 XDIST_FIRST = ("tests/kernels/test_nvrtc.py::test_nvrtc_build_spills_no_registers",)
 
 
@@ -195,21 +195,15 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    def rank(scope: str) -> int:
-        name = scope.split("[", 1)[0]  # a split unit's test, without its parameters
-        return XDIST_FIRST.index(name) if name in XDIST_FIRST else len(XDIST_FIRST)
-
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
             return nodeid if module in XDIST_SPLIT else XDIST_GROUPS.get(module, module)
 
         def _assign_work_unit(self, node) -> None:
-            # to the front, the last first, so units of one rank keep their order (the NVRTC shares
-            # one to four); the rest keep xdist's
-            for scope in reversed(sorted(self.workqueue, key=rank)):
-                if rank(scope) < len(XDIST_FIRST):
-                    self.workqueue.move_to_end(scope, last=False)
+            first = [scope for scope in self.workqueue if scope.split("[", 1)[0] in XDIST_FIRST]
+            for scope in reversed(first):  # to the front, the last first: they keep their order
+                self.workqueue.move_to_end(scope, last=False)
             super()._assign_work_unit(node)
 
     return ModuleScheduling(config, log)
