@@ -335,6 +335,11 @@ def pytest_configure(config):
         return
     event.register("numba:compile", _numba_compile_listener())
     _compile_once_across_workers()
+    # what refengine.cpu.setup_cpu_runtime does for the command line and the server: the tests
+    # that build engines directly compile as fast as they do
+    from refengine.cpu.numba_support import share_scope_when_inlining
+
+    share_scope_when_inlining()
     config._numba_compiles = {}  # controller: worker id -> that worker's _compile_seconds
 
 

@@ -2,7 +2,9 @@
 
 :class:`ParallelKernel` (a ``prange`` loop and its serial twin), two LLVM intrinsics
 (``prefetch``, ``stack_f32``), the thread-pool starter and the kernel registry
-(:func:`register_kernels`, :func:`kernel_cache_misses`, :func:`kernel_cache_dirs`).
+(:func:`register_kernels`, :func:`kernel_cache_misses`, :func:`kernel_cache_dirs`), and
+:func:`share_scope_when_inlining`, which halves the compile time of the kernels built from
+``inline="always"`` helpers.
 
 Nothing here imports the rest of refengine: the kernel modules
 (:mod:`refengine.cpu.layer_ops`, :mod:`refengine.cpu.attention` and the quantized
@@ -13,6 +15,8 @@ many kernels numba compiled rather than loaded from its cache.
 
 from __future__ import annotations
 
+import copy
+import functools
 from types import FunctionType, ModuleType
 
 import numpy as np
@@ -22,6 +26,70 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 from numba.np.ufunc import parallel as _parallel
+
+
+class _ScopeSharingCopy:
+    """The ``copy`` module as numba's inliner sees it during one inlining: a deep copy of a
+    block of the IR reuses one copy of the block's scope, made once (see
+    :func:`share_scope_when_inlining`). Everything else is :mod:`copy`'s."""
+
+    def __init__(self):
+        self._scopes: dict[int, tuple] = {}  # id(scope) -> (scope, its copy); keeps the scope alive
+
+    def deepcopy(self, x, memo=None):
+        scope = getattr(x, "scope", None)
+        if memo is None and scope is not None and hasattr(x, "body"):  # an ir.Block
+            if id(scope) not in self._scopes:
+                self._scopes[id(scope)] = (scope, copy.deepcopy(scope))
+            memo = {id(scope): self._scopes[id(scope)][1]}
+        return copy.deepcopy(x, memo)
+
+    def __getattr__(self, name):
+        return getattr(copy, name)
+
+
+def share_scope_when_inlining() -> bool:
+    """Make numba's ``inline="always"`` copy a function's scope once per copy of its IR.
+
+    numba inlines a call by copying the callee's IR (``InlineWorker.inline_ir``, twice per
+    call site), one block at a time with ``copy.deepcopy``; every variable refers to the
+    function's scope, which holds all its variables, so each block's copy copies the whole
+    scope again: quadratic in the callee's size (numba issues #8989 and #9204; numba 0.68
+    still does it). The GGUF, Q8 and attention kernels inline large helpers several times
+    (the row groups of :func:`refengine.cpu.gguf_products._blocks32_many`), and spend most
+    of their compile time in those copies. Here the blocks of one copy share one copy of
+    the scope, as the blocks of the original share the original: the inliner's result, and
+    so the machine code, are the same (``tests/kernels/test_numba_support.py`` compares the
+    assembly); only the copying is shorter. Process-wide and idempotent;
+    :func:`refengine.cpu.setup_cpu_runtime` calls it.
+
+    Returns:
+        Whether the inliner is now patched (False where numba's inliner does not have the
+        shape this expects: the compile is then as slow as numba makes it, and as correct).
+    """
+    try:
+        from numba.core import inline_closurecall
+    except ImportError:  # pragma: no cover - numba is a dependency
+        return False
+    worker = getattr(inline_closurecall, "InlineWorker", None)
+    inline_ir = getattr(worker, "inline_ir", None)
+    if getattr(inline_ir, "shares_scope", False):
+        return True
+    if inline_ir is None or getattr(inline_closurecall, "copy", None) is not copy:
+        return False
+
+    @functools.wraps(inline_ir)
+    def shared_scope_inline_ir(*args, **kwargs):
+        before = inline_closurecall.copy
+        inline_closurecall.copy = _ScopeSharingCopy()  # numba compiles under its global lock
+        try:
+            return inline_ir(*args, **kwargs)
+        finally:
+            inline_closurecall.copy = before
+
+    shared_scope_inline_ir.shares_scope = True
+    worker.inline_ir = shared_scope_inline_ir
+    return True
 
 
 class ParallelKernel:
