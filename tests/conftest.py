@@ -186,29 +186,11 @@ XDIST_SPLIT = ("tests/kernels/test_nvrtc.py",)
 # Ray replicas, the README's commands) ran 1.6-1.8x longer first, compiling in each process what
 # the workers' lock compiles once; the rest come early in xdist's order (most tests first).
 XDIST_FIRST = ("tests/kernels/test_nvrtc.py::test_nvrtc_build_spills_no_registers",)
-# Units handed out right before another: the two longest units that start processes of their
-# own (the README's commands and the Ray replicas, 2.5 minutes each) one after the other, once
-# most kernels are compiled. In xdist's order the README's group, three tests, came last: one
-# worker ran it for 200 s while the other had nothing left (86 s idle).
-XDIST_BEFORE = {"pip-install": "tests/parallel/test_data_parallel.py"}
-
-
-def handout_order(units: list[str]) -> list[str]:
-    """xdist's queue of units (scopes, as ``_split_scope`` names them) in the order to hand
-    them out: :data:`XDIST_FIRST` in front, in their order, then each :data:`XDIST_BEFORE` unit
-    right before its anchor, the rest as they were."""
-    first = [unit for unit in units if unit.split("[", 1)[0] in XDIST_FIRST]
-    order = first + [unit for unit in units if unit not in first]
-    for unit, anchor in XDIST_BEFORE.items():
-        if unit in order and anchor in order:
-            order.remove(unit)
-            order.insert(order.index(anchor), unit)
-    return order
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadscope`` (``make test``) with :data:`XDIST_GROUPS`, :data:`XDIST_SPLIT`,
-    :data:`XDIST_FIRST` and :data:`XDIST_BEFORE`."""
+    """``--dist loadscope`` (``make test``) with :data:`XDIST_GROUPS`, :data:`XDIST_SPLIT` and
+    :data:`XDIST_FIRST`."""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -219,8 +201,9 @@ def pytest_xdist_make_scheduler(config, log):
             return nodeid if module in XDIST_SPLIT else XDIST_GROUPS.get(module, module)
 
         def _assign_work_unit(self, node) -> None:
-            for unit in handout_order(list(self.workqueue)):  # the queue rebuilt in that order
-                self.workqueue.move_to_end(unit)
+            first = [scope for scope in self.workqueue if scope.split("[", 1)[0] in XDIST_FIRST]
+            for scope in reversed(first):  # to the front, the last first: they keep their order
+                self.workqueue.move_to_end(scope, last=False)
             super()._assign_work_unit(node)
 
     return ModuleScheduling(config, log)
