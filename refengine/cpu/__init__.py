@@ -41,7 +41,7 @@ def setup_cpu_runtime() -> dict:
     * numba's threading layer starts now, as :func:`threads.use_wait_policy` describes
       (OpenMP, idle threads spinning libgomp's default count); this imports numba;
     * numba's inliner copies less (:func:`numba_support.share_scope_when_inlining`): the
-      kernels compile in about half the time, to the same machine code.
+      GGUF and Q8 products compile in about half the time, to the same machine code.
 
     Thread counts are not set here: each engine sizes them at start and per step
     (:func:`threads.configure_threads`, :func:`threads.adapt_threads`).

@@ -24,6 +24,7 @@ from llvmlite import ir
 import numba
 from numba import njit, prange, types
 from numba.core import cgutils
+from numba.core import ir as numba_ir
 from numba.extending import intrinsic
 from numba.np.ufunc import parallel as _parallel
 
@@ -37,11 +38,10 @@ class _ScopeSharingCopy:
         self._scopes: dict[int, tuple] = {}  # id(scope) -> (scope, its copy); keeps the scope alive
 
     def deepcopy(self, x, memo=None):
-        scope = getattr(x, "scope", None)
-        if memo is None and scope is not None and hasattr(x, "body"):  # an ir.Block
-            if id(scope) not in self._scopes:
-                self._scopes[id(scope)] = (scope, copy.deepcopy(scope))
-            memo = {id(scope): self._scopes[id(scope)][1]}
+        if memo is None and isinstance(x, numba_ir.Block):
+            if id(x.scope) not in self._scopes:
+                self._scopes[id(x.scope)] = (x.scope, copy.deepcopy(x.scope))
+            memo = {id(x.scope): self._scopes[id(x.scope)][1]}
         return copy.deepcopy(x, memo)
 
     def __getattr__(self, name):
@@ -55,11 +55,12 @@ def share_scope_when_inlining() -> bool:
     call site), one block at a time with ``copy.deepcopy``; every variable refers to the
     function's scope, which holds all its variables, so each block's copy copies the whole
     scope again: quadratic in the callee's size (numba issues #8989 and #9204; numba 0.68
-    still does it). The GGUF, Q8 and attention kernels inline large helpers several times
-    (the row groups of :func:`refengine.cpu.gguf_products._blocks32_many`), and spend most
-    of their compile time in those copies. Here the blocks of one copy share one copy of
+    still does it). The GGUF and Q8 products inline large helpers several times (the row
+    groups of :func:`refengine.cpu.gguf_products._blocks32_many`), and spent about half of
+    their compile time in those copies (the attention kernels, without such helpers, do not
+    change). Here the blocks of one copy share one copy of
     the scope, as the blocks of the original share the original: the inliner's result, and
-    so the machine code, are the same (``tests/kernels/test_numba_support.py`` compares the
+    so the machine code, are the same (``tests/kernels/test_numba_inliner.py`` compares the
     assembly); only the copying is shorter. Process-wide and idempotent;
     :func:`refengine.cpu.setup_cpu_runtime` calls it.
 
